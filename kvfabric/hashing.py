@@ -1,0 +1,104 @@
+"""Chained chunk hashing: the keys of the prefix index.
+
+Chunk *i* of a prompt in namespace *ns* has the key::
+
+    h_i = xxh3_128(h_{i-1} || ns.seed || u32le(n_i) || int32le(tokens of chunk i))
+
+with ``h_{-1}`` = 16 zero bytes and ``n_i`` the chunk's token count. The count makes a partial
+last chunk (the prefill -> decode hand-off) a key of its own; only full chunks serve prefix
+reuse. The hash depends on nothing process-local (no ``PYTHONHASHSEED``), so every process
+and machine computes the same keys.
+
+A whole prompt is hashed in one call: the token ids are converted to one little-endian int32
+buffer once, and each chunk is a slice of it fed to a C hash (no per-token Python work).
+Hashing can resume from any chunk boundary (``parent=``), so a growing request re-hashes only
+its new chunks.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+from kvfabric.errors import SpecError
+from kvfabric.spec import Namespace
+
+KEY_BYTES = 16
+ROOT = bytes(KEY_BYTES)
+_INT32 = np.dtype("<i4")
+_U32 = struct.Struct("<I")
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+class ChunkRef(NamedTuple):
+    """One chunk of a prompt: its key, its parent's key, and how many tokens it holds."""
+
+    key: bytes
+    parent: bytes
+    num_tokens: int
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent == ROOT
+
+
+def as_token_array(tokens: "Sequence[int] | np.ndarray") -> np.ndarray:
+    """Token ids as a contiguous little-endian int32 array (no copy when already one)."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise SpecError(f"token ids must be 1-D, got shape {tokens.shape}")
+        if tokens.dtype == _INT32 and tokens.flags.c_contiguous:
+            return tokens
+        if tokens.dtype.kind not in "iu":
+            raise SpecError(f"token ids must be integers, got dtype {tokens.dtype}")
+        if tokens.size and (tokens.min() < _I32_MIN or tokens.max() > _I32_MAX):
+            raise SpecError("token ids must fit in int32")
+        return np.ascontiguousarray(tokens, dtype=_INT32)
+    try:
+        return np.array(tokens, dtype=_INT32)
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise SpecError(f"token ids must be int32 integers: {exc}") from None
+
+
+def chunk_keys(namespace: Namespace, tokens: "Sequence[int] | np.ndarray", *,
+               parent: bytes = ROOT, include_partial: bool = True) -> list[bytes]:
+    """Keys of every chunk of ``tokens`` (a prompt, or its continuation after ``parent``).
+
+    ``include_partial=False`` drops a trailing chunk shorter than ``chunk_tokens`` (prefix
+    lookups only ever match full chunks). This is the hot path: one C hash call per chunk.
+    """
+    if len(parent) != KEY_BYTES:
+        raise SpecError(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
+    arr = as_token_array(tokens)
+    step = namespace.spec.chunk_tokens
+    raw = memoryview(arr).cast("B")
+    seed = namespace.seed
+    digest = xxhash.xxh3_128_digest
+    full_header = seed + _U32.pack(step)
+    stride = step * 4
+    full_chunks = arr.shape[0] // step
+    keys: list[bytes] = []
+    append = keys.append
+    prev = parent
+    for start in range(0, full_chunks * stride, stride):
+        prev = digest(prev + full_header + raw[start:start + stride])
+        append(prev)
+    tail = arr.shape[0] - full_chunks * step
+    if tail and include_partial:
+        append(digest(prev + seed + _U32.pack(tail) + raw[full_chunks * stride:]))
+    return keys
+
+
+def chunk_hashes(namespace: Namespace, tokens: "Sequence[int] | np.ndarray", *,
+                 parent: bytes = ROOT, include_partial: bool = True) -> list[ChunkRef]:
+    """Like :func:`chunk_keys`, with each chunk's parent and token count."""
+    arr = as_token_array(tokens)
+    keys = chunk_keys(namespace, arr, parent=parent, include_partial=include_partial)
+    step = namespace.spec.chunk_tokens
+    parents = [parent, *keys[:-1]]
+    counts = [min(step, arr.shape[0] - i * step) for i in range(len(keys))]
+    return [ChunkRef(k, p, n) for k, p, n in zip(keys, parents, counts)]

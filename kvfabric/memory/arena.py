@@ -1,0 +1,134 @@
+"""Shared-memory arena: one memfd region cut into fixed-size pages.
+
+The creating process (the store, later the node daemon) owns the region and its
+:class:`~kvfabric.memory.pages.PageAllocator`; other processes :meth:`SharedArena.attach`
+to the same file descriptor (inherited, or passed over a Unix socket with SCM_RIGHTS) and
+read or write pages in place: no byte is copied through a socket on the local path.
+
+Mapping rules: the region is ``MAP_SHARED``; ``size`` is a multiple of ``page_size``, and
+``page_size`` a multiple of the OS page size, so every page starts on an OS page boundary.
+An arena may be bound to a NUMA node (see :mod:`kvfabric.memory.numa`) before it is touched.
+
+Thread-safety: views are plain memory; the arena object itself is immutable after creation
+except :meth:`close`, which the owner calls once no view is in use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+
+import numpy as np
+
+from kvfabric.memory import numa
+
+log = logging.getLogger(__name__)
+
+OS_PAGE = mmap.PAGESIZE
+MIN_PAGE_SIZE = 4096
+MAX_PAGE_SIZE = 1 << 30
+
+
+def check_geometry(size: int, page_size: int) -> None:
+    """Raise ``ValueError`` unless ``size`` / ``page_size`` describe a valid arena."""
+    if page_size < MIN_PAGE_SIZE or page_size > MAX_PAGE_SIZE or page_size % OS_PAGE:
+        raise ValueError(f"page_size must be a multiple of {OS_PAGE} in "
+                         f"[{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}], got {page_size}")
+    if size <= 0 or size % page_size:
+        raise ValueError(f"arena size must be a positive multiple of page_size={page_size}, "
+                         f"got {size}")
+
+
+class SharedArena:
+    """A ``MAP_SHARED`` memfd region viewed as ``num_pages`` pages of ``page_size`` bytes."""
+
+    def __init__(self, fd: int, size: int, page_size: int, *, owner: bool) -> None:
+        check_geometry(size, page_size)
+        self._fd = fd
+        self._size = size
+        self._page_size = page_size
+        self._owner = owner
+        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._array = np.frombuffer(self._map, dtype=np.uint8)
+        self.numa_node: int | None = None
+
+    @classmethod
+    def create(cls, size: int, page_size: int, *, name: str = "kvfabric",
+               numa_node: int | None = None, prefault: bool = False) -> "SharedArena":
+        """A new anonymous shared region (memfd), optionally NUMA-bound and pre-faulted."""
+        check_geometry(size, page_size)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            arena = cls(fd, size, page_size, owner=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        if numa_node is not None and numa.bind(arena.address, size, numa_node):
+            arena.numa_node = numa_node
+        if prefault:
+            arena._array[::OS_PAGE] = 0  # touch every OS page now, not on the first put
+        return arena
+
+    @classmethod
+    def attach(cls, fd: int, size: int, page_size: int) -> "SharedArena":
+        """Map an arena another process created; ``fd`` is then owned by the new object."""
+        actual = os.fstat(fd).st_size
+        if actual < size:
+            raise ValueError(f"arena fd holds {actual} bytes, expected {size}")
+        return cls(fd, size, page_size, owner=False)
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self._size // self._page_size
+
+    @property
+    def address(self) -> int:
+        """Virtual address of the mapping (for NUMA binding and transport registration)."""
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+
+    @property
+    def array(self) -> np.ndarray:
+        """The whole region as a flat uint8 array (a view, no copy)."""
+        return self._array
+
+    def page(self, page_id: int) -> np.ndarray:
+        """One page as a uint8 view."""
+        if not 0 <= page_id < self.num_pages:
+            raise IndexError(f"page {page_id} outside [0, {self.num_pages})")
+        start = page_id * self._page_size
+        return self._array[start:start + self._page_size]
+
+    def close(self) -> None:
+        """Unmap and close the fd. Views still held elsewhere keep the mapping alive."""
+        if self._fd < 0:
+            return
+        self._array = np.empty(0, dtype=np.uint8)
+        try:
+            self._map.close()
+        except BufferError:
+            # A caller still holds a view; the mapping goes away with the last view.
+            log.debug("arena closed while views are alive; unmapping deferred")
+        os.close(self._fd)
+        self._fd = -1
+
+    def __enter__(self) -> "SharedArena":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,79 @@
+"""Scatter-gather copies between page views (numpy on host memory, torch on a device).
+
+A stored object is a list of page pieces; callers hold flat buffers or tensors. These
+helpers copy between the two without an intermediate buffer, one ``copyto`` / ``copy_``
+per overlapping piece pair. Host pieces are numpy ``uint8`` views; device pieces are torch
+``uint8`` tensors; mixing them goes through ``torch.from_numpy`` (a view, not a copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+Piece = Any  # numpy uint8 view or torch uint8 tensor
+
+
+def as_bytes_view(buffer: Any) -> Piece:
+    """A flat uint8 view of a buffer, numpy array or torch tensor (never a copy)."""
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise ValueError("buffer must be C-contiguous")
+        return buffer.reshape(-1).view(np.uint8)
+    if _is_tensor(buffer):
+        if not buffer.is_contiguous():
+            raise ValueError("tensor must be contiguous")
+        return buffer.reshape(-1).view(_torch().uint8)
+    return np.frombuffer(buffer, dtype=np.uint8)
+
+
+def total_bytes(pieces: Sequence[Piece]) -> int:
+    return sum(_nbytes(p) for p in pieces)
+
+
+def copy_pieces(dst: Sequence[Piece], src: Sequence[Piece]) -> int:
+    """Copy the concatenation of ``src`` into the concatenation of ``dst`` (equal totals)."""
+    total = total_bytes(src)
+    if total != total_bytes(dst):
+        raise ValueError(f"size mismatch: source {total} bytes, destination {total_bytes(dst)}")
+    di = si = 0
+    doff = soff = 0
+    while di < len(dst) and si < len(src):
+        d, s = dst[di], src[si]
+        n = min(_nbytes(d) - doff, _nbytes(s) - soff)
+        if n:
+            _copy(d[doff:doff + n], s[soff:soff + n])
+        doff += n
+        soff += n
+        if doff == _nbytes(d):
+            di, doff = di + 1, 0
+        if soff == _nbytes(s):
+            si, soff = si + 1, 0
+    return total
+
+
+def _copy(dst: Piece, src: Piece) -> None:
+    dst_np, src_np = isinstance(dst, np.ndarray), isinstance(src, np.ndarray)
+    if dst_np and src_np:
+        np.copyto(dst, src)
+        return
+    torch = _torch()
+    dst_t = torch.from_numpy(dst) if dst_np else dst
+    src_t = torch.from_numpy(src) if src_np else src
+    dst_t.copy_(src_t)
+
+
+def _nbytes(piece: Piece) -> int:
+    return piece.nbytes if isinstance(piece, np.ndarray) else piece.numel()
+
+
+def _is_tensor(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "is_contiguous")
+
+
+def _torch() -> Any:
+    import torch  # only when a device piece or tensor is involved
+
+    return torch
