@@ -30,7 +30,7 @@ def as_bytes_view(buffer: Any) -> Piece:
 
 
 def total_bytes(pieces: Sequence[Piece]) -> int:
-    return sum(_nbytes(p) for p in pieces)
+    return sum(nbytes_of(p) for p in pieces)
 
 
 def copy_pieces(dst: Sequence[Piece], src: Sequence[Piece]) -> int:
@@ -42,14 +42,14 @@ def copy_pieces(dst: Sequence[Piece], src: Sequence[Piece]) -> int:
     doff = soff = 0
     while di < len(dst) and si < len(src):
         d, s = dst[di], src[si]
-        n = min(_nbytes(d) - doff, _nbytes(s) - soff)
+        n = min(nbytes_of(d) - doff, nbytes_of(s) - soff)
         if n:
             _copy(d[doff:doff + n], s[soff:soff + n])
         doff += n
         soff += n
-        if doff == _nbytes(d):
+        if doff == nbytes_of(d):
             di, doff = di + 1, 0
-        if soff == _nbytes(s):
+        if soff == nbytes_of(s):
             si, soff = si + 1, 0
     return total
 
@@ -65,7 +65,7 @@ def _copy(dst: Piece, src: Piece) -> None:
     dst_t.copy_(src_t)
 
 
-def _nbytes(piece: Piece) -> int:
+def nbytes_of(piece: Piece) -> int:
     return piece.nbytes if isinstance(piece, np.ndarray) else piece.numel()
 
 

@@ -1,0 +1,150 @@
+"""Store configuration: the tier order, capacities and policy knobs, validated up front.
+
+A config is a frozen value built from a plain mapping (parsed YAML, environment, flags) by
+:meth:`StoreConfig.from_dict`; unknown keys, bad sizes and hostile paths raise
+:class:`~kvfabric.errors.ConfigError` with the offending key in the message.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from kvfabric.errors import ConfigError
+from kvfabric.tiers.base import TierKind
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+_UNITS = {"": 1, "b": 1, "k": KiB, "kb": 1000, "kib": KiB, "m": MiB, "mb": 1000**2, "mib": MiB,
+          "g": GiB, "gb": 1000**3, "gib": GiB, "t": TiB, "tb": 1000**4, "tib": TiB}
+
+
+def parse_size(value: int | str, what: str = "size") -> int:
+    """``"4GiB"``, ``"512 MiB"``, ``"1.5g"`` or an int -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{what}: cannot parse size {value!r} (e.g. 4GiB, 512MiB)")
+        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ConfigError(f"{what}: must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One tier. Keys not meaningful for a kind are rejected, not ignored."""
+
+    kind: TierKind
+    capacity: int
+    name: str = ""
+    page_size: int = 256 * KiB  # dram / cxl / device
+    numa_node: int | None = None  # cxl (or a dram tier pinned to a socket)
+    prefault: bool = False  # dram / cxl: touch all pages at start-up
+    device: str = "cpu"  # device
+    path: str = "ssd"  # ssd: directory, relative to the store's data_dir
+    segment_bytes: int = 256 * MiB  # ssd
+    writers: int = 1  # ssd
+    fsync: bool = False  # ssd: fsync each record (power-loss durability, slower)
+
+    _KIND_KEYS = {
+        TierKind.DRAM: {"page_size", "numa_node", "prefault"},
+        TierKind.CXL: {"page_size", "numa_node", "prefault"},
+        TierKind.DEVICE: {"page_size", "device"},
+        TierKind.SSD: {"path", "segment_bytes", "writers", "fsync"},
+    }
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", self.kind.value)
+        if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", self.name):
+            raise ConfigError(f"tier name {self.name!r}: lowercase letters, digits, - and _")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TierConfig":
+        data = dict(data)
+        try:
+            kind = TierKind(str(data.pop("kind", "")).lower())
+        except ValueError:
+            raise ConfigError(f"tier kind must be one of "
+                              f"{[k.value for k in TierKind]}, got {data.get('kind')!r}") from None
+        allowed = cls._KIND_KEYS[kind] | {"capacity", "name"}
+        unknown = set(data) - allowed
+        if unknown:
+            raise ConfigError(f"{kind.value} tier: unknown key(s) {sorted(unknown)}; "
+                              f"allowed: {sorted(allowed)}")
+        if "capacity" not in data:
+            raise ConfigError(f"{kind.value} tier: 'capacity' is required")
+        data["capacity"] = parse_size(data["capacity"], f"{kind.value}.capacity")
+        for key in ("page_size", "segment_bytes"):
+            if key in data:
+                data[key] = parse_size(data[key], f"{kind.value}.{key}")
+        for key in ("writers", "numa_node"):
+            if key in data and (isinstance(data[key], bool) or not isinstance(data[key], int)
+                                or data[key] < 0):
+                raise ConfigError(f"{kind.value}.{key}: expected a non-negative integer")
+        return cls(kind=kind, **data)
+
+
+def default_tiers() -> tuple[TierConfig, ...]:
+    """Embedded defaults: 1 GiB of DRAM in front of 8 GiB of SSD under the data dir."""
+    return (TierConfig(TierKind.DRAM, 1 * GiB), TierConfig(TierKind.SSD, 8 * GiB))
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The tiered store: tier order (fastest first) and policy."""
+
+    data_dir: str = "./kvfabric-data"
+    tiers: tuple[TierConfig, ...] = field(default_factory=default_tiers)
+    high_watermark: float = 0.95  # start demoting above this fraction of a tier
+    low_watermark: float = 0.85  # ... until this fraction
+    promote_on_hit: bool = True
+    reservation_timeout_s: float = 30.0  # a put not committed by then is aborted
+    pin_timeout_s: float = 60.0  # a reader holding a pin longer loses it
+    maintenance_interval_s: float = 0.25
+    compact_dead_ratio: float = 0.5  # SSD segments with this share of dead bytes get compacted
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ConfigError("at least one tier is required")
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique, got {names}")
+        if self.tiers[0].kind is TierKind.SSD:
+            raise ConfigError("the first tier must be memory (dram, cxl or device), not ssd")
+        for i, tier in enumerate(self.tiers):
+            if tier.kind is TierKind.SSD and i != len(self.tiers) - 1:
+                raise ConfigError("an ssd tier must be the last tier")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ConfigError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
+        for name in ("reservation_timeout_s", "pin_timeout_s", "maintenance_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if "\x00" in self.data_dir:
+            raise ConfigError("data_dir contains a NUL byte")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StoreConfig":
+        data = dict(data)
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"store: unknown key(s) {sorted(unknown)}; allowed: {sorted(known)}")
+        if "tiers" in data:
+            if not isinstance(data["tiers"], (list, tuple)):
+                raise ConfigError("store.tiers must be a list of tier mappings")
+            data["tiers"] = tuple(TierConfig.from_dict(t) if isinstance(t, dict) else t
+                                  for t in data["tiers"])
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"store: {exc}") from None
+
+    def with_data_dir(self, data_dir: str | Path) -> "StoreConfig":
+        return replace(self, data_dir=str(data_dir))

@@ -1,0 +1,59 @@
+"""Store configuration parsing: sizes, tier rules, unknown keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfabric.errors import ConfigError
+from kvfabric.store.config import StoreConfig, TierConfig, parse_size
+from kvfabric.tiers.base import TierKind
+
+
+@pytest.mark.parametrize("text,expected", [("4GiB", 4 << 30), ("512 MiB", 512 << 20),
+                                           ("1.5g", int(1.5 * (1 << 30))), (4096, 4096),
+                                           ("10kb", 10000)])
+def test_parse_size(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1G", "0", 0, True, "4 parsecs"])
+def test_parse_size_rejects_garbage(bad: object) -> None:
+    with pytest.raises(ConfigError):
+        parse_size(bad)  # type: ignore[arg-type]
+
+
+def test_tiers_from_dicts() -> None:
+    config = StoreConfig.from_dict({
+        "data_dir": "/tmp/x",
+        "tiers": [{"kind": "dram", "capacity": "64MiB", "page_size": "64KiB"},
+                  {"kind": "cxl", "capacity": "128MiB", "numa_node": 1},
+                  {"kind": "ssd", "capacity": "1GiB", "path": "ssd0", "writers": 2}]})
+    assert [t.kind for t in config.tiers] == [TierKind.DRAM, TierKind.CXL, TierKind.SSD]
+    assert config.tiers[0].page_size == 64 << 10
+    assert config.tiers[1].name == "cxl" and config.tiers[1].numa_node == 1
+
+
+@pytest.mark.parametrize("tiers,message", [
+    ([{"kind": "tape", "capacity": "1G"}], "kind must be one of"),
+    ([{"kind": "dram"}], "'capacity' is required"),
+    ([{"kind": "dram", "capacity": "1G", "path": "x"}], "unknown key"),
+    ([{"kind": "ssd", "capacity": "1G"}], "first tier must be memory"),
+    ([{"kind": "dram", "capacity": "1G"}, {"kind": "ssd", "capacity": "1G"},
+      {"kind": "cxl", "capacity": "1G"}], "ssd tier must be the last"),
+    ([{"kind": "dram", "capacity": "1G"}, {"kind": "dram", "capacity": "1G"}], "unique"),
+    ([{"kind": "dram", "capacity": "1G", "writers": 1}], "unknown key"),
+    ([{"kind": "cxl", "capacity": "1G", "numa_node": -3}], "non-negative"),
+    ([], "at least one tier"),
+])
+def test_bad_tier_configs(tiers: list[dict], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        StoreConfig.from_dict({"tiers": tiers})
+
+
+def test_unknown_store_keys_and_bad_watermarks() -> None:
+    with pytest.raises(ConfigError, match="unknown key"):
+        StoreConfig.from_dict({"hig_watermark": 0.9})
+    with pytest.raises(ConfigError, match="watermarks"):
+        StoreConfig(high_watermark=0.5, low_watermark=0.8)
+    with pytest.raises(ConfigError, match="tier name"):
+        TierConfig(TierKind.DRAM, 1 << 20, name="../evil")

@@ -1,0 +1,117 @@
+"""LocalIndex: chain bookkeeping and prefix-aware victim order."""
+
+from __future__ import annotations
+
+from kvfabric.hashing import ROOT
+from kvfabric.spec import KVSpec, Namespace
+from kvfabric.store.index import MOVING, READY_ALL, Entry, LocalIndex
+
+NS = Namespace("m", KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, chunk_tokens=4))
+OTHER = Namespace("m", KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, chunk_tokens=4), "t2")
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def entry(i: int, parent: int | None, tier: int = 0) -> Entry:
+    e = Entry(key(i), ROOT if parent is None else key(parent), NS, 4, tier, None)
+    e.ready = READY_ALL
+    return e
+
+
+def chain(index: LocalIndex, ids: list[int], tier: int = 0) -> list[Entry]:
+    out, parent = [], None
+    for i in ids:
+        out.append(entry(i, parent, tier))
+        index.add(out[-1])
+        parent = i
+    return out
+
+
+def test_only_chain_tails_are_leaves() -> None:
+    index = LocalIndex(1)
+    a = chain(index, [1, 2, 3])
+    b = chain(index, [10, 11])
+    assert index.candidates(0) == [key(3), key(11)]
+    assert [len(e.children) for e in a] == [1, 1, 0]
+    assert index.pick_victim(0) is a[2]
+    index.touch(a[2])
+    assert index.pick_victim(0) is b[1]
+
+
+def test_evicting_a_leaf_exposes_its_parent_next() -> None:
+    index = LocalIndex(1)
+    a = chain(index, [1, 2, 3])
+    chain(index, [10, 11])
+    index.remove(a[2])
+    assert index.pick_victim(0) is a[1]  # the chain keeps shrinking from its tail
+
+
+def test_pinned_moving_and_incomplete_leaves_are_skipped() -> None:
+    index = LocalIndex(1)
+    a = chain(index, [1])
+    b = chain(index, [2])
+    c = chain(index, [3])
+    a[0].pins = 1
+    b[0].flags |= MOVING
+    assert index.pick_victim(0) is c[0]
+    c[0].ready = 1
+    assert index.pick_victim(0) is None
+
+
+def test_longest_prefix_stops_at_first_miss_and_at_foreign_namespace() -> None:
+    index = LocalIndex(1)
+    a = chain(index, [1, 2, 3, 4])
+    assert index.longest_prefix(NS, [key(i) for i in (1, 2, 3, 4, 5)]) == a
+    index.remove(a[1])
+    assert index.longest_prefix(NS, [key(i) for i in (1, 2, 3, 4)]) == a[:1]
+    assert index.longest_prefix(OTHER, [key(1)]) == []
+
+
+def test_child_stored_before_parent_is_counted_when_parent_arrives() -> None:
+    index = LocalIndex(1)
+    child = entry(2, 1)
+    index.add(child)
+    parent = entry(1, None)
+    index.add(parent)
+    assert parent.children == [child] and index.candidates(0) == [key(2)]
+    index.remove(parent)
+    index.add(parent)
+    assert parent.children == [child]
+
+
+def test_a_parent_whose_children_moved_down_can_move_down_too() -> None:
+    index = LocalIndex(2)
+    a = chain(index, [1, 2, 3])
+    assert index.candidates(0) == [key(3)]
+    index.move(a[2], 1, "handle")
+    assert a[2].handle == "handle"
+    assert index.candidates(0) == [key(2)] and index.candidates(1) == [key(3)]
+    assert index.tier_count(0) == 2 and index.tier_count(1) == 1
+    index.move(a[1], 1, None)
+    # in the last tier only true leaves may go: the middle chunk has a child there
+    assert index.candidates(0) == [key(1)] and index.candidates(1) == [key(3)]
+
+
+def test_a_chain_inverted_across_tiers_still_has_candidates() -> None:
+    index = LocalIndex(3)
+    a = chain(index, [1, 2, 3])
+    index.move(a[0], 1, None)
+    index.move(a[1], 1, None)  # parent and child in tier 1, grandchild faster (tier 0)
+    assert index.candidates(1) == [key(2)]  # no child in its own tier: it may move down
+
+
+def test_branching_prefix_stays_until_every_branch_moved() -> None:
+    index = LocalIndex(3)
+    root = chain(index, [1])[0]
+    left, right = entry(2, 1), entry(3, 1)
+    index.add(left)
+    index.add(right)
+    assert root.children == [left, right]
+    index.move(left, 1, None)
+    assert key(1) not in index.candidates(0)
+    index.move(right, 1, None)
+    assert key(1) in index.candidates(0)
+    index.remove(right)
+    assert root.children == [left]
