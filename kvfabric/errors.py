@@ -82,3 +82,51 @@ class ConfigError(KVFabricError, ValueError):
     """A configuration value is invalid (bad size, hostile path, unknown key, ...)."""
 
     kind = "bad_config"
+
+
+class ProtocolError(KVFabricError, ValueError):
+    """A malformed frame or request (bad msgpack, wrong types, out-of-bounds values)."""
+
+    kind = "bad_request"
+
+
+class UnsupportedVersionError(ProtocolError):
+    """The peer speaks a protocol version this side does not."""
+
+    kind = "unsupported_version"
+
+
+class AuthError(KVFabricError, PermissionError):
+    """Missing or wrong credentials."""
+
+    kind = "unauthorized"
+
+
+class ForbiddenError(KVFabricError, PermissionError):
+    """Authenticated, but not allowed to touch this namespace or operation."""
+
+    kind = "forbidden"
+
+
+class UnavailableError(KVFabricError, ConnectionError):
+    """The daemon is not reachable, shutting down, or lost the session."""
+
+    kind = "unavailable"
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+def error_for_kind(kind: str, message: str) -> KVFabricError:
+    """Rebuild the exception a peer reported by its ``kind`` (unknown kinds: the base class)."""
+    for cls in _all_subclasses(KVFabricError):
+        if cls.kind == kind:
+            return cls(message)
+    error = KVFabricError(message)
+    error.kind = kind
+    return error

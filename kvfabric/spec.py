@@ -15,6 +15,7 @@ Everything here is a frozen value; validation raises :class:`~kvfabric.errors.Sp
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -119,7 +120,7 @@ class KVSpec:
 
     def layout(self, num_tokens: int | None = None) -> "ChunkLayout":
         """The byte layout of a chunk of ``num_tokens`` tokens (a full chunk by default)."""
-        return ChunkLayout(self, self.chunk_tokens if num_tokens is None else num_tokens)
+        return _layout(self, self.chunk_tokens if num_tokens is None else num_tokens)
 
     @property
     def chunk_bytes(self) -> int:
@@ -200,6 +201,12 @@ class ChunkLayout:
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.spec.num_layers:
             raise SpecError(f"layer {layer} outside [0, {self.spec.num_layers})")
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(spec: KVSpec, num_tokens: int) -> ChunkLayout:
+    """Layouts are immutable and asked for on every put and get: build each once."""
+    return ChunkLayout(spec, num_tokens)
 
 
 @dataclass(frozen=True)

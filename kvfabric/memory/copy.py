@@ -35,23 +35,44 @@ def total_bytes(pieces: Sequence[Piece]) -> int:
 
 def copy_pieces(dst: Sequence[Piece], src: Sequence[Piece]) -> int:
     """Copy the concatenation of ``src`` into the concatenation of ``dst`` (equal totals)."""
-    total = total_bytes(src)
-    if total != total_bytes(dst):
-        raise ValueError(f"size mismatch: source {total} bytes, destination {total_bytes(dst)}")
+    src_sizes = [nbytes_of(p) for p in src]
+    dst_sizes = [nbytes_of(p) for p in dst]
+    total = sum(src_sizes)
+    if total != sum(dst_sizes):
+        raise ValueError(f"size mismatch: source {total} bytes, destination {sum(dst_sizes)}")
+    if len(dst) == 1 or len(src) == 1:  # the common case: one flat buffer on one side
+        _scatter(dst, dst_sizes, src, src_sizes)
+        return total
     di = si = 0
     doff = soff = 0
     while di < len(dst) and si < len(src):
-        d, s = dst[di], src[si]
-        n = min(nbytes_of(d) - doff, nbytes_of(s) - soff)
+        n = min(dst_sizes[di] - doff, src_sizes[si] - soff)
         if n:
-            _copy(d[doff:doff + n], s[soff:soff + n])
+            _copy(dst[di][doff:doff + n], src[si][soff:soff + n])
         doff += n
         soff += n
-        if doff == nbytes_of(d):
+        if doff == dst_sizes[di]:
             di, doff = di + 1, 0
-        if soff == nbytes_of(s):
+        if soff == src_sizes[si]:
             si, soff = si + 1, 0
     return total
+
+
+def _scatter(dst: Sequence[Piece], dst_sizes: list[int], src: Sequence[Piece],
+             src_sizes: list[int]) -> None:
+    """One side is a single buffer: slice it once per piece of the other side."""
+    if len(dst) == 1:
+        flat, pieces, sizes, into_flat = dst[0], src, src_sizes, True
+    else:
+        flat, pieces, sizes, into_flat = src[0], dst, dst_sizes, False
+    offset = 0
+    for piece, size in zip(pieces, sizes):
+        window = flat[offset:offset + size]
+        if into_flat:
+            _copy(window, piece)
+        else:
+            _copy(piece, window)
+        offset += size
 
 
 def _copy(dst: Piece, src: Piece) -> None:

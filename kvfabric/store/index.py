@@ -195,6 +195,16 @@ class LocalIndex:
                 return entry
         return None
 
+    def pick_victim_for_eviction(self, tier: int) -> Entry | None:
+        """Like :meth:`pick_victim`, but only true leaves: removing it orphans nothing."""
+        entries = self._entries
+        for key in self._candidates[tier]:
+            entry = entries[key]
+            if entry.kids is None and entry.pins == 0 and entry.ready == READY_ALL and \
+                    not entry.flags & MOVING:
+                return entry
+        return None
+
     def candidates(self, tier: int) -> list[bytes]:
         """Candidate keys of ``tier``, least recently used first (tests, introspection)."""
         return list(self._candidates[tier])

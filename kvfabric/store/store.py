@@ -54,7 +54,7 @@ from kvfabric.store.index import ABORTED, MOVING, READY_ALL, REMOVED, Entry, Loc
 from kvfabric.store.stats import (NamespaceCounters, NamespaceStats, StoreStats, TierCounters,
                                   TierStats)
 from kvfabric.tiers.base import PagedTier
-from kvfabric.tiers.disk import DiskExtent, DiskTier
+from kvfabric.tiers.disk import DiskExtent, DiskTier, StaleExtentError
 
 log = logging.getLogger(__name__)
 
@@ -307,6 +307,25 @@ class TieredStore:
                 self._abort_entry(entry)
             return True
 
+    def evict(self, tier: str | None = None, nbytes: int | None = None) -> int:
+        """Admin: drop unpinned objects (of one tier, or from the last tier up) until
+        ``nbytes`` are freed, or all of them. Returns how many were evicted (and counted)."""
+        if tier is not None and tier not in self._names:
+            raise NotFoundError(f"no tier named {tier!r}; tiers: {self._names}")
+        order = [self._names.index(tier)] if tier is not None else \
+            list(range(len(self._tiers) - 1, -1, -1))
+        evicted = freed = 0
+        with self._lock:
+            for tier_index in order:
+                while nbytes is None or freed < nbytes:
+                    victim = self._index.pick_victim_for_eviction(tier_index)
+                    if victim is None:
+                        break
+                    freed += victim.ns.spec.layout(victim.num_tokens).nbytes
+                    self._evict(victim)
+                    evicted += 1
+        return evicted
+
     def tier_name(self, index: int) -> str:
         return self._names[index]
 
@@ -473,12 +492,12 @@ class TieredStore:
         nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
         try:
             pieces = tier.pieces(pages, 0, nbytes)
-            if pieces and not isinstance(pieces[0], np.ndarray):
+            staged = None
+            if pieces and not isinstance(pieces[0], np.ndarray):  # device: land on host first
                 staged = np.empty(nbytes, dtype=np.uint8)
-                disk.read_into(extent, [staged])
+            self._read_disk_record(disk, entry, extent, pieces if staged is None else [staged])
+            if staged is not None:
                 copy_pieces(pieces, [staged])
-            else:
-                disk.read_into(extent, pieces)
         except BaseException as exc:
             with self._lock:
                 entry.flags &= ~MOVING
@@ -501,6 +520,20 @@ class TieredStore:
                 self._tier_counters[self._disk_index].promotions += 1  # type: ignore[index]
                 self._tier_counters[self._disk_index].bytes_out += nbytes  # type: ignore[index]
             self._cond.notify_all()
+
+    def _read_disk_record(self, disk: DiskTier, entry: Entry, extent: DiskExtent,
+                          pieces: list[Piece]) -> None:
+        """Read an entry's record; if compaction moved it meanwhile, follow it."""
+        for _ in range(3):
+            try:
+                disk.read_into(extent, pieces, key=entry.key)
+                return
+            except StaleExtentError:
+                with self._lock:
+                    if entry.handle == extent or entry.flags & REMOVED:
+                        raise
+                    extent = entry.handle
+        disk.read_into(extent, pieces, key=entry.key)
 
     def _evict(self, entry: Entry) -> None:
         self._tier_counters[entry.tier].evictions += 1
@@ -608,11 +641,16 @@ class TieredStore:
         assert isinstance(disk, DiskTier)
         return disk
 
-    def flush(self) -> None:
-        """Wait until every SSD write queued so far has completed."""
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every SSD write queued so far has completed and been indexed."""
         disk = self._disk()
-        if disk is not None:
-            disk.flush()
+        if disk is None:
+            return
+        disk.flush()
+        deadline = time.monotonic() + timeout
+        with self._lock:  # the index switches in the writer's completion callback
+            while any(self._pending_demotion):
+                self._wait(deadline, "SSD demotions did not complete")
 
     def _recover(self) -> None:
         disk = self._disk()
@@ -700,10 +738,15 @@ class TieredStore:
             self._maintainer.join()
         disk = self._disk()
         if disk is not None:
-            disk.flush()
+            try:
+                self.flush()
+            except DeadlineExceededError:
+                log.warning("closing with SSD demotions still in flight")
+            disk.close()  # joins the writers: never under the lock their callbacks take
         with self._lock:
             for tier in self._tiers:
-                tier.close()
+                if tier is not disk:
+                    tier.close()
             self._cond.notify_all()
 
     def __enter__(self) -> "TieredStore":

@@ -4,10 +4,16 @@ A segment is a regular file named ``seg-NNNNNNNN.kvf`` (eight ASCII digits = seg
 holding records (see records.py) back to back, each starting on an ALIGN boundary.
 
 Path safety: the tier directory is resolved once (symlinks included), checked to stay
-inside the configured root, created with mode 0o700 if missing, and opened as a directory
-fd. Every later file operation is relative to that fd and uses O_NOFOLLOW, so renaming or
-symlinking the path afterwards cannot redirect I/O. Only names matching SEGMENT_PATTERN
-that are regular files (never symlinks) are opened; lookalikes are counted and warned about.
+inside the configured root (which must be an existing directory), created with mode 0o700
+if missing, and opened as a directory fd. Every later file operation is relative to that
+fd and uses O_NOFOLLOW, so renaming or symlinking the path afterwards cannot redirect I/O.
+Only names matching SEGMENT_PATTERN that are regular files (never symlinks) are opened;
+lookalikes are counted and warned about.
+
+Start-up: ``recover`` opens every segment and walks it header to header
+(``scan_segment``, payloads unread); a bad header page resynchronises at the next aligned
+magic. A record whose span passes the end of file, a partial page, or an all-zero page
+where a record should start counts as torn; any other bad header page counts as corrupt.
 
 Thread-safety: SegmentFile I/O is positional (pread/pwrite family) and may run
 concurrently. Users pin a file around I/O; ``retire`` closes the fd only once the last

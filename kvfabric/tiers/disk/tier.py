@@ -9,6 +9,9 @@ Contract:
   (one pwritev of header page + caller pieces + padding, no payload copy) to a pool of
   writer threads. ``read_into`` preadv's straight into caller buffers and verifies the
   payload checksum; a corrupt or torn record is counted, marked DEAD and never served.
+- Accounting: used = segment space occupied by records (live, dead, or damaged) in
+  existing segments; it only shrinks when compaction unlinks a segment. Compaction copies
+  bypass the capacity check (they free more than they take).
 - ``delete`` writes the DEAD state byte in place. ``compact`` copies the LIVE records of
   mostly-dead sealed segments to the active segment, lets the owner switch extents, then
   unlinks the old segment; its fd closes when in-flight reads finish.

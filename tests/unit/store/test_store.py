@@ -357,3 +357,18 @@ def test_root_parent_default(store: TieredStore) -> None:
     key = b"r" * 16
     store.put(NS, key, payload(key))
     assert store._index.get(key).parent == ROOT  # type: ignore[union-attr]
+
+
+def test_admin_evict_drops_leaves_first_and_counts(tmp_path: Path) -> None:
+    store = make_store(tmp_path, TierConfig(TierKind.DRAM, 8 * CHUNK, page_size=PAGE))
+    keys = put_chain(store, NS, 4)
+    reader = store.get(NS, keys[0])  # pinned root: evicting it would be refused anyway
+    assert store.evict(nbytes=2 * CHUNK) == 2
+    assert store.lookup(NS, keys).matched_chunks == 2  # tail went first
+    assert store.evict() == 1  # the pinned root stays
+    assert store.contains(NS, keys[0])
+    reader.release()
+    assert store.stats().tier("dram").evictions == 3
+    with pytest.raises(NotFoundError, match="no tier"):
+        store.evict(tier="tape")
+    store.close()

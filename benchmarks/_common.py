@@ -1,0 +1,128 @@
+"""Helpers shared by the kvfabric benchmarks: timing, percentiles, output, thread limits.
+
+Import this module before numpy (or anything that imports numpy): it caps the OpenMP / BLAS
+thread pools at one thread, which those libraries only read when they load. Benchmarks print
+a table for people and, with ``--json``, exactly one JSON object on stdout (the table then
+goes to stderr), so their output can be piped straight into a JSON parser.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Self, TextIO
+
+# Single-threaded numeric libraries: the benchmark machines have few, shared cores, and a
+# thread pool spinning next to the code under test skews every figure.
+for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_name] = "1"
+
+
+def limit_torch_threads() -> None:
+    """Give torch one intra-op thread if something imported it (never imports it itself)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
+class Timer:
+    """Wall time of a block: ``with Timer() as t: ...`` then ``t.seconds``."""
+
+    seconds: float = 0.0
+
+    def __enter__(self) -> Self:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._start
+
+
+def measure(fn: Callable[[int], object], repeat: int) -> list[float]:
+    """Seconds taken by each call ``fn(0)``, ..., ``fn(repeat - 1)``.
+
+    The cyclic garbage collector is off while sampling (as in ``timeit``), so a collection
+    triggered by earlier allocations is not charged to whichever call happens to run into it.
+    """
+    samples: list[float] = []
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(repeat):
+            start = time.perf_counter()
+            fn(i)
+            samples.append(time.perf_counter() - start)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return samples
+
+
+def measure_pairs(pairs: Sequence[tuple[Callable[[int], object], Callable[[int], object]]],
+                  repeat: int, *, flip: bool = False) -> list[tuple[float, float]]:
+    """Median seconds per call of each ``(baseline, subject)`` pair, measured back to back.
+
+    Pairs run in order (a later pair may read what an earlier one wrote). Within a pair the
+    baseline goes first unless ``flip``: alternate it between rounds so that neither side
+    always runs right after the other has warmed (or dirtied) a cache.
+    """
+    out: list[tuple[float, float]] = []
+    for baseline, subject in pairs:
+        if flip:
+            subject_s = median(measure(subject, repeat))
+            baseline_s = median(measure(baseline, repeat))
+        else:
+            baseline_s = median(measure(baseline, repeat))
+            subject_s = median(measure(subject, repeat))
+        out.append((baseline_s, subject_s))
+    return out
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), linearly interpolated like ``numpy.percentile``."""
+    if not samples:
+        raise ValueError("no samples")
+    ordered = sorted(samples)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def median(samples: Sequence[float]) -> float:
+    return percentile(samples, 50)
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
+                file: TextIO = sys.stdout) -> None:
+    """An aligned text table; floats get 4 significant digits, numbers align right."""
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return "" if value is None else str(value)
+
+    cells = [[cell(row.get(column)) for column in columns] for row in rows]
+    widths = [max([len(column), *(len(line[i]) for line in cells)])
+              for i, column in enumerate(columns)]
+    numeric = [all(isinstance(row.get(column), (int, float)) or row.get(column) is None
+                   for row in rows) for column in columns]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if right else v.ljust(w)
+                         for v, w, right in zip(values, widths, numeric, strict=True)).rstrip()
+
+    print(line(columns), file=file)
+    print(line(["-" * w for w in widths]), file=file)
+    for values in cells:
+        print(line(values), file=file)
+
+
+def emit_json(obj: Mapping[str, Any]) -> None:
+    """Print ``obj`` as one JSON document on stdout."""
+    json.dump(obj, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    sys.stdout.flush()

@@ -1,0 +1,231 @@
+"""Daemon configuration: one frozen value, from a YAML file, the environment and flags.
+
+Precedence: command-line ``--set`` flags override ``KVFABRIC_*`` environment variables, which
+override the YAML file, which overrides the built-in defaults. Every setting has a dotted path
+(``http.port``, ``store.data_dir``, ``store.tiers.dram.capacity`` — tiers are addressed by
+name); its environment variable is ``KVFABRIC_`` + the path upper-cased with ``.`` -> ``__``
+(``KVFABRIC_STORE__TIERS__DRAM__CAPACITY=4GiB``). Values from the environment and flags are
+parsed as YAML scalars (``8080`` is an int, ``true`` a bool). Unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvfabric.errors import ConfigError
+from kvfabric.store.config import StoreConfig, default_tiers
+from kvfabric.tiers.base import TierKind
+
+ENV_PREFIX = "KVFABRIC_"
+DEFAULT_HTTP_PORT = 8790
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A TCP listener; ``port`` None disables it, 0 picks a free port."""
+
+    host: str = "127.0.0.1"
+    port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError("host must be a non-empty string")
+        if self.port is not None and (isinstance(self.port, bool) or not isinstance(self.port, int)
+                                      or not 0 <= self.port <= 65535):
+            raise ConfigError(f"port must be an integer in [0, 65535] or null, got {self.port!r}")
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Bearer tokens. ``token`` is the admin token; ``tenants`` maps tokens to the one tenant
+    (namespace ``tenant_salt``) they may touch. No tokens at all: authentication is off."""
+
+    token: str | None = None
+    token_file: str | None = None
+    tenants: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("token", "token_file"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ConfigError(f"auth.{name} must be a string")
+        if not isinstance(self.tenants, Mapping) or not all(
+                isinstance(k, str) and k and isinstance(v, str) for k, v in self.tenants.items()):
+            raise ConfigError("auth.tenants must map token strings to tenant names")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.admin_token or self.tenants)
+
+    @property
+    def admin_token(self) -> str | None:
+        if self.token:
+            return self.token
+        if self.token_file:
+            try:
+                return Path(self.token_file).read_text().strip() or None
+            except OSError as exc:
+                raise ConfigError(f"auth.token_file: {exc}") from None
+        return None
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_sessions: int = 1024
+    max_leases_per_session: int = 4096
+    request_threads: int = 32  # blocking store calls (SSD reads, layer waits) run here
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_leases_per_session", "request_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"limits.{name} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    node_id: str = field(default_factory=socket.gethostname)
+    socket_path: str = ""  # default: <data_dir>/kvfabric.sock
+    tcp: Endpoint = field(default_factory=Endpoint)  # remote tooling: lookup / stats only
+    http: Endpoint = field(default_factory=lambda: Endpoint(port=DEFAULT_HTTP_PORT))
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    limits: Limits = field(default_factory=Limits)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if any(t.kind is TierKind.DEVICE for t in self.store.tiers):
+            raise ConfigError("the daemon serves host tiers to local clients through shared "
+                              "memory; a device tier needs CUDA IPC export, not supported yet")
+        if not self.socket_path:
+            object.__setattr__(self, "socket_path",
+                               str(Path(self.store.data_dir) / "kvfabric.sock"))
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError("log_level must be debug, info, warning or error")
+
+
+_SECTIONS: dict[str, type] = {"tcp": Endpoint, "http": Endpoint, "auth": AuthConfig,
+                              "limits": Limits}
+
+
+def load_config(path: str | os.PathLike | None = None, *,
+                env: Mapping[str, str] | None = None,
+                overrides: Sequence[str] = ()) -> DaemonConfig:
+    """File, then environment, then ``key=value`` overrides; validated."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {str(path)!r}: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config {str(path)!r} must be a mapping at the top level")
+        data = loaded or {}
+    environ = os.environ if env is None else env
+    for name, value in sorted(environ.items()):
+        if name.startswith(ENV_PREFIX) and name != ENV_PREFIX:
+            dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
+            _set_path(data, dotted, _scalar(value), source=f"environment {name}")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        dotted, value = item.split("=", 1)
+        _set_path(data, dotted.strip(), _scalar(value), source=f"--set {dotted.strip()}")
+    return build_config(data)
+
+
+def build_config(data: Mapping[str, Any]) -> DaemonConfig:
+    data = dict(data)
+    known = {"node_id", "socket_path", "log_level", "store", *_SECTIONS}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {sorted(unknown)}; allowed: {sorted(known)}")
+    kwargs: dict[str, Any] = {}
+    for name in ("node_id", "socket_path", "log_level"):
+        if name in data:
+            if not isinstance(data[name], str):
+                raise ConfigError(f"{name} must be a string")
+            kwargs[name] = data[name]
+    for name, cls in _SECTIONS.items():
+        if name in data:
+            kwargs[name] = _section(name, cls, data[name])
+    if "store" in data:
+        if not isinstance(data["store"], dict):
+            raise ConfigError("store must be a mapping")
+        kwargs["store"] = StoreConfig.from_dict(_tiers_as_list(data["store"]))
+    return DaemonConfig(**kwargs)
+
+
+def _section(name: str, cls: type, value: Any) -> Any:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a mapping")
+    allowed = set(cls.__dataclass_fields__)
+    unknown = set(value) - allowed
+    if unknown:
+        raise ConfigError(f"{name}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    try:
+        return cls(**value)
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+def _tiers_as_list(store: dict[str, Any]) -> dict[str, Any]:
+    """Tiers may be written as a list or (as env / flags produce) a name -> mapping."""
+    store = dict(store)
+    tiers = store.get("tiers")
+    if isinstance(tiers, dict):
+        store["tiers"] = [dict(t, name=name) if isinstance(t, dict) else t
+                          for name, t in tiers.items()]
+    return store
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any, *, source: str) -> None:
+    parts = [p for p in dotted.split(".") if p]
+    if not parts:
+        raise ConfigError(f"{source}: empty setting name")
+    if parts[:2] == ["store", "tiers"]:
+        if len(parts) != 4:
+            raise ConfigError(f"{source}: tier settings are store.tiers.<name>.<key>")
+        tiers = _tier_map(data.setdefault("store", {}))
+        tiers.setdefault(parts[2], {"kind": parts[2]})[parts[3]] = value
+        return
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{source}: {'.'.join(parts[:i + 1])} is not a section")
+    node[parts[-1]] = value
+
+
+def _tier_map(store: dict[str, Any]) -> dict[str, Any]:
+    """The store's tiers as name -> mapping (converted in place; defaults if absent)."""
+    tiers = store.get("tiers")
+    if tiers is None:
+        tiers = [{"kind": t.kind.value, "capacity": t.capacity, "name": t.name}
+                 for t in default_tiers()]
+    if isinstance(tiers, list):
+        mapping: dict[str, Any] = {}
+        for tier in tiers:
+            if not isinstance(tier, dict):
+                raise ConfigError("store.tiers entries must be mappings")
+            tier = dict(tier)
+            mapping[str(tier.pop("name", tier.get("kind")))] = tier
+        tiers = mapping
+    if not isinstance(tiers, dict):
+        raise ConfigError("store.tiers must be a list of tier mappings")
+    store["tiers"] = tiers
+    return tiers
+
+
+def _scalar(text: str) -> Any:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (str, int, float, bool)) or value is None else text

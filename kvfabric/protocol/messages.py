@@ -1,0 +1,178 @@
+"""Control-protocol messages: envelopes, operations, and validation of every argument.
+
+Request ``{"v": 1, "id": <u64>, "op": <str>, "args": {...}}``; reply
+``{"v": 1, "id": <same>, "ok": true, "result": ...}`` or
+``{"v": 1, "id": <same>, "ok": false, "error": {"kind": <str>, "message": <str>}}``.
+Error kinds are :attr:`kvfabric.errors.KVFabricError.kind` values; clients rebuild the
+exception with :func:`kvfabric.errors.error_for_kind`.
+
+Operations (a session must start with ``hello``):
+
+=============  ===========================================  =======================================
+op             args                                         result
+=============  ===========================================  =======================================
+hello          token?, client                               protocol, node_id, arenas, limits,
+                                                            tenant (arena fds follow, SCM_RIGHTS)
+lookup         ns, keys | tokens                            requested_chunks, chunks, tokens,
+                                                            tier_tokens
+reserve        ns, key, parent, num_tokens?                 lease, tier, pages, nbytes, num_tokens
+commit         lease, layers? (bitmask; all when absent)    done (bool: object complete)
+abort          lease                                        null
+get            ns, key, timeout?                            lease, tier, pages, nbytes, num_tokens,
+                                                            ready
+wait_layer     lease, layer, timeout                        ready
+release        lease                                        null
+contains       ns, keys                                     [bool, ...]
+delete         ns, key                                      bool
+stats          (none)                                       store statistics (map)
+ping           (none)                                       "pong"
+=============  ===========================================  =======================================
+
+``ns`` is ``{"model", "spec": KVSpec fields, "tenant", "lora"}``; keys are 16-byte bins;
+``pages`` is a bin of little-endian uint32 page ids in the arena of tier ``tier``. Every
+validator here raises :class:`~kvfabric.errors.ProtocolError` with the offending field.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from kvfabric.errors import KVFabricError, ProtocolError, SpecError, UnsupportedVersionError
+from kvfabric.hashing import KEY_BYTES
+from kvfabric.spec import KVSpec, Namespace
+
+PROTOCOL_VERSION = 1
+MAX_KEYS = 1 << 16  # chunks per lookup / contains (16M tokens at 256 per chunk)
+MAX_TOKENS = 1 << 22
+MAX_TIMEOUT_S = 600.0
+MAX_STRING = 4096
+
+
+class Op(str, enum.Enum):
+    HELLO = "hello"
+    LOOKUP = "lookup"
+    RESERVE = "reserve"
+    COMMIT = "commit"
+    ABORT = "abort"
+    GET = "get"
+    WAIT_LAYER = "wait_layer"
+    RELEASE = "release"
+    CONTAINS = "contains"
+    DELETE = "delete"
+    STATS = "stats"
+    PING = "ping"
+
+
+def request(request_id: int, op: Op, args: dict[str, Any]) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": request_id, "op": op.value, "args": args}
+
+
+def ok_reply(request_id: int, result: Any) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "result": result}
+
+
+def error_reply(request_id: int, error: KVFabricError) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": request_id, "ok": False,
+            "error": {"kind": error.kind, "message": str(error)[:MAX_STRING]}}
+
+
+def parse_request(message: dict[str, Any]) -> tuple[int, Op, dict[str, Any]]:
+    """Envelope of a request -> (id, op, args). The id is returned even if the rest is bad."""
+    request_id = message.get("id")
+    if not isinstance(request_id, int) or isinstance(request_id, bool) or \
+            not 0 <= request_id < 1 << 64:
+        raise ProtocolError("request id must be an unsigned 64-bit integer")
+    if message.get("v") != PROTOCOL_VERSION:
+        raise UnsupportedVersionError(f"protocol version {message.get('v')!r} is not supported "
+                                      f"(this daemon speaks {PROTOCOL_VERSION})")
+    try:
+        op = Op(message.get("op"))
+    except ValueError:
+        raise ProtocolError(f"unknown op {message.get('op')!r}") from None
+    args = message.get("args", {})
+    if not isinstance(args, dict):
+        raise ProtocolError("args must be a map")
+    return request_id, op, args
+
+
+def request_id_of(message: Any) -> int:
+    """Best-effort id of a (possibly malformed) request, for the error reply."""
+    if isinstance(message, dict):
+        rid = message.get("id")
+        if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 1 << 64:
+            return rid
+    return 0
+
+
+# ---------------------------------------------------------------------- argument validation
+
+def arg_int(args: dict[str, Any], name: str, *, low: int = 0, high: int = (1 << 63) - 1,
+            default: int | None = None) -> int:
+    value = args.get(name, default)
+    if value is None:
+        raise ProtocolError(f"missing argument {name!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ProtocolError(f"{name} must be an integer in [{low}, {high}]")
+    return value
+
+
+def arg_float(args: dict[str, Any], name: str, *, default: float | None = None,
+              high: float = MAX_TIMEOUT_S) -> float | None:
+    value = args.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not 0 <= value <= high:
+        raise ProtocolError(f"{name} must be a number in [0, {high}]")
+    return float(value)
+
+
+def arg_str(args: dict[str, Any], name: str, *, default: str | None = None) -> str:
+    value = args.get(name, default)
+    if not isinstance(value, str) or len(value) > MAX_STRING:
+        raise ProtocolError(f"{name} must be a string of at most {MAX_STRING} characters")
+    return value
+
+
+def arg_key(args: dict[str, Any], name: str) -> bytes:
+    value = args.get(name)
+    if not isinstance(value, bytes) or len(value) != KEY_BYTES:
+        raise ProtocolError(f"{name} must be {KEY_BYTES} bytes")
+    return value
+
+
+def arg_keys(args: dict[str, Any], name: str = "keys") -> list[bytes]:
+    value = args.get(name)
+    if not isinstance(value, list) or len(value) > MAX_KEYS:
+        raise ProtocolError(f"{name} must be a list of at most {MAX_KEYS} keys")
+    for key in value:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise ProtocolError(f"every entry of {name} must be {KEY_BYTES} bytes")
+    return value
+
+
+def arg_tokens(args: dict[str, Any], name: str = "tokens") -> bytes:
+    """Token ids as a bin of int32-LE (compact and hashable without conversion)."""
+    value = args.get(name)
+    if not isinstance(value, bytes) or len(value) % 4 or len(value) > 4 * MAX_TOKENS:
+        raise ProtocolError(f"{name} must be int32-LE bytes of at most {MAX_TOKENS} tokens")
+    return value
+
+
+def encode_namespace(ns: Namespace) -> dict[str, Any]:
+    return {"model": ns.model_id, "spec": ns.spec.to_dict(), "tenant": ns.tenant_salt,
+            "lora": ns.lora_id}
+
+
+def decode_namespace(value: Any) -> Namespace:
+    if not isinstance(value, dict) or set(value) - {"model", "spec", "tenant", "lora"}:
+        raise ProtocolError("ns must be a map with model, spec, tenant, lora")
+    spec = value.get("spec")
+    if not isinstance(spec, dict):
+        raise ProtocolError("ns.spec must be a map of KVSpec fields")
+    try:
+        return Namespace(arg_str(value, "model"), KVSpec.from_dict(spec),
+                         arg_str(value, "tenant", default=""), arg_str(value, "lora", default=""))
+    except SpecError as exc:
+        raise ProtocolError(f"bad namespace: {exc}") from None
