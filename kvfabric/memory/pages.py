@@ -11,6 +11,8 @@ Double frees and foreign page ids raise ``ValueError`` before any state changes.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -70,3 +72,23 @@ class PageAllocator:
             raise ValueError("double free: a page is not allocated (or listed twice)")
         self._in_use[ids] = False
         self._free.extend(reversed(ids.tolist()))
+
+
+def slice_pages(view: Callable[[int, int, int], Any], pages: Sequence[int], page_size: int,
+                offset: int, length: int) -> list[Any]:
+    """Pieces covering bytes ``[offset, offset+length)`` of an object stored in ``pages``.
+
+    ``view(page_id, start, end)`` returns bytes ``[start, end)`` of one page; the tiers and the
+    clients (which map the same arena from another process) share this arithmetic.
+    """
+    if offset < 0 or length < 0 or offset + length > len(pages) * page_size:
+        raise ValueError(f"byte range [{offset}, {offset + length}) outside the object")
+    out = []
+    index, start = divmod(offset, page_size)
+    while length > 0:
+        n = min(page_size - start, length)
+        out.append(view(pages[index], start, start + n))
+        length -= n
+        index += 1
+        start = 0
+    return out

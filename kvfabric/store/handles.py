@@ -19,27 +19,36 @@ Handles are meant for one thread each; the store they call into is thread-safe.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from array import array
+from typing import Any, Protocol
 
-import numpy as np
-
-from kvfabric.errors import LeaseExpiredError, PayloadSizeError, SpecError
-from kvfabric.memory.copy import Piece, as_bytes_view, copy_pieces, nbytes_of, total_bytes
-from kvfabric.spec import ChunkLayout, Namespace
-
-if TYPE_CHECKING:
-    from kvfabric.store.index import Entry
-    from kvfabric.store.store import TieredStore
+from kvfabric.errors import LeaseExpiredError
+from kvfabric.memory.copy import Piece
+from kvfabric.payload import PayloadAccess, PayloadReader, PayloadWriter
+from kvfabric.spec import Namespace
+from kvfabric.store.index import Entry
 
 
-class _Lease:
-    def __init__(self, store: "TieredStore", entry: "Entry", deadline: float) -> None:
+class LeaseOwner(Protocol):
+    """What a handle needs from the store that issued it (the store implements it)."""
+
+    def tier_name(self, index: int) -> str: ...
+    def _pieces(self, entry: Entry, offset: int, length: int) -> list[Piece]: ...
+    def _commit_layers(self, writer: "ObjectWriter", mask: int) -> bool: ...
+    def _abort(self, writer: "ObjectWriter") -> None: ...
+    def _unpin(self, reader: "ObjectReader") -> None: ...
+    def _layer_ready(self, entry: Entry, layer: int) -> bool: ...
+    def _wait_layer(self, entry: Entry, layer: int, timeout: float | None) -> None: ...
+
+
+class _Lease(PayloadAccess):
+    def __init__(self, store: LeaseOwner, entry: Entry, deadline: float) -> None:
         self._store = store
         self._entry = entry
         self.deadline = deadline
         self.expired = False
         self.closed = False
-        self.layout: ChunkLayout = entry.ns.spec.layout(entry.num_tokens)
+        self.layout = entry.ns.spec.layout(entry.num_tokens)
 
     @property
     def key(self) -> bytes:
@@ -50,16 +59,18 @@ class _Lease:
         return self._entry.ns
 
     @property
-    def num_tokens(self) -> int:
-        return self._entry.num_tokens
-
-    @property
-    def nbytes(self) -> int:
-        return self.layout.nbytes
-
-    @property
     def tier(self) -> str:
         return self._store.tier_name(self._entry.tier)
+
+    @property
+    def tier_index(self) -> int:
+        return self._entry.tier
+
+    @property
+    def pages(self) -> array:
+        """Page ids of the object in its (memory) tier: what a local client maps."""
+        self._check_open()
+        return self._entry.handle
 
     def _check_open(self) -> None:
         if self.expired:
@@ -67,18 +78,9 @@ class _Lease:
         if self.closed:
             raise ValueError("lease already released")
 
-    def _pieces(self, layer: int | None, heads: tuple[int, int] | None) -> list[Piece]:
+    def _range_pieces(self, offset: int, length: int) -> list[Piece]:
         self._check_open()
-        if layer is None:
-            if heads is not None:
-                raise SpecError("a head range needs a layer")
-            return self._store._pieces(self._entry, 0, self.layout.nbytes)
-        if heads is None:
-            return self._store._pieces(self._entry, *self.layout.layer_range(layer))
-        out: list[Piece] = []
-        for offset, length in self.layout.head_ranges(layer, *heads):
-            out.extend(self._store._pieces(self._entry, offset, length))
-        return out
+        return self._store._pieces(self._entry, offset, length)
 
     def __enter__(self) -> Any:
         return self
@@ -87,26 +89,21 @@ class _Lease:
         return f"{type(self).__name__}({self.key.hex()[:12]}, tier={self.tier})"
 
 
-class ObjectWriter(_Lease):
+class ObjectWriter(_Lease, PayloadWriter):
     """A reservation: write layers into the object's pages, commit them, or abort."""
 
-    def layer_pieces(self, layer: int, heads: tuple[int, int] | None = None) -> list[Piece]:
-        """Views of one layer (or of one head range per K/V plane) to write into."""
-        return self._pieces(layer, heads)
-
-    def write_layer(self, layer: int, data: Any, heads: tuple[int, int] | None = None) -> None:
-        """Copy ``data`` (bytes-like, numpy array or tensor) into a layer or head range."""
-        _copy_exact(self.layer_pieces(layer, heads), data, f"layer {layer}")
-
-    def write(self, data: Any) -> None:
-        """Copy a whole payload in canonical layout (all layers)."""
-        _copy_exact(self._pieces(None, None), data, "payload")
-
-    def commit_layer(self, layer: int) -> None:
-        """Publish one layer to readers (they may already be waiting on it)."""
+    def commit_layer(self, layer: int) -> bool:
+        """Publish one layer to readers; True once every layer is committed."""
         self._check_open()
         self.layout.layer_range(layer)  # validates the index
-        self._store._commit_layers(self, 1 << layer)
+        return self._store._commit_layers(self, 1 << layer)
+
+    def commit_layers(self, mask: int) -> bool:
+        """Publish the layers set in ``mask``; True once every layer is committed."""
+        self._check_open()
+        if mask <= 0 or mask >> self.layout.spec.num_layers:
+            raise ValueError(f"layer mask {mask:#x} names layers outside the spec")
+        return self._store._commit_layers(self, mask)
 
     def commit(self) -> None:
         """Publish every layer not committed yet and end the reservation."""
@@ -119,15 +116,19 @@ class ObjectWriter(_Lease):
             self._store._abort(self)
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        if not self.closed and not self.expired:
-            self._store._abort(self)
+        self.abort()
 
 
-class ObjectReader(_Lease):
+class ObjectReader(_Lease, PayloadReader):
     """A pin: read layers (zero copy) while the object stays put."""
 
     def ready(self, layer: int) -> bool:
         return self._store._layer_ready(self._entry, layer)
+
+    @property
+    def ready_mask(self) -> int:
+        """Bitmask of committed layers (-1 once complete)."""
+        return self._entry.ready
 
     @property
     def complete(self) -> bool:
@@ -143,35 +144,6 @@ class ObjectReader(_Lease):
         for layer in range(self.layout.spec.num_layers):
             self.wait_layer(layer, timeout)
 
-    def layer_pieces(self, layer: int, heads: tuple[int, int] | None = None) -> list[Piece]:
-        """Zero-copy views of a committed layer, or of one head range per K/V plane."""
-        if not self.ready(layer):
-            raise ValueError(f"layer {layer} of {self.key.hex()} is not committed yet; "
-                             f"call wait_layer first")
-        return self._pieces(layer, heads)
-
-    def pieces(self) -> list[Piece]:
-        """Zero-copy views of the whole payload (the object must be complete)."""
-        if not self._entry.complete:
-            raise ValueError(f"{self.key.hex()} is still being written; wait_complete first")
-        return self._pieces(None, None)
-
-    def read_into(self, out: Any, layer: int | None = None,
-                  heads: tuple[int, int] | None = None) -> None:
-        """Copy the payload, a layer, or a head range into a caller buffer of the exact size."""
-        src = self.pieces() if layer is None else self.layer_pieces(layer, heads)
-        dst = as_bytes_view(out)
-        if nbytes_of(dst) != total_bytes(src):
-            raise PayloadSizeError(f"destination holds {nbytes_of(dst)} bytes, the "
-                                   f"{'payload' if layer is None else 'range'} is "
-                                   f"{total_bytes(src)}")
-        copy_pieces([dst], src)
-
-    def to_bytes(self) -> bytes:
-        out = np.empty(self.layout.nbytes, dtype=np.uint8)
-        self.read_into(out)
-        return out.tobytes()
-
     def release(self) -> None:
         """Give the pin back. Idempotent; a no-op after expiry."""
         if not self.closed and not self.expired:
@@ -179,11 +151,3 @@ class ObjectReader(_Lease):
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-def _copy_exact(dst: list[Piece], data: Any, what: str) -> None:
-    src = as_bytes_view(data)
-    expected = total_bytes(dst)
-    if nbytes_of(src) != expected:
-        raise PayloadSizeError(f"{what} must be {expected} bytes, got {nbytes_of(src)}")
-    copy_pieces(dst, [src])

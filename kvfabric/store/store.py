@@ -24,7 +24,8 @@ Memory tiers are volatile.
 
 Locking: one re-entrant lock guards the index, the tiers' allocators and the counters. Bulk
 copies between memory tiers run under it (they are memcpy-fast); SSD reads and writes run
-outside it, with the object marked MOVING.
+outside it, with the object marked MOVING. How objects move is :mod:`kvfabric.store.placement`;
+this module is the API, the leases, lookups, statistics and the lifecycle.
 """
 
 from __future__ import annotations
@@ -33,42 +34,30 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
-import numpy as np
-
-from kvfabric.errors import (AlreadyExistsError, CapacityError, ConfigError, CorruptRecordError,
-                             DeadlineExceededError, KVFabricError, LeaseExpiredError,
-                             NotFoundError, ObjectAbortedError, SpecError, SpecMismatchError)
+from kvfabric.errors import (AlreadyExistsError, ConfigError, DeadlineExceededError,
+                             KVFabricError, LeaseExpiredError, NotFoundError,
+                             ObjectAbortedError, SpecError, SpecMismatchError)
 from kvfabric.hashing import KEY_BYTES, ROOT, chunk_keys
-from kvfabric.memory.copy import Piece, copy_pieces
-from kvfabric.spec import KVSpec, Namespace
+from kvfabric.lookup import LookupResult
+from kvfabric.memory.arena import SharedArena
+from kvfabric.memory.copy import Piece
+from kvfabric.spec import Namespace
 from kvfabric.store.config import StoreConfig
 from kvfabric.store.factory import AnyTier, build_tier
 from kvfabric.store.handles import ObjectReader, ObjectWriter, _Lease
-from kvfabric.store.index import ABORTED, MOVING, READY_ALL, REMOVED, Entry, LocalIndex
+from kvfabric.store.index import ABORTED, MOVING, READY_ALL, Entry, LocalIndex
+from kvfabric.store.placement import Placement, decode_meta
 from kvfabric.store.stats import (NamespaceCounters, NamespaceStats, StoreStats, TierCounters,
                                   TierStats)
-from kvfabric.tiers.base import PagedTier
-from kvfabric.tiers.disk import DiskExtent, DiskTier, StaleExtentError
+from kvfabric.tiers.disk import DiskTier
+from kvfabric.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
 
 MAX_NAMESPACES = 1 << 16
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    """Longest stored prefix of a chain: how many chunks / tokens, and in which tiers."""
-
-    requested_chunks: int
-    matched_chunks: int
-    matched_tokens: int
-    tier_tokens: dict[str, int]  # matched tokens per tier name (only tiers that matched)
 
 
 class TieredStore:
@@ -90,18 +79,17 @@ class TieredStore:
             for tier in self._tiers:
                 tier.close()
             raise
-        last = self._tiers[-1]
-        self._disk_index = len(self._tiers) - 1 if isinstance(last, DiskTier) else None
-        self._paged = [i for i, t in enumerate(self._tiers) if isinstance(t, PagedTier)]
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._index = LocalIndex(len(self._tiers))
         self._tier_counters = [TierCounters() for _ in self._tiers]
+        self._placement = Placement(self._tiers, self._names, self._index, self._tier_counters,
+                                    self._cond, self.config,
+                                    lambda: self._reclaim_expired(time.monotonic()))
+        self._disk_index = self._placement.disk_index
         self._ns_counters: dict[tuple[str, str], NamespaceCounters] = {}
         self._namespaces: dict[bytes, Namespace] = {}
         self._leases: dict[int, _Lease] = {}
-        self._pending_demotion = [0] * len(self._tiers)  # bytes being written to SSD
-        self._draining = [False] * len(self._tiers)
         self._count = dict.fromkeys(("lookups", "lookup_tokens", "hit_tokens", "miss_tokens",
                                      "puts", "gets", "deletes", "expired", "aborted"), 0)
         self._closed = False
@@ -128,7 +116,7 @@ class TieredStore:
             ns = self._intern(ns)
             if key in self._index:
                 raise AlreadyExistsError(f"{key.hex()} is already stored or being written")
-            tier, pages = self._allocate(nbytes)
+            tier, pages = self._placement.allocate(nbytes)
             entry = Entry(key, parent, ns, num_tokens, tier, pages)
             entry.pins = 1  # the writer's reservation
             self._index.add(entry)
@@ -148,7 +136,7 @@ class TieredStore:
             writer.commit()
         return True
 
-    def _commit_layers(self, writer: ObjectWriter, mask: int) -> None:
+    def _commit_layers(self, writer: ObjectWriter, mask: int) -> bool:
         with self._lock:
             if writer.expired:
                 raise LeaseExpiredError(f"reservation of {writer.key.hex()} expired")
@@ -165,6 +153,7 @@ class TieredStore:
             else:
                 entry.ready = ready
             self._cond.notify_all()
+            return ready == full
 
     def _abort(self, writer: ObjectWriter) -> None:
         with self._lock:
@@ -176,7 +165,7 @@ class TieredStore:
     def _abort_entry(self, entry: Entry) -> None:
         entry.flags |= ABORTED
         self._count["aborted"] += 1
-        self._drop(entry)
+        self._placement.drop(entry)
         self._cond.notify_all()
 
     # ------------------------------------------------------------------ reading
@@ -192,15 +181,15 @@ class TieredStore:
                 ns = self._intern(ns)
                 entry = self._find(ns, key)
                 if entry.flags & MOVING and entry.tier == self._disk_index:
-                    self._wait(deadline, f"{key.hex()} is being read back from SSD")
+                    self._placement.wait(deadline, f"{key.hex()} is being read back from SSD")
                     continue
                 if entry.tier != self._disk_index:
-                    if (self.config.promote_on_hit and entry.tier != self._paged[0]
+                    if (self.config.promote_on_hit and entry.tier != self._placement.paged[0]
                             and entry.complete and entry.pins == 0 and not entry.flags & MOVING):
-                        self._promote_in_memory(entry)
+                        self._placement.promote_in_memory(entry)
                     return self._pin(entry, lease_s)
-                extent, target = entry.handle, self._start_disk_promotion(entry)
-            self._finish_disk_promotion(entry, extent, target)
+                extent, target = entry.handle, self._placement.start_disk_promotion(entry)
+            self._placement.finish_disk_promotion(entry, extent, target)
 
     def pin(self, ns: Namespace, key: bytes, lease_s: float) -> ObjectReader:
         """:meth:`get` with an explicit pin deadline (seconds)."""
@@ -231,7 +220,7 @@ class TieredStore:
         self._leases.pop(id(lease), None)
         entry = lease._entry
         entry.pins -= 1
-        self._free_if_dead(entry)
+        self._placement.free_if_dead(entry)
 
     def _layer_ready(self, entry: Entry, layer: int) -> bool:
         return entry.ready == READY_ALL or bool(entry.ready >> layer & 1)
@@ -242,12 +231,10 @@ class TieredStore:
             while not self._layer_ready(entry, layer):
                 if entry.flags & ABORTED:
                     raise ObjectAbortedError(f"the writer of {entry.key.hex()} aborted")
-                self._wait(deadline, f"layer {layer} of {entry.key.hex()} not committed")
+                self._placement.wait(deadline, f"layer {layer} of {entry.key.hex()} not committed")
 
     def _pieces(self, entry: Entry, offset: int, length: int) -> list[Piece]:
-        tier = self._tiers[entry.tier]
-        assert isinstance(tier, PagedTier)
-        return tier.pieces(entry.handle, offset, length)
+        return self._placement.pieces(entry, offset, length)
 
     # ------------------------------------------------------------------ queries
 
@@ -302,7 +289,7 @@ class TieredStore:
                 return False
             self._count["deletes"] += 1
             if entry.complete:
-                self._drop(entry)
+                self._placement.drop(entry)
             else:
                 self._abort_entry(entry)
             return True
@@ -322,9 +309,14 @@ class TieredStore:
                     if victim is None:
                         break
                     freed += victim.ns.spec.layout(victim.num_tokens).nbytes
-                    self._evict(victim)
+                    self._placement.evict(victim)
                     evicted += 1
         return evicted
+
+    def host_arenas(self) -> list[tuple[int, str, SharedArena]]:
+        """(tier index, tier name, arena) of every shared-memory tier, for local clients."""
+        return [(i, self._names[i], tier.arena) for i, tier in enumerate(self._tiers)
+                if isinstance(tier, HostTier)]
 
     def tier_name(self, index: int) -> str:
         return self._names[index]
@@ -337,237 +329,6 @@ class TieredStore:
         return len(self._index)
 
     # ------------------------------------------------------------------ placement
-
-    def _allocate(self, nbytes: int) -> tuple[int, Any]:
-        """Pages in the first memory tier that can make room; CapacityError otherwise."""
-        errors = []
-        for tier_index in self._paged:
-            try:
-                self._make_room(tier_index, nbytes)
-                return tier_index, self._tiers[tier_index].allocate(nbytes)  # type: ignore
-            except CapacityError as exc:
-                errors.append(f"{self._names[tier_index]}: {exc}")
-        raise CapacityError(f"no memory tier can hold {nbytes} bytes ({'; '.join(errors)})")
-
-    def _make_room(self, tier_index: int, nbytes: int) -> None:
-        tier = self._tiers[tier_index]
-        assert isinstance(tier, PagedTier)
-        if nbytes > tier.capacity_bytes:
-            raise CapacityError(f"object of {nbytes} bytes is larger than the tier")
-        reclaimed = False
-        deadline = time.monotonic() + self.config.reservation_timeout_s
-        while not tier.can_fit(nbytes):
-            victim = self._index.pick_victim(tier_index)
-            if victim is not None:
-                self._demote(victim)
-            elif self._pending_demotion[tier_index]:
-                self._wait(deadline, "waiting for SSD demotions to free memory")
-            elif not reclaimed:
-                reclaimed = True  # a dead client's leases may be what holds the memory
-                self._reclaim_expired(time.monotonic())
-            else:
-                raise CapacityError(f"{self._names[tier_index]} is full of pinned or "
-                                    f"incomplete objects")
-
-    def _demote(self, entry: Entry) -> None:
-        """Move a victim one tier down, or evict it from the last tier (lock held)."""
-        src_index = entry.tier
-        dst_index = src_index + 1
-        if dst_index >= len(self._tiers):
-            self._evict(entry)
-            return
-        nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
-        if dst_index == self._disk_index:
-            self._demote_to_disk(entry, nbytes)
-            return
-        try:
-            pages = self._claim_pages(entry, dst_index, nbytes)
-        except CapacityError:
-            if self._index.get(entry.key) is entry and not entry.pins:
-                self._evict(entry)  # nowhere below has room: this is the one that goes
-            return
-        if pages is not None:
-            self._move_in_memory(entry, dst_index, pages, nbytes)
-            self._tier_counters[src_index].demotions += 1
-
-    def _promote_in_memory(self, entry: Entry) -> None:
-        nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
-        src_index = entry.tier
-        try:
-            pages = self._claim_pages(entry, self._paged[0], nbytes)
-        except CapacityError:
-            return  # served from where it is
-        if pages is not None:
-            self._tier_counters[src_index].promotions += 1
-            self._move_in_memory(entry, self._paged[0], pages, nbytes)
-
-    def _claim_pages(self, entry: Entry, tier_index: int, nbytes: int) -> Any | None:
-        """Pages in ``tier_index`` to move ``entry`` into, or None if it changed meanwhile.
-
-        Making room may wait (the lock is released), so the entry is marked MOVING to keep
-        other movers off it, and re-checked afterwards: a reader that pinned it, or a delete,
-        wins over the move.
-        """
-        src_index = entry.tier
-        entry.flags |= MOVING
-        try:
-            self._make_room(tier_index, nbytes)
-            pages = self._tiers[tier_index].allocate(nbytes)  # type: ignore[union-attr]
-        finally:
-            entry.flags &= ~MOVING
-        if entry.flags & REMOVED or entry.tier != src_index or entry.pins:
-            self._tiers[tier_index].free(pages)  # type: ignore[union-attr]
-            self._free_if_dead(entry)
-            return None
-        return pages
-
-    def _move_in_memory(self, entry: Entry, dst_index: int, pages: Any, nbytes: int) -> None:
-        src = self._tiers[entry.tier]
-        dst = self._tiers[dst_index]
-        assert isinstance(src, PagedTier) and isinstance(dst, PagedTier)
-        copy_pieces(dst.pieces(pages, 0, nbytes), src.pieces(entry.handle, 0, nbytes))
-        old = entry.handle
-        self._index.move(entry, dst_index, pages)
-        src.free(old)
-
-    def _demote_to_disk(self, entry: Entry, nbytes: int) -> None:
-        disk = self._tiers[self._disk_index]  # type: ignore[index]
-        assert isinstance(disk, DiskTier)
-        pieces = self._pieces(entry, 0, nbytes)
-        if pieces and not isinstance(pieces[0], np.ndarray):  # device memory: stage on host
-            staged = np.empty(nbytes, dtype=np.uint8)
-            copy_pieces([staged], pieces)
-            pieces = [staged]
-        try:
-            future = disk.write(entry.key, _encode_meta(entry), pieces)
-        except CapacityError:
-            self._evict_disk_leaves(nbytes)
-            self._evict(entry)
-            return
-        src_index = entry.tier
-        entry.flags |= MOVING
-        self._pending_demotion[src_index] += nbytes
-        future.add_done_callback(
-            lambda f: self._finish_disk_demotion(entry, src_index, nbytes, pieces, f))
-
-    def _finish_disk_demotion(self, entry: Entry, src_index: int, nbytes: int,
-                              pieces: list[Piece], future: "Future[DiskExtent]") -> None:
-        del pieces  # kept alive until the write completed
-        with self._lock:
-            self._pending_demotion[src_index] -= nbytes
-            entry.flags &= ~MOVING
-            disk = self._tiers[self._disk_index]  # type: ignore[index]
-            assert isinstance(disk, DiskTier)
-            error = future.exception()
-            if error is not None:
-                log.warning("SSD demotion of %s failed: %s", entry.key.hex(), error)
-            elif entry.flags & REMOVED or entry.pins:
-                disk.delete(future.result())  # deleted meanwhile, or hot again: keep in memory
-            else:
-                old = entry.handle
-                self._index.move(entry, self._disk_index, future.result())
-                self._tiers[src_index].free(old)  # type: ignore[union-attr]
-                self._tier_counters[src_index].demotions += 1
-                self._tier_counters[self._disk_index].bytes_in += nbytes  # type: ignore[index]
-            self._free_if_dead(entry)
-            self._cond.notify_all()
-
-    def _start_disk_promotion(self, entry: Entry) -> tuple[int, Any]:
-        nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
-        entry.flags |= MOVING  # first: allocating may wait, and other readers must wait too
-        try:
-            return self._allocate(nbytes)
-        except BaseException:
-            entry.flags &= ~MOVING
-            self._free_if_dead(entry)
-            self._cond.notify_all()
-            raise
-
-    def _finish_disk_promotion(self, entry: Entry, extent: DiskExtent,
-                               target: tuple[int, Any]) -> None:
-        tier_index, pages = target
-        tier = self._tiers[tier_index]
-        disk = self._tiers[self._disk_index]  # type: ignore[index]
-        assert isinstance(tier, PagedTier) and isinstance(disk, DiskTier)
-        nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
-        try:
-            pieces = tier.pieces(pages, 0, nbytes)
-            staged = None
-            if pieces and not isinstance(pieces[0], np.ndarray):  # device: land on host first
-                staged = np.empty(nbytes, dtype=np.uint8)
-            self._read_disk_record(disk, entry, extent, pieces if staged is None else [staged])
-            if staged is not None:
-                copy_pieces(pieces, [staged])
-        except BaseException as exc:
-            with self._lock:
-                entry.flags &= ~MOVING
-                tier.free(pages)
-                if isinstance(exc, CorruptRecordError):
-                    self._drop(entry, disk_already_dead=True)
-                self._cond.notify_all()
-            if isinstance(exc, CorruptRecordError):
-                raise NotFoundError(f"{entry.key.hex()} was corrupt on SSD and was dropped: "
-                                    f"{exc}") from None
-            raise
-        with self._lock:
-            entry.flags &= ~MOVING
-            if entry.flags & REMOVED:
-                tier.free(pages)
-                self._free_if_dead(entry)
-            else:
-                disk.delete(entry.handle)  # compaction may have moved it: use the current one
-                self._index.move(entry, tier_index, pages)
-                self._tier_counters[self._disk_index].promotions += 1  # type: ignore[index]
-                self._tier_counters[self._disk_index].bytes_out += nbytes  # type: ignore[index]
-            self._cond.notify_all()
-
-    def _read_disk_record(self, disk: DiskTier, entry: Entry, extent: DiskExtent,
-                          pieces: list[Piece]) -> None:
-        """Read an entry's record; if compaction moved it meanwhile, follow it."""
-        for _ in range(3):
-            try:
-                disk.read_into(extent, pieces, key=entry.key)
-                return
-            except StaleExtentError:
-                with self._lock:
-                    if entry.handle == extent or entry.flags & REMOVED:
-                        raise
-                    extent = entry.handle
-        disk.read_into(extent, pieces, key=entry.key)
-
-    def _evict(self, entry: Entry) -> None:
-        self._tier_counters[entry.tier].evictions += 1
-        self._drop(entry)
-
-    def _evict_disk_leaves(self, nbytes: int) -> None:
-        """Delete SSD leaves worth ``nbytes``; compaction returns the space later."""
-        freed = 0
-        while freed < nbytes:
-            victim = self._index.pick_victim(self._disk_index)  # type: ignore[arg-type]
-            if victim is None:
-                return
-            freed += victim.ns.spec.layout(victim.num_tokens).nbytes
-            self._evict(victim)
-
-    def _drop(self, entry: Entry, *, disk_already_dead: bool = False) -> None:
-        """Take an entry out of the index; its storage goes when the last pin does."""
-        self._index.remove(entry)
-        entry.flags |= REMOVED
-        if disk_already_dead and entry.tier == self._disk_index:
-            entry.handle = None
-        self._free_if_dead(entry)
-
-    def _free_if_dead(self, entry: Entry) -> None:
-        if not entry.flags & REMOVED or entry.pins or entry.flags & MOVING:
-            return
-        if entry.handle is None:
-            return
-        tier = self._tiers[entry.tier]
-        if isinstance(tier, DiskTier):
-            tier.delete(entry.handle)
-        else:
-            tier.free(entry.handle)
-        entry.handle = None
 
     # ------------------------------------------------------------------ maintenance
 
@@ -591,41 +352,16 @@ class TieredStore:
             if self._closed:
                 return
             self._reclaim_expired(time.monotonic())
-            for tier_index in self._paged:
-                self._drain_to_low_watermark(tier_index)
-            disk = self._disk()
+            for tier_index in self._placement.paged:
+                self._placement.drain_to_low_watermark(tier_index)
+            disk = self._placement.disk()
             if disk is not None and disk.used_bytes > self.config.high_watermark * \
                     disk.capacity_bytes:
                 live = disk.stats().live_bytes
-                self._evict_disk_leaves(int(live - self.config.low_watermark *
+                self._placement.evict_disk_leaves(int(live - self.config.low_watermark *
                                             disk.capacity_bytes))
         if disk is not None:
-            disk.compact(self._relocate, min_dead_ratio=self.config.compact_dead_ratio)
-
-    def _drain_to_low_watermark(self, tier_index: int) -> None:
-        """Hysteresis: once a tier passes the high watermark, demote until the low one."""
-        tier = self._tiers[tier_index]
-        cap = tier.capacity_bytes
-        used = tier.used_bytes - self._pending_demotion[tier_index]
-        if used > self.config.high_watermark * cap:
-            self._draining[tier_index] = True
-        while self._draining[tier_index]:
-            if tier.used_bytes - self._pending_demotion[tier_index] <= \
-                    self.config.low_watermark * cap:
-                self._draining[tier_index] = False
-                return
-            victim = self._index.pick_victim(tier_index)
-            if victim is None:
-                return  # the rest is pinned, moving or waiting on its children: next pass
-            self._demote(victim)
-
-    def _relocate(self, key: bytes, old: DiskExtent, new: DiskExtent) -> bool:
-        with self._lock:
-            entry = self._index.get(key)
-            if entry is None or entry.tier != self._disk_index or entry.handle != old:
-                return False
-            entry.handle = new
-            return True
+            disk.compact(self._placement.relocate, min_dead_ratio=self.config.compact_dead_ratio)
 
     def _maintain_loop(self) -> None:
         while not self._stop.wait(self.config.maintenance_interval_s):
@@ -634,30 +370,16 @@ class TieredStore:
             except Exception:  # the loop must outlive any one bad pass
                 log.exception("store maintenance pass failed")
 
-    def _disk(self) -> DiskTier | None:
-        if self._disk_index is None:
-            return None
-        disk = self._tiers[self._disk_index]
-        assert isinstance(disk, DiskTier)
-        return disk
-
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every SSD write queued so far has completed and been indexed."""
-        disk = self._disk()
-        if disk is None:
-            return
-        disk.flush()
-        deadline = time.monotonic() + timeout
-        with self._lock:  # the index switches in the writer's completion callback
-            while any(self._pending_demotion):
-                self._wait(deadline, "SSD demotions did not complete")
+        self._placement.flush(timeout)
 
     def _recover(self) -> None:
-        disk = self._disk()
+        disk = self._placement.disk()
         assert disk is not None
         for record in disk.scan():
             try:
-                ns, parent, num_tokens = _decode_meta(record.meta)
+                ns, parent, num_tokens = decode_meta(record.meta)
             except (KVFabricError, ValueError, TypeError, KeyError) as exc:
                 log.warning("SSD record %s has unreadable metadata (%s); dropped",
                             record.key.hex(), exc)
@@ -688,12 +410,6 @@ class TieredStore:
             raise SpecMismatchError(f"{key.hex()} is stored with spec {entry.ns.spec}, "
                                     f"requested {ns.spec}")
         raise NotFoundError(f"no object {key.hex()} in this namespace")
-
-    def _wait(self, deadline: float | None, what: str) -> None:
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            raise DeadlineExceededError(f"timed out: {what}")
-        self._cond.wait(remaining if remaining is not None else 1.0)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -736,7 +452,7 @@ class TieredStore:
         self._stop.set()
         if self._maintainer is not None:
             self._maintainer.join()
-        disk = self._disk()
+        disk = self._placement.disk()
         if disk is not None:
             try:
                 self.flush()
@@ -761,20 +477,3 @@ def _check_key(name: str, key: bytes) -> None:
         raise SpecError(f"{name} must be {KEY_BYTES} bytes")
 
 
-def _encode_meta(entry: Entry) -> bytes:
-    ns = entry.ns
-    return msgpack.packb({"v": 1, "parent": entry.parent, "tokens": entry.num_tokens,
-                          "model": ns.model_id, "tenant": ns.tenant_salt, "lora": ns.lora_id,
-                          "spec": ns.spec.to_dict()})
-
-
-def _decode_meta(raw: bytes) -> tuple[Namespace, bytes, int]:
-    meta = msgpack.unpackb(raw)
-    if not isinstance(meta, dict) or meta.get("v") != 1:
-        raise ValueError("unknown metadata version")
-    spec = KVSpec.from_dict(meta["spec"])
-    ns = Namespace(meta["model"], spec, meta["tenant"], meta["lora"])
-    parent = meta["parent"]
-    _check_key("parent", parent)
-    spec.layout(meta["tokens"])
-    return ns, parent, int(meta["tokens"])

@@ -22,7 +22,7 @@ from array import array
 
 from kvfabric.errors import CapacityError
 from kvfabric.memory.copy import Piece
-from kvfabric.memory.pages import PageAllocator
+from kvfabric.memory.pages import PageAllocator, slice_pages
 
 
 class TierKind(str, enum.Enum):
@@ -73,18 +73,7 @@ class PagedTier(ABC):
 
     def pieces(self, pages: array, offset: int, length: int) -> list[Piece]:
         """Views covering bytes ``[offset, offset+length)`` of an object stored in ``pages``."""
-        ps = self.page_size
-        if offset < 0 or length < 0 or offset + length > len(pages) * ps:
-            raise ValueError(f"byte range [{offset}, {offset + length}) outside the object")
-        out: list[Piece] = []
-        index, start = divmod(offset, ps)
-        while length > 0:
-            n = min(ps - start, length)
-            out.append(self._view(pages[index], start, start + n))
-            length -= n
-            index += 1
-            start = 0
-        return out
+        return slice_pages(self._view, pages, self.page_size, offset, length)
 
     @abstractmethod
     def _view(self, page_id: int, start: int, end: int) -> Piece:

@@ -1,0 +1,9 @@
+"""Client library of the node daemon, used by every connector (sync and asyncio)."""
+
+from kvfabric.client.async_client import AsyncClient
+from kvfabric.client.client import Client
+from kvfabric.client.objects import (AsyncRemoteReader, AsyncRemoteWriter, RemoteReader,
+                                     RemoteWriter)
+
+__all__ = ["AsyncClient", "AsyncRemoteReader", "AsyncRemoteWriter", "Client", "RemoteReader",
+           "RemoteWriter"]

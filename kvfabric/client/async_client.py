@@ -1,0 +1,204 @@
+"""The asyncio client: the same operations as :class:`~kvfabric.client.Client`, awaitable.
+
+One connection multiplexes concurrent requests (replies are matched by request id), so many
+coroutines can wait on layers, lookups and puts at once. The handshake (which receives the
+arena descriptors) runs once in a worker thread; after it the socket belongs to asyncio.
+Reconnects follow the same rules as the blocking client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvfabric.client import requests
+from kvfabric.client.arenas import ArenaSet
+from kvfabric.client.client import default_address
+from kvfabric.client.connection import Address, handshake, open_socket, result_of
+from kvfabric.client.objects import AsyncRemoteReader, AsyncRemoteWriter
+from kvfabric.client.retry import Backoff, ExponentialBackoff
+from kvfabric.errors import (AlreadyExistsError, DeadlineExceededError, ProtocolError,
+                             UnavailableError)
+from kvfabric.hashing import ROOT
+from kvfabric.lookup import LookupResult
+from kvfabric.protocol.frames import FrameDecoder, encode_frame
+from kvfabric.protocol.messages import Op, request
+
+
+class AsyncConnection:
+    """One authenticated session driven by asyncio; concurrent calls are multiplexed."""
+
+    def __init__(self) -> None:
+        self.closed = True
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._ids = itertools.count(1)
+
+    @classmethod
+    async def open(cls, address: Address, token: str | None, timeout: float
+                   ) -> "AsyncConnection":
+        self = cls()
+        self.timeout = timeout
+        loop = asyncio.get_running_loop()
+        decoder = FrameDecoder()
+
+        def connect() -> tuple[Any, dict[str, Any], list[int]]:
+            sock = open_socket(address, timeout)
+            try:
+                hello, fds = handshake(sock, token, time.monotonic() + timeout, decoder)
+            except BaseException:
+                sock.close()
+                raise
+            sock.setblocking(False)
+            return sock, hello, fds
+
+        sock, self.hello, fds = await loop.run_in_executor(None, connect)
+        self.arenas = ArenaSet(self.hello.get("arenas", []), fds)
+        if isinstance(address, tuple):
+            self._reader, self._writer = await asyncio.open_connection(sock=sock)
+        else:
+            self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+        self.closed = False
+        self._pump = asyncio.create_task(self._read_replies(decoder))
+        return self
+
+    async def call(self, op: Op, args: dict[str, Any], timeout: float | None = None) -> Any:
+        if self.closed:
+            raise UnavailableError("connection is closed")
+        request_id = next(self._ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            self._writer.write(encode_frame(request(request_id, op, args)))
+            await self._writer.drain()
+            reply = await asyncio.wait_for(future, self.timeout if timeout is None else timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"{op.value}: no reply before the deadline") from None
+        except ConnectionError as exc:
+            self.close()
+            raise UnavailableError(f"lost the daemon during {op.value}: {exc}") from None
+        finally:
+            self._pending.pop(request_id, None)
+        return result_of(reply)
+
+    async def _read_replies(self, decoder: FrameDecoder) -> None:
+        error: Exception = UnavailableError("the daemon closed the connection")
+        try:
+            while data := await self._reader.read(1 << 16):
+                for message in decoder.feed(data):
+                    future = self._pending.get(message.get("id"))  # late replies are dropped
+                    if future is not None and not future.done():
+                        future.set_result(message)
+        except (ConnectionError, ProtocolError) as exc:
+            error = UnavailableError(f"lost the daemon: {exc}")
+        finally:
+            self.close()
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(error)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._writer.close()
+            self.arenas.close()
+
+
+class AsyncClient:
+    """``await AsyncClient.connect(...)``; every request method is a coroutine."""
+
+    def __init__(self, address: Address, token: str | None, timeout: float, reconnect: bool,
+                 reconnect_timeout: float, backoff: Backoff) -> None:
+        self.address, self._token, self.timeout = address, token, timeout
+        self.reconnect, self.reconnect_timeout, self._backoff = reconnect, reconnect_timeout, \
+            backoff
+        self._connection: AsyncConnection | None = None
+        self._connecting = asyncio.Lock()
+
+    @classmethod
+    async def connect(cls, address: Address | None = None, *, token: str | None = None,
+                      timeout: float = 30.0, reconnect: bool = True,
+                      reconnect_timeout: float = 30.0,
+                      backoff: Backoff | None = None) -> "AsyncClient":
+        client = cls(address if address is not None else default_address(),
+                     token if token is not None else os.environ.get("KVFABRIC_TOKEN"),
+                     timeout, reconnect, reconnect_timeout, backoff or ExponentialBackoff())
+        await client._session()
+        return client
+
+    async def lookup(self, ns: Any, tokens: Any = None, *,
+                     keys: Sequence[bytes] | None = None) -> LookupResult:
+        return requests.lookup_result(await self._call(Op.LOOKUP,
+                                                       requests.lookup_args(ns, tokens, keys)))
+
+    async def reserve(self, ns: Any, key: bytes, *, parent: bytes = ROOT,
+                      num_tokens: int | None = None) -> AsyncRemoteWriter:
+        session, reply = await self._call_on_session(
+            Op.RESERVE, requests.reserve_args(ns, key, parent, num_tokens))
+        return AsyncRemoteWriter(session, ns, key, reply)
+
+    async def put(self, ns: Any, key: bytes, data: Any, *, parent: bytes = ROOT,
+                  num_tokens: int | None = None) -> bool:
+        try:
+            writer = await self.reserve(ns, key, parent=parent, num_tokens=num_tokens)
+        except AlreadyExistsError:
+            return False
+        async with writer:
+            writer.write(data)
+            await writer.commit()
+        return True
+
+    async def get(self, ns: Any, key: bytes, *, timeout: float | None = None
+                  ) -> AsyncRemoteReader:
+        session, reply = await self._call_on_session(Op.GET, requests.get_args(ns, key, timeout))
+        return AsyncRemoteReader(session, ns, key, reply)
+
+    async def contains(self, ns: Any, keys: Sequence[bytes]) -> list[bool]:
+        return list(await self._call(Op.CONTAINS, requests.keys_args(ns, keys)))
+
+    async def delete(self, ns: Any, key: bytes) -> bool:
+        return bool(await self._call(Op.DELETE, requests.key_args(ns, key)))
+
+    async def stats(self) -> dict[str, Any]:
+        return dict(await self._call(Op.STATS, {}))
+
+    async def ping(self) -> None:
+        await self._call(Op.PING, {})
+
+    async def _call(self, op: Op, args: dict[str, Any]) -> Any:
+        return (await self._call_on_session(op, args))[1]
+
+    async def _call_on_session(self, op: Op, args: dict[str, Any]
+                               ) -> tuple[AsyncConnection, Any]:
+        give_up = time.monotonic() + self.reconnect_timeout
+        attempt = 0
+        while True:
+            try:
+                session = await self._session()
+                return session, await session.call(op, args)
+            except UnavailableError:
+                if not self.reconnect or time.monotonic() >= give_up:
+                    raise
+                await asyncio.sleep(self._backoff.delay(attempt))
+                attempt += 1
+
+    async def _session(self) -> AsyncConnection:
+        async with self._connecting:
+            if self._connection is None or self._connection.closed:
+                self._connection = await AsyncConnection.open(self.address, self._token,
+                                                              self.timeout)
+            return self._connection
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,139 @@
+"""The blocking client every connector uses to talk to its node's daemon.
+
+>>> with Client("/var/lib/kvfabric/kvfabric.sock") as client:
+...     hit = client.lookup(ns, tokens=prompt)              # matched tokens, per tier
+...     with client.reserve(ns, key, parent=parent) as w:    # pages in shared memory
+...         for layer in range(spec.num_layers):
+...             w.write_layer(layer, kv[layer])              # or fill w.layer_pieces(layer)
+...             w.commit_layer(layer)                        # readers may start now
+...     with client.get(ns, key) as r:                       # pinned until released
+...         r.wait_layer(0)
+...         views = r.layer_pieces(0)                        # zero copy
+
+Reconnects: when the daemon goes away (restart), requests that are safe to repeat
+(lookup, contains, get, reserve, put, delete, stats, ping) reconnect with backoff and retry
+until ``reconnect_timeout``; leases taken on the old session are gone and their handles
+raise :class:`~kvfabric.errors.UnavailableError`. Thread-safe: requests are serialised on
+one connection (use one client per thread for parallelism).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvfabric.client import requests
+from kvfabric.client.connection import Address, Connection
+from kvfabric.client.objects import RemoteReader, RemoteWriter
+from kvfabric.client.retry import Backoff, ExponentialBackoff
+from kvfabric.errors import AlreadyExistsError, UnavailableError
+from kvfabric.hashing import ROOT
+from kvfabric.lookup import LookupResult
+from kvfabric.protocol.messages import Op
+from kvfabric.spec import Namespace
+
+DEFAULT_SOCKET = "./kvfabric-data/kvfabric.sock"
+
+
+def default_address() -> str:
+    return os.environ.get("KVFABRIC_SOCKET_PATH", DEFAULT_SOCKET)
+
+
+class Client:
+    """A session with the local daemon (Unix socket) or a remote one (TCP: no leases)."""
+
+    def __init__(self, address: Address | None = None, *, token: str | None = None,
+                 timeout: float = 30.0, reconnect: bool = True,
+                 reconnect_timeout: float = 30.0, backoff: Backoff | None = None) -> None:
+        self.address = address if address is not None else default_address()
+        self._token = token if token is not None else os.environ.get("KVFABRIC_TOKEN")
+        self.timeout = timeout
+        self.reconnect = reconnect
+        self.reconnect_timeout = reconnect_timeout
+        self._backoff = backoff or ExponentialBackoff()
+        self._lock = threading.Lock()
+        self._connection: Connection | None = Connection(self.address, token=self._token,
+                                                         timeout=timeout)
+
+    @property
+    def node_id(self) -> str:
+        return str(self._session().hello["node_id"])
+
+    def lookup(self, ns: Namespace, tokens: Any = None, *,
+               keys: Sequence[bytes] | None = None) -> LookupResult:
+        """Longest prefix the node holds, from token ids (full chunks) or chunk keys."""
+        return requests.lookup_result(self._call(Op.LOOKUP, requests.lookup_args(ns, tokens,
+                                                                                keys)))
+
+    def reserve(self, ns: Namespace, key: bytes, *, parent: bytes = ROOT,
+                num_tokens: int | None = None) -> RemoteWriter:
+        args = requests.reserve_args(ns, key, parent, num_tokens)
+        session, reply = self._call_on_session(Op.RESERVE, args)
+        return RemoteWriter(session, ns, key, reply)
+
+    def put(self, ns: Namespace, key: bytes, data: Any, *, parent: bytes = ROOT,
+            num_tokens: int | None = None) -> bool:
+        """Store a whole payload; ``False`` if the node already holds the key."""
+        try:
+            writer = self.reserve(ns, key, parent=parent, num_tokens=num_tokens)
+        except AlreadyExistsError:
+            return False
+        with writer:
+            writer.write(data)
+            writer.commit()
+        return True
+
+    def get(self, ns: Namespace, key: bytes, *, timeout: float | None = None) -> RemoteReader:
+        session, reply = self._call_on_session(Op.GET, requests.get_args(ns, key, timeout))
+        return RemoteReader(session, ns, key, reply)
+
+    def contains(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        return list(self._call(Op.CONTAINS, requests.keys_args(ns, keys)))
+
+    def delete(self, ns: Namespace, key: bytes) -> bool:
+        return bool(self._call(Op.DELETE, requests.key_args(ns, key)))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._call(Op.STATS, {}))
+
+    def ping(self) -> None:
+        self._call(Op.PING, {})
+
+    def _call(self, op: Op, args: dict[str, Any]) -> Any:
+        return self._call_on_session(op, args)[1]
+
+    def _call_on_session(self, op: Op, args: dict[str, Any]) -> tuple[Connection, Any]:
+        give_up = time.monotonic() + self.reconnect_timeout
+        attempt = 0
+        while True:
+            try:
+                session = self._session()
+                return session, session.call(op, args)
+            except UnavailableError:
+                if not self.reconnect or time.monotonic() >= give_up:
+                    raise
+                time.sleep(self._backoff.delay(attempt))
+                attempt += 1
+
+    def _session(self) -> Connection:
+        with self._lock:
+            if self._connection is None or self._connection.closed:
+                self._connection = None
+                self._connection = Connection(self.address, token=self._token,
+                                              timeout=self.timeout)
+            return self._connection
+
+    def close(self) -> None:
+        with self._lock:
+            if self._connection is not None:
+                self._connection.close()
+                self._connection = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

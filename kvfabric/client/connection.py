@@ -1,0 +1,144 @@
+"""A blocking control connection to the node daemon.
+
+Connect (Unix socket, or TCP for remote tooling), ``hello`` (with the token when one is
+configured), receive the arena descriptors (SCM_RIGHTS) and map them; then one request at a
+time with a deadline each. A deadline that passes mid-reply leaves the stream out of sync,
+so the connection is closed and must be re-established (the client does that).
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from array import array
+from typing import Any
+
+from kvfabric.client.arenas import ArenaSet
+from kvfabric.errors import (DeadlineExceededError, KVFabricError, ProtocolError,
+                             UnavailableError, error_for_kind)
+from kvfabric.protocol.frames import FrameDecoder, encode_frame
+from kvfabric.protocol.messages import Op, request
+
+MAX_FDS = 16
+CLIENT_NAME = "kvfabric-python"
+
+Address = str | tuple[str, int]
+
+
+def open_socket(address: Address, timeout: float) -> socket.socket:
+    try:
+        if isinstance(address, tuple):
+            sock = socket.create_connection(address, timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        else:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            sock.connect(address)
+    except OSError as exc:
+        raise UnavailableError(f"cannot reach the kvfabric daemon at {address}: {exc}") from None
+    return sock
+
+
+def handshake(sock: socket.socket, token: str | None, deadline: float,
+              decoder: FrameDecoder) -> tuple[dict[str, Any], list[int]]:
+    """Send hello, read its reply and any passed descriptors."""
+    sock.sendall(encode_frame(request(0, Op.HELLO, {"token": token, "client": CLIENT_NAME})))
+    fds: list[int] = []
+    local = sock.family == socket.AF_UNIX
+    while True:
+        sock.settimeout(_remaining(deadline, "hello"))
+        if local:
+            data, ancdata, flags, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(MAX_FDS * 4))
+            for level, kind, cdata in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array("i", cdata[:len(cdata) - len(cdata) % 4]))
+        else:
+            data = sock.recv(1 << 16)
+        if not data:
+            raise UnavailableError("the daemon closed the connection during hello")
+        for message in decoder.feed(data):
+            return result_of(message), fds
+
+
+class Connection:
+    """One authenticated session; thread-safe (requests are serialised)."""
+
+    def __init__(self, address: Address, *, token: str | None = None,
+                 timeout: float = 30.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._decoder = FrameDecoder()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._sock = open_socket(address, timeout)
+        try:
+            self.hello, fds = handshake(self._sock, token, time.monotonic() + timeout,
+                                        self._decoder)
+            self.arenas = ArenaSet(self.hello.get("arenas", []), fds)
+        except BaseException:
+            self._sock.close()
+            raise
+        self.closed = False
+
+    def call(self, op: Op, args: dict[str, Any], timeout: float | None = None) -> Any:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        with self._lock:
+            if self.closed:
+                raise UnavailableError("connection is closed")
+            request_id = next(self._ids)
+            frame = encode_frame(request(request_id, op, args))  # too big: nothing sent
+            try:
+                self._sock.settimeout(_remaining(deadline, op.value))
+                self._sock.sendall(frame)
+                reply = self._await_reply(request_id, deadline, op.value)
+            except (OSError, ProtocolError) as exc:
+                self._close_locked()  # the stream is out of sync or gone
+                if isinstance(exc, KVFabricError):
+                    raise
+                raise UnavailableError(f"lost the daemon during {op.value}: {exc}") from None
+        return result_of(reply)
+
+    def _await_reply(self, request_id: int, deadline: float, what: str) -> dict[str, Any]:
+        while True:
+            for message in self._read(deadline, what):
+                if message.get("id") == request_id or message.get("id") == 0 and \
+                        message.get("ok") is False:
+                    return message  # id 0: the daemon is rejecting the whole stream
+
+    def _read(self, deadline: float, what: str) -> list[dict[str, Any]]:
+        self._sock.settimeout(_remaining(deadline, what))
+        try:
+            data = self._sock.recv(1 << 16)
+        except socket.timeout:
+            raise DeadlineExceededError(f"{what}: no reply before the deadline") from None
+        if not data:
+            raise UnavailableError("the daemon closed the connection")
+        return list(self._decoder.feed(data))
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._sock.close()
+            self.arenas.close()
+
+
+def result_of(message: dict[str, Any]) -> Any:
+    if message.get("ok") is True:
+        return message.get("result")
+    error = message.get("error")
+    if not isinstance(error, dict):
+        raise ProtocolError("malformed reply from the daemon")
+    raise error_for_kind(str(error.get("kind")), str(error.get("message")))
+
+
+def _remaining(deadline: float, what: str) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceededError(f"{what}: deadline exceeded")
+    return left

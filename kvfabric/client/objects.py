@@ -1,0 +1,175 @@
+"""Handles on objects held by the daemon, read and written in shared memory.
+
+:class:`RemoteWriter` / :class:`RemoteReader` have the same data-plane API as the store's
+in-process handles (:mod:`kvfabric.payload`): ``layer_pieces`` are numpy views straight
+into the daemon's arena pages, so a put or a get moves no payload byte through the socket.
+Only the lease operations (commit, abort, wait, release) are requests; the ``Async``
+variants make those coroutines. Every handle is a context manager that gives its lease back
+(a writer that did not commit every layer aborts).
+
+A handle belongs to the session that created it: after a reconnect (daemon restart) its
+lease is gone and lease operations raise :class:`~kvfabric.errors.UnavailableError`.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any, Callable
+
+from kvfabric.client.arenas import PageViewer
+from kvfabric.errors import UnavailableError
+from kvfabric.payload import PayloadAccess, PayloadReader, PayloadWriter
+from kvfabric.protocol.messages import Op
+from kvfabric.spec import Namespace
+
+READY_ALL = -1
+REPLY_MARGIN_S = 5.0  # a wait's reply may take its whole timeout plus the trip back
+
+
+class _RemoteLease(PayloadAccess):
+    def __init__(self, session: Any, ns: Namespace, key: bytes, reply: dict[str, Any]) -> None:
+        self._session = session  # the connection this lease lives on
+        self.namespace = ns
+        self.key = key
+        self.lease = int(reply["lease"])
+        self.tier_index = int(reply["tier"])
+        self.layout = ns.spec.layout(int(reply["num_tokens"]))
+        pages = array("I")
+        pages.frombytes(reply["pages"])
+        self._viewer: PageViewer = session.arenas.viewer(self.tier_index, pages)
+        self.closed = False
+
+    def _range_pieces(self, offset: int, length: int) -> list[Any]:
+        if self.closed:
+            raise ValueError("lease already given back")
+        return self._viewer.pieces(offset, length)
+
+    def _call(self) -> Callable[..., Any]:
+        if self._session.closed:
+            raise UnavailableError("the session holding this lease is gone (daemon restart?)")
+        return self._session.call
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.key.hex()[:12]}, lease={self.lease})"
+
+
+class _WriterBase(_RemoteLease, PayloadWriter):
+    def _commit_args(self, layer: int | None) -> dict[str, Any]:
+        if layer is None:
+            return {"lease": self.lease}
+        self.layout.layer_range(layer)  # validate before asking
+        return {"lease": self.lease, "layers": 1 << layer}
+
+
+class RemoteWriter(_WriterBase):
+    def commit_layer(self, layer: int) -> bool:
+        """Publish one layer; True once every layer is committed (the lease then ends)."""
+        done = bool(self._call()(Op.COMMIT, self._commit_args(layer))["done"])
+        self.closed = done
+        return done
+
+    def commit(self) -> None:
+        self._call()(Op.COMMIT, self._commit_args(None))
+        self.closed = True
+
+    def abort(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if not self._session.closed:
+                self._session.call(Op.ABORT, {"lease": self.lease})
+
+    def __enter__(self) -> "RemoteWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+
+class AsyncRemoteWriter(_WriterBase):
+    async def commit_layer(self, layer: int) -> bool:
+        done = bool((await self._call()(Op.COMMIT, self._commit_args(layer)))["done"])
+        self.closed = done
+        return done
+
+    async def commit(self) -> None:
+        await self._call()(Op.COMMIT, self._commit_args(None))
+        self.closed = True
+
+    async def abort(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if not self._session.closed:
+                await self._session.call(Op.ABORT, {"lease": self.lease})
+
+    async def __aenter__(self) -> "AsyncRemoteWriter":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.abort()
+
+
+class _ReaderBase(_RemoteLease, PayloadReader):
+    def __init__(self, session: Any, ns: Namespace, key: bytes, reply: dict[str, Any]) -> None:
+        super().__init__(session, ns, key, reply)
+        self.ready_mask = int(reply["ready"])
+
+    def ready(self, layer: int) -> bool:
+        return self.ready_mask == READY_ALL or bool(self.ready_mask >> layer & 1)
+
+    @property
+    def complete(self) -> bool:
+        return self.ready_mask == READY_ALL
+
+    def _wait_args(self, layer: int, timeout: float) -> dict[str, Any]:
+        self.layout.layer_range(layer)
+        return {"lease": self.lease, "layer": layer, "timeout": timeout}
+
+
+class RemoteReader(_ReaderBase):
+    def wait_layer(self, layer: int, timeout: float = 30.0) -> None:
+        """Block until ``layer`` is committed (the writer may be on another process)."""
+        if not self.ready(layer):
+            reply = self._call()(Op.WAIT_LAYER, self._wait_args(layer, timeout),
+                                 timeout + REPLY_MARGIN_S)
+            self.ready_mask = int(reply["ready"])
+
+    def wait_complete(self, timeout: float = 30.0) -> None:
+        for layer in range(self.layout.spec.num_layers):
+            self.wait_layer(layer, timeout)
+
+    def release(self) -> None:
+        """Give the pin back; raises LeaseExpiredError if it had expired (data may be torn)."""
+        if not self.closed:
+            self.closed = True
+            if not self._session.closed:
+                self._session.call(Op.RELEASE, {"lease": self.lease})
+
+    def __enter__(self) -> "RemoteReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class AsyncRemoteReader(_ReaderBase):
+    async def wait_layer(self, layer: int, timeout: float = 30.0) -> None:
+        if not self.ready(layer):
+            reply = await self._call()(Op.WAIT_LAYER, self._wait_args(layer, timeout),
+                                       timeout + REPLY_MARGIN_S)
+            self.ready_mask = int(reply["ready"])
+
+    async def wait_complete(self, timeout: float = 30.0) -> None:
+        for layer in range(self.layout.spec.num_layers):
+            await self.wait_layer(layer, timeout)
+
+    async def release(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if not self._session.closed:
+                await self._session.call(Op.RELEASE, {"lease": self.lease})
+
+    async def __aenter__(self) -> "AsyncRemoteReader":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()

@@ -1,0 +1,49 @@
+"""Arguments of each request and parsing of their results, shared by both clients."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvfabric.errors import SpecError
+from kvfabric.hashing import ROOT, as_token_array
+from kvfabric.lookup import LookupResult
+from kvfabric.protocol.messages import encode_namespace
+from kvfabric.spec import Namespace
+
+
+def lookup_args(ns: Namespace, tokens: Any = None, keys: Sequence[bytes] | None = None
+                ) -> dict[str, Any]:
+    """Either token ids (hashed by the daemon, full chunks only) or chunk keys."""
+    if (tokens is None) == (keys is None):
+        raise SpecError("lookup takes either tokens or keys")
+    if keys is not None:
+        return {"ns": encode_namespace(ns), "keys": list(keys)}
+    return {"ns": encode_namespace(ns), "tokens": as_token_array(tokens).astype("<i4").tobytes()}
+
+
+def lookup_result(result: dict[str, Any]) -> LookupResult:
+    return LookupResult.from_dict(result)
+
+
+def reserve_args(ns: Namespace, key: bytes, parent: bytes = ROOT,
+                 num_tokens: int | None = None) -> dict[str, Any]:
+    args: dict[str, Any] = {"ns": encode_namespace(ns), "key": key, "parent": parent}
+    if num_tokens is not None:
+        args["num_tokens"] = num_tokens
+    return args
+
+
+def get_args(ns: Namespace, key: bytes, timeout: float | None) -> dict[str, Any]:
+    args: dict[str, Any] = {"ns": encode_namespace(ns), "key": key}
+    if timeout is not None:
+        args["timeout"] = timeout
+    return args
+
+
+def keys_args(ns: Namespace, keys: Sequence[bytes]) -> dict[str, Any]:
+    return {"ns": encode_namespace(ns), "keys": list(keys)}
+
+
+def key_args(ns: Namespace, key: bytes) -> dict[str, Any]:
+    return {"ns": encode_namespace(ns), "key": key}

@@ -1,0 +1,25 @@
+"""The answer to a prefix lookup, shared by the store, the protocol and the clients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Longest stored prefix of a chain: how many chunks / tokens, and in which tiers."""
+
+    requested_chunks: int
+    matched_chunks: int
+    matched_tokens: int
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # matched tokens per tier name
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"requested_chunks": self.requested_chunks, "chunks": self.matched_chunks,
+                "tokens": self.matched_tokens, "tier_tokens": dict(self.tier_tokens)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LookupResult":
+        return cls(int(data["requested_chunks"]), int(data["chunks"]), int(data["tokens"]),
+                   {str(k): int(v) for k, v in data["tier_tokens"].items()})

@@ -1,0 +1,1 @@
+"""The node daemon: control server (sessions, leases, handlers), HTTP API, lifecycle."""

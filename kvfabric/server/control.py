@@ -1,0 +1,252 @@
+"""The control server: Unix-socket (local clients) and TCP (remote tooling) listeners.
+
+Per connection: frames are decoded with size limits (:mod:`kvfabric.protocol.frames`); the
+first request must be ``hello`` (authenticated when tokens are configured), and on the Unix
+socket its reply carries the arena file descriptors (SCM_RIGHTS) so the client can map the
+shared memory. After that, requests run concurrently (at most ``MAX_IN_FLIGHT`` per
+connection); replies carry the request id and may come back out of order.
+
+Bad input never takes the daemon down: a malformed request gets an error reply; a broken
+frame (garbage length, undecodable body) gets an error reply and the connection is closed,
+because the stream can no longer be trusted. When a connection ends, its session's leases
+are given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from array import array
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any
+
+from kvfabric.errors import AuthError, ForbiddenError, KVFabricError, ProtocolError
+from kvfabric.protocol.frames import FrameDecoder, encode_frame
+from kvfabric.protocol.messages import (Op, error_reply, ok_reply, parse_request,
+                                        request_id_of)
+from kvfabric.server import handlers
+from kvfabric.server.handlers import Context
+from kvfabric.server.session import Session
+
+log = logging.getLogger(__name__)
+
+MAX_IN_FLIGHT = 64
+READ_CHUNK = 1 << 16
+
+
+class ControlServer:
+    """Accepts sessions and dispatches their requests to :mod:`kvfabric.server.handlers`."""
+
+    def __init__(self, ctx: Context, executor: Executor, metrics: Any, *, socket_path: str,
+                 tcp_host: str, tcp_port: int | None, max_sessions: int) -> None:
+        self._ctx = ctx
+        self._executor = executor
+        self._metrics = metrics
+        self._socket_path = Path(socket_path)
+        self._tcp_host, self._tcp_port = tcp_host, tcp_port
+        self._max_sessions = max_sessions
+        self._servers: list[asyncio.AbstractServer] = []
+        self._connections: dict[Session, asyncio.StreamWriter] = {}
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def session_count(self) -> int:
+        return len(self._connections)
+
+    @property
+    def tcp_port(self) -> int | None:
+        for server in self._servers[1:]:
+            return server.sockets[0].getsockname()[1]
+        return None
+
+    async def start(self) -> None:
+        self._socket_path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_socket(self._socket_path)
+        unix = await asyncio.start_unix_server(
+            lambda r, w: self._serve(r, w, local=True), path=str(self._socket_path),
+            limit=READ_CHUNK)
+        os.chmod(self._socket_path, 0o660)  # the node's engines run as the same group
+        self._servers.append(unix)
+        if self._tcp_port is not None:
+            tcp = await asyncio.start_server(lambda r, w: self._serve(r, w, local=False),
+                                             self._tcp_host, self._tcp_port, limit=READ_CHUNK)
+            self._servers.append(tcp)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting, let in-flight requests finish (up to ``grace_s``), close sessions."""
+        for server in self._servers:
+            server.close()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        for writer in list(self._connections.values()):
+            writer.close()
+        for server in self._servers:
+            await server.wait_closed()
+        with contextlib.suppress(FileNotFoundError):
+            self._socket_path.unlink()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+                     local: bool) -> None:
+        session = Session(local=local, max_leases=self._ctx.max_leases)
+        if len(self._connections) >= self._max_sessions:
+            await _send(writer, error_reply(0, ProtocolError(
+                f"too many sessions (limit {self._max_sessions})")))
+            writer.close()
+            return
+        self._connections[session] = writer
+        self._metrics.session_opened()
+        decoder = FrameDecoder()
+        slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                data = await reader.read(READ_CHUNK)
+                if not data:
+                    break
+                try:
+                    messages = list(decoder.feed(data))
+                except ProtocolError as exc:
+                    await _send(writer, error_reply(0, exc))
+                    break  # the stream is out of sync: nothing after this can be trusted
+                for message in messages:
+                    if not session.authenticated:
+                        if not await self._hello(session, message, writer):
+                            return
+                        continue
+                    await slots.acquire()
+                    task = asyncio.create_task(self._dispatch(session, message, writer))
+                    tasks.add(task)
+                    task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            del self._connections[session]
+            leases = session.close()
+            if leases:
+                log.info("session %d ended with %d open lease(s); given back", session.id, leases)
+            self._metrics.session_closed()
+            writer.close()
+
+    async def _hello(self, session: Session, message: Any, writer: asyncio.StreamWriter) -> bool:
+        request_id = request_id_of(message)
+        try:
+            request_id, op, args = parse_request(message)
+            if op is not Op.HELLO:
+                raise AuthError("a session must start with hello")
+            result, fds = handlers.hello(self._ctx, session, args)
+            frame = encode_frame(ok_reply(request_id, result))
+            await writer.drain()
+            if fds:
+                await _send_with_fds(writer, frame, fds)
+            else:
+                writer.write(frame)
+                await writer.drain()
+            return True
+        except KVFabricError as exc:
+            log.warning("session %d refused: %s", session.id, exc)
+            await _send(writer, error_reply(request_id, exc))
+            return False
+
+    async def _dispatch(self, session: Session, message: Any,
+                        writer: asyncio.StreamWriter) -> None:
+        started = time.perf_counter()
+        self._begin()
+        request_id, op_name, error_kind = request_id_of(message), "invalid", None
+        try:
+            request_id, op, args = parse_request(message)
+            op_name = op.value
+            handler = handlers.HANDLERS.get(op)
+            if handler is None:
+                raise ProtocolError(f"{op.value} is only valid as a session's first request")
+            if handler.local and not session.local:
+                raise ForbiddenError(f"{op.value} maps shared memory: use the local socket")
+            if handler.blocking:
+                loop = asyncio.get_running_loop()
+                result = await loop.run_in_executor(self._executor, handler.fn, self._ctx,
+                                                    session, args)
+            else:
+                result = handler.fn(self._ctx, session, args)
+            reply = ok_reply(request_id, result)
+        except KVFabricError as exc:
+            error_kind = exc.kind
+            reply = error_reply(request_id, exc)
+        except Exception as exc:  # a bug must cost one request, not the daemon
+            log.exception("internal error in %s", op_name)
+            error_kind = "internal"
+            reply = error_reply(request_id, KVFabricError(f"internal error: {exc!r}"))
+        finally:
+            self._end()
+        try:
+            await _send(writer, reply)
+        except ProtocolError as exc:  # the result did not fit in a frame
+            await _send(writer, error_reply(request_id, exc))
+        except ConnectionError:
+            pass
+        self._metrics.observe_request(op_name, time.perf_counter() - started, error_kind)
+
+    def _begin(self) -> None:
+        self._in_flight += 1
+        self._idle.clear()
+
+    def _end(self) -> None:
+        self._in_flight -= 1
+        if not self._in_flight:
+            self._idle.set()
+
+
+async def _send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+    if writer.is_closing():
+        return
+    writer.write(encode_frame(message))
+    await writer.drain()
+
+
+async def _send_with_fds(writer: asyncio.StreamWriter, frame: bytes, fds: list[int]) -> None:
+    """Send ``frame`` with ``fds`` attached (SCM_RIGHTS) on the connection's Unix socket.
+
+    The transport's buffer is empty (drained), so writing on a duplicate of its socket keeps
+    the byte order; whatever the kernel did not take goes through the transport.
+    """
+    transport_socket = writer.get_extra_info("socket")
+    raw = socket.socket(fileno=os.dup(transport_socket.fileno()))
+    try:
+        for _ in range(100):
+            try:
+                sent = raw.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                              array("i", fds))])
+                break
+            except BlockingIOError:
+                await asyncio.sleep(0.01)
+        else:
+            raise ConnectionError("could not pass the arena descriptors")
+    finally:
+        raw.close()
+    if sent < len(frame):
+        writer.write(frame[sent:])
+    await writer.drain()
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """A socket file left by a crashed daemon blocks bind; one that answers is a live daemon."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_socket():
+        raise KVFabricError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink()
+        return
+    finally:
+        probe.close()
+    raise KVFabricError(f"another daemon is already serving {path}")

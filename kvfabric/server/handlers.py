@@ -1,0 +1,188 @@
+"""Request handlers: one function per protocol operation.
+
+Each handler takes the session and the request's ``args`` map, validates every argument
+(:mod:`kvfabric.protocol.messages` validators raise ``ProtocolError``) and returns a
+msgpack-able result or raises a :class:`~kvfabric.errors.KVFabricError`, which the control
+server turns into an error reply. ``blocking`` handlers (they may wait for room, an SSD
+read or a layer) run in the daemon's thread pool; the others run on the event loop and
+only take the store lock briefly. ``local`` handlers touch shared memory and are refused on
+TCP sessions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvfabric.config import AuthConfig
+from kvfabric.errors import AuthError, ForbiddenError, LeaseExpiredError
+from kvfabric.hashing import ROOT
+from kvfabric.protocol.messages import (MAX_KEYS, MAX_TOKENS, PROTOCOL_VERSION, Op, arg_float,
+                                        arg_int, arg_key, arg_keys, arg_str, arg_tokens)
+from kvfabric.server.session import Session
+from kvfabric.store.handles import ObjectReader, ObjectWriter
+
+MAX_LAYERS_MASK = (1 << 1024) - 1
+
+
+class StoreAPI(Protocol):  # what handlers need: a TieredStore or its instrumented wrapper
+    def __getattr__(self, name: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Context:
+    """What handlers may use besides the session."""
+
+    store: StoreAPI
+    auth: AuthConfig
+    node_id: str
+    max_leases: int
+
+
+@dataclass(frozen=True)
+class Handler:
+    fn: Callable[[Context, Session, dict[str, Any]], Any]
+    blocking: bool = False
+    local: bool = False
+
+
+def hello(ctx: Context, session: Session, args: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    """Authenticate; returns the result and the arena fds to pass (local sessions only)."""
+    token = args.get("token")
+    if token is not None and not isinstance(token, str):
+        raise AuthError("token must be a string")
+    session.authenticate(_tenant_of(ctx.auth, token), arg_str(args, "client", default=""))
+    arenas = ctx.store.host_arenas() if session.local else []
+    result = {
+        "protocol": PROTOCOL_VERSION, "node_id": ctx.node_id, "tenant": session.tenant,
+        "shared_memory": session.local, "tiers": ctx.store.tier_names,
+        "arenas": [{"tier": name, "index": index, "size": arena.size,
+                    "page_size": arena.page_size} for index, name, arena in arenas],
+        "limits": {"max_keys": MAX_KEYS, "max_tokens": MAX_TOKENS,
+                   "max_leases": ctx.max_leases},
+    }
+    return result, [arena.fd for _, _, arena in arenas]
+
+
+def _tenant_of(auth: AuthConfig, token: str | None) -> str | None:
+    if not auth.enabled:
+        return None
+    admin = auth.admin_token
+    if token and admin and hmac.compare_digest(token.encode(), admin.encode()):
+        return None
+    for candidate, tenant in auth.tenants.items():
+        if token and hmac.compare_digest(token.encode(), candidate.encode()):
+            return tenant
+    raise AuthError("missing or invalid token")
+
+
+def lookup(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    ns = session.namespace(args.get("ns"))
+    if "keys" in args:
+        result = ctx.store.lookup(ns, arg_keys(args))
+    else:
+        tokens = np.frombuffer(arg_tokens(args), dtype="<i4")
+        result = ctx.store.lookup_tokens(ns, tokens)
+    return result.to_dict()
+
+
+def reserve(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    ns = session.namespace(args.get("ns"))
+    parent = arg_key(args, "parent") if "parent" in args else ROOT
+    num_tokens = arg_int(args, "num_tokens", low=1, high=ns.spec.chunk_tokens,
+                         default=ns.spec.chunk_tokens)
+    writer = ctx.store.reserve(ns, arg_key(args, "key"), parent=parent, num_tokens=num_tokens)
+    return _placement(session.add_lease(writer), writer)
+
+
+def commit(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    lease_id = arg_int(args, "lease")
+    writer = session.writer(lease_id)
+    if args.get("layers") is None:
+        writer.commit()
+        done = True
+    else:
+        done = writer.commit_layers(arg_int(args, "layers", low=1, high=MAX_LAYERS_MASK))
+    if done:
+        session.forget(lease_id)
+    return {"done": done}
+
+
+def abort(ctx: Context, session: Session, args: dict[str, Any]) -> None:
+    lease = session.forget(arg_int(args, "lease"))
+    if isinstance(lease, ObjectWriter):
+        lease.abort()
+    else:
+        lease.release()
+
+
+def get(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    ns = session.namespace(args.get("ns"))
+    reader = ctx.store.get(ns, arg_key(args, "key"), timeout=arg_float(args, "timeout"))
+    result = _placement(session.add_lease(reader), reader)
+    result["ready"] = reader.ready_mask
+    return result
+
+
+def wait_layer(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    reader = session.reader(arg_int(args, "lease"))
+    timeout = arg_float(args, "timeout", default=30.0)
+    reader.wait_layer(arg_int(args, "layer", high=reader.layout.spec.num_layers - 1), timeout)
+    return {"ready": reader.ready_mask}
+
+
+def release(ctx: Context, session: Session, args: dict[str, Any]) -> None:
+    lease = session.forget(arg_int(args, "lease"))
+    if lease.expired:
+        # the pages may have been reused while the client read them: tell it so
+        raise LeaseExpiredError(f"the pin on {lease.key.hex()} expired before its release; "
+                                f"data read through it may be torn")
+    if isinstance(lease, ObjectReader):
+        lease.release()
+    else:
+        lease.abort()
+
+
+def contains(ctx: Context, session: Session, args: dict[str, Any]) -> list[bool]:
+    ns = session.namespace(args.get("ns"))
+    return [ctx.store.contains(ns, key) for key in arg_keys(args)]
+
+
+def delete(ctx: Context, session: Session, args: dict[str, Any]) -> bool:
+    ns = session.namespace(args.get("ns"))
+    return bool(ctx.store.delete(ns, arg_key(args, "key")))
+
+
+def stats(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    if session.tenant is not None:
+        raise ForbiddenError("node statistics need the admin token")
+    return dataclasses.asdict(ctx.store.stats())
+
+
+def ping(ctx: Context, session: Session, args: dict[str, Any]) -> str:
+    return "pong"
+
+
+def _placement(lease_id: int, lease: ObjectWriter | ObjectReader) -> dict[str, Any]:
+    return {"lease": lease_id, "tier": lease.tier_index, "pages": lease.pages.tobytes(),
+            "nbytes": lease.nbytes, "num_tokens": lease.num_tokens}
+
+
+HANDLERS: dict[Op, Handler] = {
+    Op.LOOKUP: Handler(lookup),
+    Op.RESERVE: Handler(reserve, blocking=True, local=True),
+    Op.COMMIT: Handler(commit, local=True),
+    Op.ABORT: Handler(abort, local=True),
+    Op.GET: Handler(get, blocking=True, local=True),
+    Op.WAIT_LAYER: Handler(wait_layer, blocking=True, local=True),
+    Op.RELEASE: Handler(release, local=True),
+    Op.CONTAINS: Handler(contains),
+    Op.DELETE: Handler(delete),
+    Op.STATS: Handler(stats),
+    Op.PING: Handler(ping),
+}

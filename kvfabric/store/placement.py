@@ -1,0 +1,364 @@
+"""Placement: where objects live and how they move between tiers.
+
+Allocation in the first memory tier with room; demotion of candidates (see
+:mod:`kvfabric.store.index`) one tier down when a tier must make room or passes its high
+watermark (write-behind to SSD through the disk tier's writers); promotion on hit; eviction
+from the last tier; and the end of an object's storage once it is removed and unpinned.
+
+Every method is called with the store lock held (``cond``'s lock, re-entrant). Methods that
+may wait (for SSD demotions to free memory) do so on ``cond``, which releases the lock, so
+an entry can change meanwhile: movers mark it MOVING and re-check it afterwards. SSD reads
+and writes themselves happen outside the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from kvfabric.errors import (CapacityError, CorruptRecordError, DeadlineExceededError,
+                             NotFoundError)
+from kvfabric.hashing import KEY_BYTES
+from kvfabric.memory.copy import Piece, copy_pieces
+from kvfabric.spec import KVSpec, Namespace
+from kvfabric.store.config import StoreConfig
+from kvfabric.store.factory import AnyTier
+from kvfabric.store.index import MOVING, REMOVED, Entry, LocalIndex
+from kvfabric.store.stats import TierCounters
+from kvfabric.tiers.base import PagedTier
+from kvfabric.tiers.disk import DiskExtent, DiskTier, StaleExtentError
+
+log = logging.getLogger(__name__)
+
+
+class Placement:
+    """Tier placement and movement of the store's objects (state shared with the store)."""
+
+    def __init__(self, tiers: list[AnyTier], names: list[str], index: LocalIndex,
+                 counters: list[TierCounters], cond: threading.Condition, config: StoreConfig,
+                 reclaim: Callable[[], object]) -> None:
+        self.tiers = tiers
+        self.names = names
+        self.index = index
+        self.counters = counters
+        self.config = config
+        self._cond = cond
+        self._reclaim = reclaim  # expire stale leases: they may be what holds the memory
+        last = tiers[-1]
+        self.disk_index = len(tiers) - 1 if isinstance(last, DiskTier) else None
+        self.paged = [i for i, t in enumerate(tiers) if isinstance(t, PagedTier)]
+        self.pending_demotion = [0] * len(tiers)  # bytes being written to SSD, per source tier
+        self.draining = [False] * len(tiers)
+
+    def pieces(self, entry: Entry, offset: int, length: int) -> list[Piece]:
+        tier = self.tiers[entry.tier]
+        assert isinstance(tier, PagedTier)
+        return tier.pieces(entry.handle, offset, length)
+
+    def allocate(self, nbytes: int) -> tuple[int, Any]:
+        """Pages in the first memory tier that can make room; CapacityError otherwise."""
+        errors = []
+        for tier_index in self.paged:
+            try:
+                self.make_room(tier_index, nbytes)
+                return tier_index, self.tiers[tier_index].allocate(nbytes)  # type: ignore
+            except CapacityError as exc:
+                errors.append(f"{self.names[tier_index]}: {exc}")
+        raise CapacityError(f"no memory tier can hold {nbytes} bytes ({'; '.join(errors)})")
+
+    def make_room(self, tier_index: int, nbytes: int) -> None:
+        tier = self.tiers[tier_index]
+        assert isinstance(tier, PagedTier)
+        if nbytes > tier.capacity_bytes:
+            raise CapacityError(f"object of {nbytes} bytes is larger than the tier")
+        reclaimed = False
+        deadline = time.monotonic() + self.config.reservation_timeout_s
+        while not tier.can_fit(nbytes):
+            victim = self.index.pick_victim(tier_index)
+            if victim is not None:
+                self.demote(victim)
+            elif self.pending_demotion[tier_index]:
+                self.wait(deadline, "waiting for SSD demotions to free memory")
+            elif not reclaimed:
+                reclaimed = True  # a dead client's leases may be what holds the memory
+                self._reclaim()
+            else:
+                raise CapacityError(f"{self.names[tier_index]} is full of pinned or "
+                                    f"incomplete objects")
+
+    def demote(self, entry: Entry) -> None:
+        """Move a victim one tier down, or evict it from the last tier (lock held)."""
+        src_index = entry.tier
+        dst_index = src_index + 1
+        if dst_index >= len(self.tiers):
+            self.evict(entry)
+            return
+        nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
+        if dst_index == self.disk_index:
+            self.demote_to_disk(entry, nbytes)
+            return
+        try:
+            pages = self.claim_pages(entry, dst_index, nbytes)
+        except CapacityError:
+            if self.index.get(entry.key) is entry and not entry.pins:
+                self.evict(entry)  # nowhere below has room: this is the one that goes
+            return
+        if pages is not None:
+            self.move_in_memory(entry, dst_index, pages, nbytes)
+            self.counters[src_index].demotions += 1
+
+    def promote_in_memory(self, entry: Entry) -> None:
+        nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
+        src_index = entry.tier
+        try:
+            pages = self.claim_pages(entry, self.paged[0], nbytes)
+        except CapacityError:
+            return  # served from where it is
+        if pages is not None:
+            self.counters[src_index].promotions += 1
+            self.move_in_memory(entry, self.paged[0], pages, nbytes)
+
+    def claim_pages(self, entry: Entry, tier_index: int, nbytes: int) -> Any | None:
+        """Pages in ``tier_index`` to move ``entry`` into, or None if it changed meanwhile.
+
+        Making room may wait (the lock is released), so the entry is marked MOVING to keep
+        other movers off it, and re-checked afterwards: a reader that pinned it, or a delete,
+        wins over the move.
+        """
+        src_index = entry.tier
+        entry.flags |= MOVING
+        try:
+            self.make_room(tier_index, nbytes)
+            pages = self.tiers[tier_index].allocate(nbytes)  # type: ignore[union-attr]
+        finally:
+            entry.flags &= ~MOVING
+        if entry.flags & REMOVED or entry.tier != src_index or entry.pins:
+            self.tiers[tier_index].free(pages)  # type: ignore[union-attr]
+            self.free_if_dead(entry)
+            return None
+        return pages
+
+    def move_in_memory(self, entry: Entry, dst_index: int, pages: Any, nbytes: int) -> None:
+        src = self.tiers[entry.tier]
+        dst = self.tiers[dst_index]
+        assert isinstance(src, PagedTier) and isinstance(dst, PagedTier)
+        copy_pieces(dst.pieces(pages, 0, nbytes), src.pieces(entry.handle, 0, nbytes))
+        old = entry.handle
+        self.index.move(entry, dst_index, pages)
+        src.free(old)
+
+    def demote_to_disk(self, entry: Entry, nbytes: int) -> None:
+        disk = self.tiers[self.disk_index]  # type: ignore[index]
+        assert isinstance(disk, DiskTier)
+        pieces = self.pieces(entry, 0, nbytes)
+        if pieces and not isinstance(pieces[0], np.ndarray):  # device memory: stage on host
+            staged = np.empty(nbytes, dtype=np.uint8)
+            copy_pieces([staged], pieces)
+            pieces = [staged]
+        try:
+            future = disk.write(entry.key, encode_meta(entry), pieces)
+        except CapacityError:
+            self.evict_disk_leaves(nbytes)
+            self.evict(entry)
+            return
+        src_index = entry.tier
+        entry.flags |= MOVING
+        self.pending_demotion[src_index] += nbytes
+        future.add_done_callback(
+            lambda f: self.finish_disk_demotion(entry, src_index, nbytes, pieces, f))
+
+    def finish_disk_demotion(self, entry: Entry, src_index: int, nbytes: int,
+                              pieces: list[Piece], future: "Future[DiskExtent]") -> None:
+        del pieces  # kept alive until the write completed
+        with self._cond:
+            self.pending_demotion[src_index] -= nbytes
+            entry.flags &= ~MOVING
+            disk = self.tiers[self.disk_index]  # type: ignore[index]
+            assert isinstance(disk, DiskTier)
+            error = future.exception()
+            if error is not None:
+                log.warning("SSD demotion of %s failed: %s", entry.key.hex(), error)
+            elif entry.flags & REMOVED or entry.pins:
+                disk.delete(future.result())  # deleted meanwhile, or hot again: keep in memory
+            else:
+                old = entry.handle
+                self.index.move(entry, self.disk_index, future.result())
+                self.tiers[src_index].free(old)  # type: ignore[union-attr]
+                self.counters[src_index].demotions += 1
+                self.counters[self.disk_index].bytes_in += nbytes  # type: ignore[index]
+            self.free_if_dead(entry)
+            self._cond.notify_all()
+
+    def start_disk_promotion(self, entry: Entry) -> tuple[int, Any]:
+        nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
+        entry.flags |= MOVING  # first: allocating may wait, and other readers must wait too
+        try:
+            return self.allocate(nbytes)
+        except BaseException:
+            entry.flags &= ~MOVING
+            self.free_if_dead(entry)
+            self._cond.notify_all()
+            raise
+
+    def finish_disk_promotion(self, entry: Entry, extent: DiskExtent,
+                               target: tuple[int, Any]) -> None:
+        tier_index, pages = target
+        tier = self.tiers[tier_index]
+        disk = self.tiers[self.disk_index]  # type: ignore[index]
+        assert isinstance(tier, PagedTier) and isinstance(disk, DiskTier)
+        nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
+        try:
+            pieces = tier.pieces(pages, 0, nbytes)
+            staged = None
+            if pieces and not isinstance(pieces[0], np.ndarray):  # device: land on host first
+                staged = np.empty(nbytes, dtype=np.uint8)
+            self.read_disk_record(disk, entry, extent, pieces if staged is None else [staged])
+            if staged is not None:
+                copy_pieces(pieces, [staged])
+        except BaseException as exc:
+            with self._cond:
+                entry.flags &= ~MOVING
+                tier.free(pages)
+                if isinstance(exc, CorruptRecordError):
+                    self.drop(entry, disk_already_dead=True)
+                self._cond.notify_all()
+            if isinstance(exc, CorruptRecordError):
+                raise NotFoundError(f"{entry.key.hex()} was corrupt on SSD and was dropped: "
+                                    f"{exc}") from None
+            raise
+        with self._cond:
+            entry.flags &= ~MOVING
+            if entry.flags & REMOVED:
+                tier.free(pages)
+                self.free_if_dead(entry)
+            else:
+                disk.delete(entry.handle)  # compaction may have moved it: use the current one
+                self.index.move(entry, tier_index, pages)
+                self.counters[self.disk_index].promotions += 1  # type: ignore[index]
+                self.counters[self.disk_index].bytes_out += nbytes  # type: ignore[index]
+            self._cond.notify_all()
+
+    def read_disk_record(self, disk: DiskTier, entry: Entry, extent: DiskExtent,
+                          pieces: list[Piece]) -> None:
+        """Read an entry's record; if compaction moved it meanwhile, follow it."""
+        for _ in range(3):
+            try:
+                disk.read_into(extent, pieces, key=entry.key)
+                return
+            except StaleExtentError:
+                with self._cond:
+                    if entry.handle == extent or entry.flags & REMOVED:
+                        raise
+                    extent = entry.handle
+        disk.read_into(extent, pieces, key=entry.key)
+
+    def evict(self, entry: Entry) -> None:
+        self.counters[entry.tier].evictions += 1
+        self.drop(entry)
+
+    def evict_disk_leaves(self, nbytes: int) -> None:
+        """Delete SSD leaves worth ``nbytes``; compaction returns the space later."""
+        freed = 0
+        while freed < nbytes:
+            victim = self.index.pick_victim(self.disk_index)  # type: ignore[arg-type]
+            if victim is None:
+                return
+            freed += victim.ns.spec.layout(victim.num_tokens).nbytes
+            self.evict(victim)
+
+    def drop(self, entry: Entry, *, disk_already_dead: bool = False) -> None:
+        """Take an entry out of the index; its storage goes when the last pin does."""
+        self.index.remove(entry)
+        entry.flags |= REMOVED
+        if disk_already_dead and entry.tier == self.disk_index:
+            entry.handle = None
+        self.free_if_dead(entry)
+
+    def free_if_dead(self, entry: Entry) -> None:
+        if not entry.flags & REMOVED or entry.pins or entry.flags & MOVING:
+            return
+        if entry.handle is None:
+            return
+        tier = self.tiers[entry.tier]
+        if isinstance(tier, DiskTier):
+            tier.delete(entry.handle)
+        else:
+            tier.free(entry.handle)
+        entry.handle = None
+
+    def drain_to_low_watermark(self, tier_index: int) -> None:
+        """Hysteresis: once a tier passes the high watermark, demote until the low one."""
+        tier = self.tiers[tier_index]
+        cap = tier.capacity_bytes
+        used = tier.used_bytes - self.pending_demotion[tier_index]
+        if used > self.config.high_watermark * cap:
+            self.draining[tier_index] = True
+        while self.draining[tier_index]:
+            if tier.used_bytes - self.pending_demotion[tier_index] <= \
+                    self.config.low_watermark * cap:
+                self.draining[tier_index] = False
+                return
+            victim = self.index.pick_victim(tier_index)
+            if victim is None:
+                return  # the rest is pinned, moving or waiting on its children: next pass
+            self.demote(victim)
+
+    def relocate(self, key: bytes, old: DiskExtent, new: DiskExtent) -> bool:
+        with self._cond:
+            entry = self.index.get(key)
+            if entry is None or entry.tier != self.disk_index or entry.handle != old:
+                return False
+            entry.handle = new
+            return True
+
+    def disk(self) -> DiskTier | None:
+        if self.disk_index is None:
+            return None
+        disk = self.tiers[self.disk_index]
+        assert isinstance(disk, DiskTier)
+        return disk
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every SSD write queued so far has completed and been indexed."""
+        disk = self.disk()
+        if disk is None:
+            return
+        disk.flush()
+        deadline = time.monotonic() + timeout
+        with self._cond:  # the index switches in the writer's completion callback
+            while any(self.pending_demotion):
+                self.wait(deadline, "SSD demotions did not complete")
+
+    def wait(self, deadline: float | None, what: str) -> None:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceededError(f"timed out: {what}")
+        self._cond.wait(remaining if remaining is not None else 1.0)
+
+
+def encode_meta(entry: Entry) -> bytes:
+    """The SSD record's metadata: enough to re-index the object after a restart."""
+    ns = entry.ns
+    return msgpack.packb({"v": 1, "parent": entry.parent, "tokens": entry.num_tokens,
+                          "model": ns.model_id, "tenant": ns.tenant_salt, "lora": ns.lora_id,
+                          "spec": ns.spec.to_dict()})
+
+
+def decode_meta(raw: bytes) -> tuple[Namespace, bytes, int]:
+    meta = msgpack.unpackb(raw)
+    if not isinstance(meta, dict) or meta.get("v") != 1:
+        raise ValueError("unknown metadata version")
+    spec = KVSpec.from_dict(meta["spec"])
+    ns = Namespace(meta["model"], spec, meta["tenant"], meta["lora"])
+    parent = meta["parent"]
+    if not isinstance(parent, bytes) or len(parent) != KEY_BYTES:
+        raise ValueError("bad parent key")
+    spec.layout(meta["tokens"])
+    return ns, parent, int(meta["tokens"])

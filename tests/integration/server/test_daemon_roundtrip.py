@@ -1,0 +1,171 @@
+"""A real daemon process and real clients: the local data path works end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvfabric.client import AsyncClient, Client
+from kvfabric.errors import AlreadyExistsError, NotFoundError, ProtocolError
+from kvfabric.hashing import chunk_hashes, chunk_keys
+from kvfabric.spec import KVSpec, Namespace
+
+SPEC = KVSpec(num_layers=4, num_kv_heads=4, head_dim=32, dtype="bfloat16", chunk_tokens=32)
+NS = Namespace("tiny", SPEC, tenant_salt="t1")
+SMALL = ["store.tiers.dram.capacity=8MiB", "store.tiers.dram.page_size=16KiB",
+         "store.tiers.ssd.capacity=64MiB"]
+
+
+def payload(key: bytes, nbytes: int = SPEC.chunk_bytes) -> np.ndarray:
+    return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
+        0, 256, nbytes, dtype=np.uint8)
+
+
+def put_prompt(client: Client, n_chunks: int, start: int = 0) -> list[bytes]:
+    refs = chunk_hashes(NS, list(range(start, start + n_chunks * SPEC.chunk_tokens)))
+    for ref in refs:
+        assert client.put(NS, ref.key, payload(ref.key), parent=ref.parent)
+    return [r.key for r in refs]
+
+
+@pytest.fixture
+def daemon(start_daemon):
+    return start_daemon(*SMALL)
+
+
+def test_put_get_lookup_round_trip(daemon) -> None:
+    with Client(daemon.socket) as client:
+        keys = put_prompt(client, 3)
+        tokens = list(range(3 * SPEC.chunk_tokens + 7))
+        hit = client.lookup(NS, tokens)
+        assert (hit.matched_chunks, hit.matched_tokens) == (3, 96)
+        assert hit.tier_tokens == {"dram": 96}
+        assert client.lookup(NS, keys=keys[:2] + [b"\x00" * 16]).matched_chunks == 2
+        for key in keys:
+            with client.get(NS, key) as reader:
+                assert reader.to_bytes() == payload(key).tobytes()
+        assert client.contains(NS, keys + [b"\x01" * 16]) == [True, True, True, False]
+        assert client.put(NS, keys[0], payload(keys[0])) is False
+        with pytest.raises(AlreadyExistsError):
+            client.reserve(NS, keys[0])
+
+
+def test_reads_are_zero_copy_views_of_the_daemons_memory(daemon) -> None:
+    with Client(daemon.socket) as writer_client, Client(daemon.socket) as reader_client:
+        (key,) = put_prompt(writer_client, 1)
+        with reader_client.get(NS, key) as reader:
+            pieces = reader.layer_pieces(1)
+            first = pieces[0]
+            # the same physical bytes, seen through this process's mapping of the arena
+            with writer_client.get(NS, key) as other:
+                other_first = other.layer_pieces(1)[0]
+                assert first.ctypes.data != 0 and np.array_equal(first, other_first)
+            arena_views = [a.array for a in reader._session.arenas._arenas.values()]
+            assert any(np.shares_memory(first, arena) for arena in arena_views)
+
+
+def test_layer_streaming_across_processes(daemon) -> None:
+    key = chunk_keys(NS, list(range(SPEC.chunk_tokens)))[0]
+    data = payload(key).reshape(SPEC.num_layers, -1)
+    with Client(daemon.socket) as producer, Client(daemon.socket) as consumer:
+        writer = producer.reserve(NS, key)
+        reader = consumer.get(NS, key)
+        assert not reader.ready(0)
+        committed: list[float] = []
+
+        def produce() -> None:
+            for layer in range(SPEC.num_layers):
+                time.sleep(0.1)
+                writer.write_layer(layer, data[layer])
+                committed.append(time.monotonic())
+                writer.commit_layer(layer)
+
+        thread = threading.Thread(target=produce)
+        thread.start()
+        reader.wait_layer(3, timeout=20)  # the reader blocks until layer 3 is committed
+        assert len(committed) == 4
+        for layer in range(SPEC.num_layers):
+            assert np.array_equal(np.concatenate(reader.layer_pieces(layer)), data[layer])
+        thread.join()
+        reader.release()
+
+
+def test_head_range_read(daemon) -> None:
+    with Client(daemon.socket) as client:
+        (key,) = put_prompt(client, 1)
+        canonical = payload(key).reshape(SPEC.num_layers, 2, SPEC.num_kv_heads, -1)
+        with client.get(NS, key) as reader:
+            out = np.empty(2 * 2 * SPEC.layout().head_bytes, dtype=np.uint8)
+            reader.read_into(out, layer=3, heads=(2, 4))
+            assert np.array_equal(out.reshape(2, 2, -1), canonical[3, :, 2:4])
+
+
+def test_many_clients_at_once(daemon) -> None:
+    errors: list[BaseException] = []
+
+    def worker(index: int) -> None:
+        try:
+            with Client(daemon.socket) as client:
+                keys = put_prompt(client, 2, start=10_000 * (index + 1))
+                for key in keys:
+                    with client.get(NS, key) as reader:
+                        assert reader.to_bytes() == payload(key).tobytes()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_async_client_round_trip(daemon) -> None:
+    async def scenario() -> None:
+        client = await AsyncClient.connect(daemon.socket)
+        async with client:
+            refs = chunk_hashes(NS, list(range(5000, 5000 + 2 * SPEC.chunk_tokens)))
+            for ref in refs:
+                assert await client.put(NS, ref.key, payload(ref.key), parent=ref.parent)
+            results = await asyncio.gather(*(client.get(NS, ref.key) for ref in refs))
+            for ref, reader in zip(refs, results):
+                async with reader:
+                    assert reader.to_bytes() == payload(ref.key).tobytes()
+            hit = await client.lookup(NS, keys=[r.key for r in refs])
+            assert hit.matched_chunks == 2
+            with pytest.raises(NotFoundError):
+                await client.get(NS, b"\x07" * 16)
+
+    asyncio.run(scenario())
+
+
+def test_errors_are_typed_and_the_session_survives(daemon) -> None:
+    with Client(daemon.socket) as client:
+        with pytest.raises(NotFoundError):
+            client.get(NS, b"\x00" * 16)
+        with pytest.raises(ProtocolError):
+            client._session().call(__import__("kvfabric.protocol.messages",
+                                              fromlist=["Op"]).Op.RELEASE, {"lease": 999})
+        client.ping()  # same session, still fine
+
+
+def test_restart_keeps_ssd_data_and_clients_reconnect(start_daemon, tmp_path) -> None:
+    settings = ["store.tiers.dram.capacity=256KiB", "store.tiers.dram.page_size=16KiB",
+                "store.tiers.ssd.capacity=64MiB"]
+    daemon = start_daemon(*settings, data_dir=tmp_path / "node")
+    client = Client(daemon.socket, reconnect_timeout=60)
+    keys = put_prompt(client, 12)  # 12 x 32 KiB: most of it spills to SSD
+    on_ssd = [k for k, present in zip(keys, client.contains(NS, keys)) if present]
+    assert daemon.stop() == 0
+    daemon = start_daemon(*settings, data_dir=tmp_path / "node")
+    survived = [k for k, present in zip(keys, client.contains(NS, keys)) if present]
+    assert len(survived) >= 6 and set(survived) <= set(on_ssd)
+    for key in survived:
+        with client.get(NS, key) as reader:
+            assert reader.to_bytes() == payload(key).tobytes()
+    client.close()
