@@ -1,31 +1,29 @@
-"""The ``kvfabric`` command line."""
+"""The ``kvfabric`` command line: serve the node daemon, inspect it, run the demo."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from pathlib import Path
+
+from kvfabric.commands import COMMANDS
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfabric", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="store KV through every tier and read it back")
-    demo.add_argument("--data-dir", type=Path, default=None,
-                      help="keep the store here (default: a temporary directory, removed)")
-    args = parser.parse_args(argv)
+    for command in COMMANDS:
+        command.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # `serve` reconfigures logging from its config's log_level once that is loaded.
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "demo":
-        from kvfabric.demo import run_demo
-
-        result = run_demo(args.data_dir)
-        print("demo OK" if result.ok else "demo FAILED")
-        return 0 if result.ok else 1
-    parser.error(f"unknown command {args.command}")
-    return 2
+    return int(args.handler(args))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ from kvfabric.store.config import StoreConfig, default_tiers
 from kvfabric.tiers.base import TierKind
 
 ENV_PREFIX = "KVFABRIC_"
+# Client-side variables that share the prefix (the CLI's token, the entry script's python):
+# never settings of the daemon, so a shell that exports them can still serve.
+CLIENT_ONLY_ENV = frozenset({"KVFABRIC_TOKEN", "KVFABRIC_PYTHON"})
 DEFAULT_HTTP_PORT = 8790
 
 
@@ -129,7 +132,7 @@ def load_config(path: str | os.PathLike | None = None, *,
         data = loaded or {}
     environ = os.environ if env is None else env
     for name, value in sorted(environ.items()):
-        if name.startswith(ENV_PREFIX) and name != ENV_PREFIX:
+        if name.startswith(ENV_PREFIX) and name != ENV_PREFIX and name not in CLIENT_ONLY_ENV:
             dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
             _set_path(data, dotted, _scalar(value), source=f"environment {name}")
     for item in overrides:
@@ -180,8 +183,10 @@ def _tiers_as_list(store: dict[str, Any]) -> dict[str, Any]:
     store = dict(store)
     tiers = store.get("tiers")
     if isinstance(tiers, dict):
-        store["tiers"] = [dict(t, name=name) if isinstance(t, dict) else t
-                          for name, t in tiers.items()]
+        for name, tier in tiers.items():
+            if not isinstance(tier, dict):
+                raise ConfigError(f"store.tiers.{name} must be a mapping of tier settings")
+        store["tiers"] = [dict(t, name=name) for name, t in tiers.items()]
     return store
 
 

@@ -21,7 +21,7 @@ from kvfabric.hashing import chunk_hashes
 from kvfabric.memory import numa
 from kvfabric.spec import KVSpec, Namespace
 from kvfabric.store import StoreConfig, TierConfig, TieredStore
-from kvfabric.store.config import KiB, MiB
+from kvfabric.store.config import KiB, MiB, format_size
 from kvfabric.tiers.base import TierKind
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", chunk_tokens=256)
@@ -117,14 +117,6 @@ def _print_tiers(store: TieredStore, out) -> None:
     out(header)
     out("-" * len(header))
     for t in stats.tiers:
-        out(f"{t.name:8} {t.kind:6} {_size(t.capacity_bytes):>10} {_size(t.used_bytes):>10} "
+        out(f"{t.name:8} {t.kind:6} {format_size(t.capacity_bytes):>10} {format_size(t.used_bytes):>10} "
             f"{t.objects:>7} {t.hit_tokens:>8} {t.demotions:>7} {t.promotions:>8} "
             f"{t.evictions:>7}")
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

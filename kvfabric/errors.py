@@ -78,6 +78,12 @@ class CorruptRecordError(KVFabricError):
     kind = "corrupt"
 
 
+class WouldBlockError(KVFabricError):
+    """Internal: a non-blocking attempt would have to wait (the caller retries on a thread)."""
+
+    kind = "would_block"
+
+
 class ConfigError(KVFabricError, ValueError):
     """A configuration value is invalid (bad size, hostile path, unknown key, ...)."""
 

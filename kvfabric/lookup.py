@@ -14,12 +14,19 @@ class LookupResult:
     matched_chunks: int
     matched_tokens: int
     tier_tokens: dict[str, int] = field(default_factory=dict)  # matched tokens per tier name
+    requested_tokens: int = 0  # matched + unmatched chunks at chunk_tokens each
+
+    @property
+    def miss_tokens(self) -> int:
+        return self.requested_tokens - self.matched_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return {"requested_chunks": self.requested_chunks, "chunks": self.matched_chunks,
-                "tokens": self.matched_tokens, "tier_tokens": dict(self.tier_tokens)}
+                "tokens": self.matched_tokens, "tier_tokens": dict(self.tier_tokens),
+                "requested_tokens": self.requested_tokens}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LookupResult":
         return cls(int(data["requested_chunks"]), int(data["chunks"]), int(data["tokens"]),
-                   {str(k): int(v) for k, v in data["tier_tokens"].items()})
+                   {str(k): int(v) for k, v in data["tier_tokens"].items()},
+                   int(data.get("requested_tokens", 0)))

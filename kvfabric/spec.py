@@ -151,7 +151,7 @@ class KVSpec:
         allowed = {"num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "chunk_tokens"}
         unknown = set(data) - allowed
         if unknown:
-            raise SpecError(f"unknown KVSpec field(s): {', '.join(sorted(unknown))}")
+            raise SpecError(f"unknown KVSpec field(s): {', '.join(sorted(map(str, unknown)))}")
         try:
             return cls(**data)  # type: ignore[arg-type]
         except TypeError as exc:

@@ -29,8 +29,8 @@ from kvfabric.client import requests
 from kvfabric.client.connection import Address, Connection
 from kvfabric.client.objects import RemoteReader, RemoteWriter
 from kvfabric.client.retry import Backoff, ExponentialBackoff
-from kvfabric.errors import AlreadyExistsError, UnavailableError
-from kvfabric.hashing import ROOT
+from kvfabric.errors import AlreadyExistsError, KVFabricError, NotFoundError, UnavailableError
+from kvfabric.hashing import ROOT, ChunkRef
 from kvfabric.lookup import LookupResult
 from kvfabric.protocol.messages import Op
 from kvfabric.spec import Namespace
@@ -86,6 +86,61 @@ class Client:
             writer.commit()
         return True
 
+    def reserve_many(self, ns: Namespace, chunks: Sequence[ChunkRef]
+                     ) -> list[RemoteWriter | KVFabricError]:
+        """Reserve many chunks in one round trip; each item is a writer or its own error."""
+        session, items = self._call_on_session(Op.RESERVE_BATCH,
+                                               requests.reserve_batch_args(ns, chunks))
+        return [r if isinstance(r, KVFabricError) else RemoteWriter(session, ns, c.key, r)
+                for c, r in zip(chunks, requests.item_results(items))]
+
+    def commit_many(self, writers: Sequence[RemoteWriter]) -> None:
+        """Commit every layer of each writer in one round trip; raises the first failure."""
+        if writers:
+            _raise_first(_batch(writers, Op.COMMIT_BATCH))
+
+    def put_many(self, ns: Namespace, chunks: Sequence[ChunkRef],
+                 payloads: Sequence[Any]) -> list[bool]:
+        """Store many chunks (e.g. a prompt's :func:`~kvfabric.hashing.chunk_hashes`) with
+        two round trips in all; ``False`` where the node already held the chunk."""
+        if len(chunks) != len(payloads):
+            raise ValueError("one payload per chunk")
+        results = self.reserve_many(ns, chunks)
+        writers = [r for r in results if isinstance(r, RemoteWriter)]
+        try:
+            _raise_first([r for r in results if not isinstance(r, (RemoteWriter,
+                                                                    AlreadyExistsError))])
+            for result, data in zip(results, payloads):
+                if isinstance(result, RemoteWriter):
+                    result.write(data)
+        except BaseException:
+            for writer in writers:
+                writer.abort()
+            raise
+        self.commit_many(writers)
+        return [isinstance(r, RemoteWriter) for r in results]
+
+    def get_many(self, ns: Namespace, keys: Sequence[bytes], *,
+                 timeout: float | None = None) -> list[RemoteReader | None]:
+        """Pin many chunks in one round trip; ``None`` where the node does not hold one."""
+        session, items = self._call_on_session(Op.GET_BATCH,
+                                               requests.get_batch_args(ns, keys, timeout))
+        results = requests.item_results(items)
+        readers = [None if isinstance(r, KVFabricError) else RemoteReader(session, ns, k, r)
+                   for k, r in zip(keys, results)]
+        failures = [r for r in results if isinstance(r, KVFabricError) and
+                    not isinstance(r, NotFoundError)]
+        if failures:
+            self.release_many([r for r in readers if r is not None])
+            raise failures[0]
+        return readers
+
+    def release_many(self, readers: Sequence[RemoteReader | None]) -> None:
+        """Give many pins back in one round trip; raises the first failure."""
+        live = [r for r in readers if r is not None and not r.closed]
+        if live:
+            _raise_first(_batch(live, Op.RELEASE_BATCH))
+
     def get(self, ns: Namespace, key: bytes, *, timeout: float | None = None) -> RemoteReader:
         session, reply = self._call_on_session(Op.GET, requests.get_args(ns, key, timeout))
         return RemoteReader(session, ns, key, reply)
@@ -137,3 +192,20 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _batch(leases: Sequence[RemoteWriter | RemoteReader], op: Op) -> list[Any]:
+    """One batch request over the session the leases live on; closes their handles."""
+    session = leases[0]._session
+    if any(lease._session is not session for lease in leases) or session.closed:
+        raise UnavailableError("leases of a lost or different session")
+    items = session.call(op, {"leases": [lease.lease for lease in leases]})
+    for lease in leases:
+        lease.closed = True
+    return requests.item_results(items)
+
+
+def _raise_first(results: Sequence[Any]) -> None:
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result

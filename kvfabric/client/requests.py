@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvfabric.errors import SpecError
-from kvfabric.hashing import ROOT, as_token_array
+from kvfabric.errors import SpecError, error_for_kind
+from kvfabric.hashing import ROOT, ChunkRef, as_token_array
 from kvfabric.lookup import LookupResult
 from kvfabric.protocol.messages import encode_namespace
 from kvfabric.spec import Namespace
@@ -32,6 +32,32 @@ def reserve_args(ns: Namespace, key: bytes, parent: bytes = ROOT,
     if num_tokens is not None:
         args["num_tokens"] = num_tokens
     return args
+
+
+def reserve_batch_args(ns: Namespace, chunks: Sequence[ChunkRef]) -> dict[str, Any]:
+    return {"ns": encode_namespace(ns),
+            "items": [{"key": c.key, "parent": c.parent, "num_tokens": c.num_tokens}
+                      for c in chunks]}
+
+
+def get_batch_args(ns: Namespace, keys: Sequence[bytes], timeout: float | None
+                   ) -> dict[str, Any]:
+    args: dict[str, Any] = {"ns": encode_namespace(ns), "keys": list(keys)}
+    if timeout is not None:
+        args["timeout"] = timeout
+    return args
+
+
+def item_results(items: list[dict[str, Any]]) -> list[Any]:
+    """Per-item results of a batch: the result, or the rebuilt exception (not raised)."""
+    out: list[Any] = []
+    for item in items:
+        if item.get("ok") is True:
+            out.append(item.get("result"))
+        else:
+            error = item.get("error") or {}
+            out.append(error_for_kind(str(error.get("kind")), str(error.get("message"))))
+    return out
 
 
 def get_args(ns: Namespace, key: bytes, timeout: float | None) -> dict[str, Any]:

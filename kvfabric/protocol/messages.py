@@ -22,11 +22,19 @@ get            ns, key, timeout?                            lease, tier, pages, 
                                                             ready
 wait_layer     lease, layer, timeout                        ready
 release        lease                                        null
+reserve_batch  ns, items [{key, parent?, num_tokens?}]        [item, ...] (item: see below)
+commit_batch   leases                                       [item, ...] (each fully committed)
+get_batch      ns, keys, timeout?                           [item, ...]
+release_batch  leases                                       [item, ...]
 contains       ns, keys                                     [bool, ...]
 delete         ns, key                                      bool
 stats          (none)                                       store statistics (map)
 ping           (none)                                       "pong"
 =============  ===========================================  =======================================
+
+Batch operations amortise one round trip over many chunks (an engine saves or loads many per
+step); each item succeeds or fails on its own: ``{"ok": true, "result": ...}`` or
+``{"ok": false, "error": {"kind", "message"}}``, in request order.
 
 ``ns`` is ``{"model", "spec": KVSpec fields, "tenant", "lora"}``; keys are 16-byte bins;
 ``pages`` is a bin of little-endian uint32 page ids in the arena of tier ``tier``. Every
@@ -46,6 +54,7 @@ PROTOCOL_VERSION = 1
 MAX_KEYS = 1 << 16  # chunks per lookup / contains (16M tokens at 256 per chunk)
 MAX_TOKENS = 1 << 22
 MAX_TIMEOUT_S = 600.0
+MAX_BATCH = 1024  # items per batch request
 MAX_STRING = 4096
 
 
@@ -58,6 +67,10 @@ class Op(str, enum.Enum):
     GET = "get"
     WAIT_LAYER = "wait_layer"
     RELEASE = "release"
+    RESERVE_BATCH = "reserve_batch"
+    COMMIT_BATCH = "commit_batch"
+    GET_BATCH = "get_batch"
+    RELEASE_BATCH = "release_batch"
     CONTAINS = "contains"
     DELETE = "delete"
     STATS = "stats"
@@ -77,18 +90,27 @@ def error_reply(request_id: int, error: KVFabricError) -> dict[str, Any]:
             "error": {"kind": error.kind, "message": str(error)[:MAX_STRING]}}
 
 
+def item_ok(result: Any) -> dict[str, Any]:
+    return {"ok": True, "result": result}
+
+
+def item_error(error: KVFabricError) -> dict[str, Any]:
+    return {"ok": False, "error": {"kind": error.kind, "message": str(error)[:MAX_STRING]}}
+
+
 def parse_request(message: dict[str, Any]) -> tuple[int, Op, dict[str, Any]]:
     """Envelope of a request -> (id, op, args). The id is returned even if the rest is bad."""
     request_id = message.get("id")
     if not isinstance(request_id, int) or isinstance(request_id, bool) or \
             not 0 <= request_id < 1 << 64:
         raise ProtocolError("request id must be an unsigned 64-bit integer")
-    if message.get("v") != PROTOCOL_VERSION:
-        raise UnsupportedVersionError(f"protocol version {message.get('v')!r} is not supported "
+    version = message.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1 is not a version
+        raise UnsupportedVersionError(f"protocol version {version!r} is not supported "
                                       f"(this daemon speaks {PROTOCOL_VERSION})")
     try:
         op = Op(message.get("op"))
-    except ValueError:
+    except (ValueError, TypeError):
         raise ProtocolError(f"unknown op {message.get('op')!r}") from None
     args = message.get("args", {})
     if not isinstance(args, dict):
@@ -142,6 +164,13 @@ def arg_key(args: dict[str, Any], name: str) -> bytes:
     return value
 
 
+def arg_list(args: dict[str, Any], name: str, limit: int = MAX_BATCH) -> list[Any]:
+    value = args.get(name)
+    if not isinstance(value, list) or not value or len(value) > limit:
+        raise ProtocolError(f"{name} must be a non-empty list of at most {limit} entries")
+    return value
+
+
 def arg_keys(args: dict[str, Any], name: str = "keys") -> list[bytes]:
     value = args.get(name)
     if not isinstance(value, list) or len(value) > MAX_KEYS:
@@ -166,10 +195,11 @@ def encode_namespace(ns: Namespace) -> dict[str, Any]:
 
 
 def decode_namespace(value: Any) -> Namespace:
-    if not isinstance(value, dict) or set(value) - {"model", "spec", "tenant", "lora"}:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value) or \
+            set(value) - {"model", "spec", "tenant", "lora"}:
         raise ProtocolError("ns must be a map with model, spec, tenant, lora")
     spec = value.get("spec")
-    if not isinstance(spec, dict):
+    if not isinstance(spec, dict) or not all(isinstance(k, str) for k in spec):
         raise ProtocolError("ns.spec must be a map of KVSpec fields")
     try:
         return Namespace(arg_str(value, "model"), KVSpec.from_dict(spec),

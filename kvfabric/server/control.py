@@ -25,7 +25,8 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
-from kvfabric.errors import AuthError, ForbiddenError, KVFabricError, ProtocolError
+from kvfabric.errors import (AuthError, ForbiddenError, KVFabricError, ProtocolError,
+                             WouldBlockError)
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
 from kvfabric.protocol.messages import (Op, error_reply, ok_reply, parse_request,
                                         request_id_of)
@@ -170,9 +171,7 @@ class ControlServer:
             if handler.local and not session.local:
                 raise ForbiddenError(f"{op.value} maps shared memory: use the local socket")
             if handler.blocking:
-                loop = asyncio.get_running_loop()
-                result = await loop.run_in_executor(self._executor, handler.fn, self._ctx,
-                                                    session, args)
+                result = await self._run_blocking(handler, session, args)
             else:
                 result = handler.fn(self._ctx, session, args)
             reply = ok_reply(request_id, result)
@@ -192,6 +191,20 @@ class ControlServer:
         except ConnectionError:
             pass
         self._metrics.observe_request(op_name, time.perf_counter() - started, error_kind)
+
+    async def _run_blocking(self, handler: handlers.Handler, session: Session,
+                            args: dict[str, Any]) -> Any:
+        """Most 'blocking' requests do not actually wait (room is free, the object is in
+        memory, the layer is committed): try on the loop first, which saves two thread
+        hand-offs, and go to a worker thread only when the store says it would wait."""
+        if not handler.batch:
+            try:
+                with self._ctx.store.nonblocking():
+                    return handler.fn(self._ctx, session, args)
+            except WouldBlockError:
+                pass
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, handler.fn, self._ctx, session, args)
 
     def _begin(self) -> None:
         self._in_flight += 1

@@ -20,10 +20,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvfabric.config import AuthConfig
-from kvfabric.errors import AuthError, ForbiddenError, LeaseExpiredError
+from kvfabric.errors import (AuthError, ForbiddenError, KVFabricError, LeaseExpiredError,
+                             ProtocolError)
 from kvfabric.hashing import ROOT
 from kvfabric.protocol.messages import (MAX_KEYS, MAX_TOKENS, PROTOCOL_VERSION, Op, arg_float,
-                                        arg_int, arg_key, arg_keys, arg_str, arg_tokens)
+                                        arg_int, arg_key, arg_keys, arg_list, arg_str,
+                                        arg_tokens, item_error, item_ok)
 from kvfabric.server.session import Session
 from kvfabric.store.handles import ObjectReader, ObjectWriter
 
@@ -49,6 +51,7 @@ class Handler:
     fn: Callable[[Context, Session, dict[str, Any]], Any]
     blocking: bool = False
     local: bool = False
+    batch: bool = False  # never tried on the loop: items done before a wait cannot be redone
 
 
 def hello(ctx: Context, session: Session, args: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -92,7 +95,17 @@ def lookup(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, An
 
 
 def reserve(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    return _reserve_one(ctx, session, session.namespace(args.get("ns")), args)
+
+
+def reserve_batch(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
     ns = session.namespace(args.get("ns"))
+    return [_item(_reserve_one, ctx, session, ns, item) for item in arg_list(args, "items")]
+
+
+def _reserve_one(ctx: Context, session: Session, ns: Any, args: Any) -> dict[str, Any]:
+    if not isinstance(args, dict):
+        raise ProtocolError("a reserve item must be a map")
     parent = arg_key(args, "parent") if "parent" in args else ROOT
     num_tokens = arg_int(args, "num_tokens", low=1, high=ns.spec.chunk_tokens,
                          default=ns.spec.chunk_tokens)
@@ -113,6 +126,17 @@ def commit(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, An
     return {"done": done}
 
 
+def commit_batch(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
+    return [_item(_commit_all, ctx, session, None, lease)
+            for lease in arg_list(args, "leases")]
+
+
+def _commit_all(ctx: Context, session: Session, _: Any, raw_id: Any) -> None:
+    lease_id = arg_int({"lease": raw_id}, "lease")
+    session.writer(lease_id).commit()
+    session.forget(lease_id)
+
+
 def abort(ctx: Context, session: Session, args: dict[str, Any]) -> None:
     lease = session.forget(arg_int(args, "lease"))
     if isinstance(lease, ObjectWriter):
@@ -122,8 +146,20 @@ def abort(ctx: Context, session: Session, args: dict[str, Any]) -> None:
 
 
 def get(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    return _get_one(ctx, session, session.namespace(args.get("ns")),
+                    (args.get("key"), arg_float(args, "timeout")))
+
+
+def get_batch(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
     ns = session.namespace(args.get("ns"))
-    reader = ctx.store.get(ns, arg_key(args, "key"), timeout=arg_float(args, "timeout"))
+    timeout = arg_float(args, "timeout")
+    return [_item(_get_one, ctx, session, ns, (key, timeout)) for key in arg_list(args, "keys")]
+
+
+def _get_one(ctx: Context, session: Session, ns: Any, item: tuple[Any, float | None]
+             ) -> dict[str, Any]:
+    key, timeout = item
+    reader = ctx.store.get(ns, arg_key({"key": key}, "key"), timeout=timeout)
     result = _placement(session.add_lease(reader), reader)
     result["ready"] = reader.ready_mask
     return result
@@ -137,7 +173,16 @@ def wait_layer(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str
 
 
 def release(ctx: Context, session: Session, args: dict[str, Any]) -> None:
-    lease = session.forget(arg_int(args, "lease"))
+    _release_one(ctx, session, None, args.get("lease"))
+
+
+def release_batch(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
+    return [_item(_release_one, ctx, session, None, lease)
+            for lease in arg_list(args, "leases")]
+
+
+def _release_one(ctx: Context, session: Session, _: Any, lease_id: Any) -> None:
+    lease = session.forget(arg_int({"lease": lease_id}, "lease"))
     if lease.expired:
         # the pages may have been reused while the client read them: tell it so
         raise LeaseExpiredError(f"the pin on {lease.key.hex()} expired before its release; "
@@ -168,6 +213,15 @@ def ping(ctx: Context, session: Session, args: dict[str, Any]) -> str:
     return "pong"
 
 
+def _item(fn: Callable[[Context, Session, Any, Any], Any], ctx: Context, session: Session,
+          ns: Any, item: Any) -> dict[str, Any]:
+    """One batch item: its result, or its own error (the other items go on)."""
+    try:
+        return item_ok(fn(ctx, session, ns, item))
+    except KVFabricError as exc:
+        return item_error(exc)
+
+
 def _placement(lease_id: int, lease: ObjectWriter | ObjectReader) -> dict[str, Any]:
     return {"lease": lease_id, "tier": lease.tier_index, "pages": lease.pages.tobytes(),
             "nbytes": lease.nbytes, "num_tokens": lease.num_tokens}
@@ -181,6 +235,10 @@ HANDLERS: dict[Op, Handler] = {
     Op.GET: Handler(get, blocking=True, local=True),
     Op.WAIT_LAYER: Handler(wait_layer, blocking=True, local=True),
     Op.RELEASE: Handler(release, local=True),
+    Op.RESERVE_BATCH: Handler(reserve_batch, blocking=True, local=True, batch=True),
+    Op.COMMIT_BATCH: Handler(commit_batch, local=True),
+    Op.GET_BATCH: Handler(get_batch, blocking=True, local=True, batch=True),
+    Op.RELEASE_BATCH: Handler(release_batch, local=True),
     Op.CONTAINS: Handler(contains),
     Op.DELETE: Handler(delete),
     Op.STATS: Handler(stats),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kvfabric.errors import ConfigError
 from kvfabric.tiers.base import TierKind
@@ -36,6 +36,15 @@ def parse_size(value: int | str, what: str = "size") -> int:
     return size
 
 
+def format_size(n: float) -> str:
+    """Bytes for people: ``1.5 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """One tier. Keys not meaningful for a kind are rejected, not ignored."""
@@ -52,7 +61,7 @@ class TierConfig:
     writers: int = 1  # ssd
     fsync: bool = False  # ssd: fsync each record (power-loss durability, slower)
 
-    _KIND_KEYS = {
+    KIND_KEYS: ClassVar[dict[TierKind, set[str]]] = {
         TierKind.DRAM: {"page_size", "numa_node", "prefault"},
         TierKind.CXL: {"page_size", "numa_node", "prefault"},
         TierKind.DEVICE: {"page_size", "device"},
@@ -73,7 +82,7 @@ class TierConfig:
         except ValueError:
             raise ConfigError(f"tier kind must be one of "
                               f"{[k.value for k in TierKind]}, got {data.get('kind')!r}") from None
-        allowed = cls._KIND_KEYS[kind] | {"capacity", "name"}
+        allowed = cls.KIND_KEYS[kind] | {"capacity", "name"}
         unknown = set(data) - allowed
         if unknown:
             raise ConfigError(f"{kind.value} tier: unknown key(s) {sorted(unknown)}; "
@@ -111,6 +120,15 @@ class StoreConfig:
     compact_dead_ratio: float = 0.5  # SSD segments with this share of dead bytes get compacted
 
     def __post_init__(self) -> None:
+        if not isinstance(self.data_dir, str):
+            raise ConfigError(f"data_dir must be a path string, got {self.data_dir!r}")
+        for name in ("high_watermark", "low_watermark", "reservation_timeout_s",
+                     "pin_timeout_s", "maintenance_interval_s", "compact_dead_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.promote_on_hit, bool):
+            raise ConfigError(f"promote_on_hit must be true or false, got {self.promote_on_hit!r}")
         if not self.tiers:
             raise ConfigError("at least one tier is required")
         names = [t.name for t in self.tiers]
@@ -139,8 +157,14 @@ class StoreConfig:
         if "tiers" in data:
             if not isinstance(data["tiers"], (list, tuple)):
                 raise ConfigError("store.tiers must be a list of tier mappings")
-            data["tiers"] = tuple(TierConfig.from_dict(t) if isinstance(t, dict) else t
-                                  for t in data["tiers"])
+            tiers = []
+            for tier in data["tiers"]:
+                if isinstance(tier, dict):
+                    tier = TierConfig.from_dict(tier)
+                elif not isinstance(tier, TierConfig):
+                    raise ConfigError(f"store.tiers entries must be mappings, got {tier!r}")
+                tiers.append(tier)
+            data["tiers"] = tuple(tiers)
         try:
             return cls(**data)
         except TypeError as exc:

@@ -24,7 +24,7 @@ import msgpack
 import numpy as np
 
 from kvfabric.errors import (CapacityError, CorruptRecordError, DeadlineExceededError,
-                             NotFoundError)
+                             NotFoundError, WouldBlockError)
 from kvfabric.hashing import KEY_BYTES
 from kvfabric.memory.copy import Piece, copy_pieces
 from kvfabric.spec import KVSpec, Namespace
@@ -56,6 +56,7 @@ class Placement:
         self.paged = [i for i, t in enumerate(tiers) if isinstance(t, PagedTier)]
         self.pending_demotion = [0] * len(tiers)  # bytes being written to SSD, per source tier
         self.draining = [False] * len(tiers)
+        self.nonblocking = threading.local()  # .on: wait() raises WouldBlockError instead
 
     def pieces(self, entry: Entry, offset: int, length: int) -> list[Piece]:
         tier = self.tiers[entry.tier]
@@ -337,6 +338,8 @@ class Placement:
                 self.wait(deadline, "SSD demotions did not complete")
 
     def wait(self, deadline: float | None, what: str) -> None:
+        if getattr(self.nonblocking, "on", False):
+            raise WouldBlockError(what)
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             raise DeadlineExceededError(f"timed out: {what}")

@@ -30,16 +30,18 @@ this module is the API, the leases, lookups, statistics and the lifecycle.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvfabric.errors import (AlreadyExistsError, ConfigError, DeadlineExceededError,
                              KVFabricError, LeaseExpiredError, NotFoundError,
-                             ObjectAbortedError, SpecError, SpecMismatchError)
+                             ObjectAbortedError, SpecError, SpecMismatchError,
+                             WouldBlockError)
 from kvfabric.hashing import KEY_BYTES, ROOT, chunk_keys
 from kvfabric.lookup import LookupResult
 from kvfabric.memory.arena import SharedArena
@@ -178,7 +180,6 @@ class TieredStore:
         while True:
             with self._lock:
                 self._check_open()
-                ns = self._intern(ns)
                 entry = self._find(ns, key)
                 if entry.flags & MOVING and entry.tier == self._disk_index:
                     self._placement.wait(deadline, f"{key.hex()} is being read back from SSD")
@@ -188,8 +189,22 @@ class TieredStore:
                             and entry.complete and entry.pins == 0 and not entry.flags & MOVING):
                         self._placement.promote_in_memory(entry)
                     return self._pin(entry, lease_s)
+                if getattr(self._placement.nonblocking, "on", False):
+                    raise WouldBlockError(f"{key.hex()} must be read back from SSD")
                 extent, target = entry.handle, self._placement.start_disk_promotion(entry)
             self._placement.finish_disk_promotion(entry, extent, target)
+
+    @contextlib.contextmanager
+    def nonblocking(self) -> Iterator[None]:
+        """Within this block (this thread only) an operation that would wait — for room, an
+        SSD read, a layer — raises WouldBlockError instead, before changing anything it
+        cannot finish; the daemon then repeats it on a worker thread."""
+        flag = self._placement.nonblocking
+        flag.on = True
+        try:
+            yield
+        finally:
+            flag.on = False
 
     def pin(self, ns: Namespace, key: bytes, lease_s: float) -> ObjectReader:
         """:meth:`get` with an explicit pin deadline (seconds)."""
@@ -239,25 +254,30 @@ class TieredStore:
     # ------------------------------------------------------------------ queries
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
-        """Longest prefix of the chain ``keys`` stored in ``ns`` (in-flight writes count)."""
+        """Longest prefix of the chain ``keys`` stored in ``ns`` (in-flight writes count).
+
+        A namespace the store has never held is a plain miss: lookups never create state,
+        so callers cannot grow the store's tables by asking about made-up namespaces.
+        """
         with self._lock:
-            ns = self._intern(ns)
-            entries = self._index.longest_prefix(ns, keys)
+            known = self._namespaces.get(ns.seed)
+            entries = [] if known is None else self._index.longest_prefix(known, keys)
             per_tier = [0] * len(self._tiers)
             for entry in entries:
                 per_tier[entry.tier] += entry.num_tokens
             matched = sum(per_tier)
             requested = matched + (len(keys) - len(entries)) * ns.spec.chunk_tokens
-            self._count_lookup(ns, requested, matched, per_tier, entries)
+            self._count_lookup(known, requested, matched, per_tier, entries)
         return LookupResult(len(keys), len(entries), matched,
-                            {self._names[i]: n for i, n in enumerate(per_tier) if n})
+                            {self._names[i]: n for i, n in enumerate(per_tier) if n},
+                            requested_tokens=requested)
 
     def lookup_tokens(self, ns: Namespace, tokens: Any) -> LookupResult:
         """:meth:`lookup` of a prompt's full chunks, hashed here."""
         return self.lookup(ns, chunk_keys(ns, tokens, include_partial=False))
 
-    def _count_lookup(self, ns: Namespace, requested: int, matched: int, per_tier: list[int],
-                      entries: list[Entry]) -> None:
+    def _count_lookup(self, ns: Namespace | None, requested: int, matched: int,
+                      per_tier: list[int], entries: list[Entry]) -> None:
         count = self._count
         count["lookups"] += 1
         count["lookup_tokens"] += requested
@@ -267,6 +287,8 @@ class TieredStore:
             if tokens:
                 self._tier_counters[i].hit_tokens += tokens
                 self._tier_counters[i].hit_chunks += sum(1 for e in entries if e.tier == i)
+        if ns is None:
+            return  # per-namespace counters exist only for namespaces the store holds
         nsc = self._ns_counters.setdefault((ns.model_id, ns.tenant_salt), NamespaceCounters())
         nsc.lookups += 1
         nsc.lookup_tokens += requested
@@ -279,7 +301,7 @@ class TieredStore:
 
     def tier_of(self, ns: Namespace, key: bytes) -> str:
         with self._lock:
-            return self._names[self._find(self._intern(ns), key).tier]
+            return self._names[self._find(ns, key).tier]
 
     def delete(self, ns: Namespace, key: bytes) -> bool:
         """Remove an object (a writer in progress is aborted); ``False`` if absent."""
@@ -403,7 +425,7 @@ class TieredStore:
 
     def _find(self, ns: Namespace, key: bytes) -> Entry:
         entry = self._index.get(key)
-        if entry is not None and entry.ns is ns:
+        if entry is not None and entry.ns is self._namespaces.get(ns.seed):
             return entry
         if entry is not None and (entry.ns.model_id, entry.ns.tenant_salt, entry.ns.lora_id) == \
                 (ns.model_id, ns.tenant_salt, ns.lora_id):

@@ -169,3 +169,23 @@ def test_restart_keeps_ssd_data_and_clients_reconnect(start_daemon, tmp_path) ->
         with client.get(NS, key) as reader:
             assert reader.to_bytes() == payload(key).tobytes()
     client.close()
+
+
+def test_batches_store_and_read_many_chunks_in_two_round_trips(daemon) -> None:
+    refs = chunk_hashes(NS, list(range(70_000, 70_000 + 6 * SPEC.chunk_tokens)))
+    with Client(daemon.socket) as client:
+        assert client.put(NS, refs[2].key, payload(refs[2].key), parent=refs[2].parent)
+        stored = client.put_many(NS, refs, [payload(r.key) for r in refs])
+        assert stored == [True, True, False, True, True, True]  # the third was there already
+        readers = client.get_many(NS, [r.key for r in refs] + [b"\x09" * 16])
+        assert readers[-1] is None  # a miss is None, not an error
+        for ref, reader in zip(refs, readers):
+            assert reader is not None and reader.to_bytes() == payload(ref.key).tobytes()
+        client.release_many(readers)
+        assert all(r is None or r.closed for r in readers)
+        assert client.lookup(NS, keys=[r.key for r in refs]).matched_chunks == 6
+        # a failing item does not stop the others
+        results = client.reserve_many(NS, refs[:1] + chunk_hashes(NS, [1] * SPEC.chunk_tokens))
+        assert isinstance(results[0], AlreadyExistsError)
+        client.commit_many([w for w in results[1:]])
+        assert client.contains(NS, [chunk_keys(NS, [1] * SPEC.chunk_tokens)[0]]) == [True]

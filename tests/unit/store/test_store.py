@@ -163,8 +163,9 @@ def test_tenants_never_see_each_other(store: TieredStore) -> None:
         store.get(tenant_b, keys[0])
     assert not store.delete(tenant_b, keys[0])
     assert read(store, tenant_a, keys[0]) == payload(keys[0]).tobytes()
+    assert store.lookup(tenant_a, keys).matched_chunks == 2
     stats = store.stats()
-    assert {(n.tenant, n.lookups) for n in stats.namespaces} == {("b", 1)}
+    assert {(n.tenant, n.lookups, n.hit_tokens) for n in stats.namespaces} == {("a", 1, 32)}
 
 
 def test_spec_mismatch_is_a_clear_error(store: TieredStore) -> None:
@@ -372,3 +373,12 @@ def test_admin_evict_drops_leaves_first_and_counts(tmp_path: Path) -> None:
     with pytest.raises(NotFoundError, match="no tier"):
         store.evict(tier="tape")
     store.close()
+
+
+def test_lookups_of_unknown_namespaces_create_no_state(store: TieredStore) -> None:
+    for i in range(50):
+        made_up = Namespace(f"nobody-{i}", SPEC)
+        result = store.lookup(made_up, chunk_keys(made_up, list(range(32))))
+        assert result.matched_chunks == 0 and result.miss_tokens == 32
+    assert store._namespaces == {} and store.stats().namespaces == ()
+    assert store.stats().miss_tokens == 50 * 32

@@ -317,6 +317,37 @@ def test_capacity_exceeded_raises_early_and_keeps_data(tiers: Tiers) -> None:
     assert tier.stats().writes == 3
 
 
+def test_compaction_regains_capacity_even_when_full(tiers: Tiers) -> None:
+    span = ALIGN + 8192
+    tier, _ = tiers.open(capacity_bytes=3 * span, segment_bytes=2 * span)
+    owner = Owner()
+    for i in range(3):  # 0 and 1 fill segment 1, 2 goes to segment 2
+        owner.extents[key_of(i)] = put(tier, i, 8192)
+    owner.delete(tier, key_of(0))
+    with pytest.raises(CapacityError):  # deleting alone does not free segment space
+        put(tier, 3, 8192)
+    # The copy of record 1 overshoots capacity for a moment; unlinking segment 1 frees two.
+    assert tier.compact(owner.relocate) == span
+    assert tier.used_bytes == 2 * span
+    owner.extents[key_of(3)] = put(tier, 3, 8192)
+    for i in (1, 2, 3):
+        assert read_back(tier, owner.extents[key_of(i)]) == expected(i, 8192)
+
+
+def test_fsync_mode_round_trip(tiers: Tiers) -> None:
+    tier, _ = tiers.open(fsync=True, segment_bytes=4 * ALIGN)
+    owner = Owner()
+    for i in range(4):
+        owner.extents[key_of(i)] = put(tier, i, 4096)
+    owner.delete(tier, key_of(0))
+    assert tier.compact(owner.relocate) == 8192
+    tier.close()
+    tier2, recs = tiers.open(fsync=True)
+    assert {r.key: r.extent for r in recs} == owner.extents
+    for i in (1, 2, 3):
+        assert read_back(tier2, owner.extents[key_of(i)]) == expected(i, 4096)
+
+
 def test_segment_roll_over(tiers: Tiers) -> None:
     tier, _ = tiers.open(segment_bytes=4 * ALIGN)
     extents = [put(tier, i, 4096) for i in range(5)]  # span 8 KiB: two per segment

@@ -1,0 +1,475 @@
+"""The daemon's HTTP API (FastAPI): KV-hit lookups for routers, stats, admin, /metrics.
+
+``create_app(daemon)`` serves one daemon (any object shaped like :class:`DaemonView`):
+
+==========================  =================  ============================================
+endpoint                    who (auth on)      what
+==========================  =================  ============================================
+``GET /healthz``            anyone             200 while the process serves HTTP
+``GET /readyz``             anyone             200 when ``daemon.ready``, else 503
+``GET /metrics``            admin              Prometheus text exposition (its tenant
+                                               labels would show tenants each other)
+``POST /v1/lookup``         admin, tenants     longest stored prefix of a prompt or chain
+                            (own tenant only)
+``GET /v1/stats``           admin              tiers, totals, namespaces, node
+``POST /v1/admin/evict``    admin              ``store.evict(tier, bytes)``
+``POST /v1/admin/flush``    admin              ``store.flush()`` (waits for SSD writes)
+==========================  =================  ============================================
+
+Authentication is on when ``config.auth`` has an admin token or tenant tokens:
+``Authorization: Bearer <token>``, compared in constant time. No or an unknown token: 401
+(``WWW-Authenticate: Bearer``); a known token outside its rights: 403.
+
+Errors are JSON ``{"error": {"kind", "message"}}``: body validation 422 (plus ``detail``, the
+first few pydantic issues, never echoing the input), kvfabric errors by kind (401
+unauthorized, 403 forbidden, 404 not_found, 503 unavailable, 504 deadline, 500 internal or
+bad_config, 400 any other). Bodies over ``max_body_bytes`` are refused with 413 before they
+are parsed; token and hash lists are bounded like the control protocol's.
+
+Endpoints that touch the store are plain ``def``: FastAPI runs them in its threadpool, so a
+lookup waiting on the store lock or a flush waiting on SSD writes never blocks the event
+loop. Every ``/v1`` request is recorded as ``observe_request(op, ..., plane="http")``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Protocol, Self, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, model_validator
+from starlette.exceptions import HTTPException
+
+from kvfabric import __version__
+from kvfabric.api.metrics import Metrics, error_kind
+from kvfabric.config import DaemonConfig
+from kvfabric.errors import (AuthError, ConfigError, DeadlineExceededError, ForbiddenError,
+                             KVFabricError, NotFoundError, ProtocolError, UnavailableError)
+from kvfabric.hashing import KEY_BYTES
+from kvfabric.protocol.messages import MAX_KEYS, MAX_STRING, MAX_TOKENS, decode_namespace
+from kvfabric.spec import (DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS, MAX_HEAD_DIM, MAX_KV_HEADS,
+                           MAX_LAYERS, KVDtype, Namespace)
+
+# The largest valid body: MAX_TOKENS ids of up to 11 characters ("-2147483648") with a
+# separator and some whitespace each, plus the namespace.
+MAX_BODY_BYTES = 16 * MAX_TOKENS + (1 << 20)
+MAX_REPORTED_ISSUES = 10
+
+
+class DaemonView(Protocol):
+    """What the API needs from the daemon."""
+
+    @property
+    def config(self) -> DaemonConfig: ...
+    @property
+    def store(self) -> Any: ...  # an InstrumentedStore (or a TieredStore)
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def started_at(self) -> float: ...  # time.time() at start
+    @property
+    def session_count(self) -> int: ...
+
+
+# ---------------------------------------------------------------------- request bodies
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+TokenId = Annotated[int, Field(ge=-(1 << 31), le=(1 << 31) - 1)]
+ChunkHash = Annotated[str, StringConstraints(pattern=rf"^[0-9a-fA-F]{{{2 * KEY_BYTES}}}$")]
+
+
+class SpecBody(BaseModel):
+    """KVSpec fields (see :class:`kvfabric.spec.KVSpec`)."""
+
+    model_config = _STRICT
+    num_layers: int = Field(gt=0, le=MAX_LAYERS)
+    num_kv_heads: int = Field(gt=0, le=MAX_KV_HEADS)
+    head_dim: int = Field(gt=0, le=MAX_HEAD_DIM)
+    dtype: str = Field(KVDtype.BFLOAT16.value, max_length=32,
+                       description=f"one of {[d.value for d in KVDtype]} (or an alias)")
+    kind: Literal["mha", "mla"] = "mha"
+    chunk_tokens: int = Field(DEFAULT_CHUNK_TOKENS, gt=0, le=MAX_CHUNK_TOKENS)
+
+
+class NamespaceBody(BaseModel):
+    """A namespace as on the control protocol; validated into a :class:`Namespace`."""
+
+    model_config = _STRICT
+    model: str = Field(min_length=1, max_length=MAX_STRING)
+    spec: SpecBody
+    tenant: str = Field("", max_length=MAX_STRING)
+    lora: str = Field("", max_length=MAX_STRING)
+    _namespace: Namespace = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _decode(self) -> Self:
+        # Cross-field spec rules (MLA has one head, dtype aliases) live in KVSpec; its
+        # ProtocolError is a ValueError, so pydantic reports it as a 422 like any other.
+        self._namespace = decode_namespace(self.model_dump())
+        return self
+
+    @property
+    def value(self) -> Namespace:
+        return self._namespace
+
+
+class LookupRequest(BaseModel):
+    model_config = _STRICT
+    namespace: NamespaceBody
+    token_ids: list[TokenId] | None = Field(
+        None, max_length=MAX_TOKENS, description="a prompt; only its full chunks are looked up")
+    chunk_hashes: list[ChunkHash] | None = Field(
+        None, max_length=MAX_KEYS, description="a chain of chunk keys, hex, root first")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Self:
+        if (self.token_ids is None) == (self.chunk_hashes is None):
+            raise ValueError("give exactly one of token_ids and chunk_hashes")
+        return self
+
+
+class EvictRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    tier: str | None = Field(None, max_length=64, description="one tier; null: from the last up")
+    nbytes: int | None = Field(None, alias="bytes", gt=0,
+                               description="stop once this many bytes are freed; null: all")
+
+
+# ---------------------------------------------------------------------- responses
+
+class ErrorBody(BaseModel):
+    kind: str
+    message: str
+
+
+class Issue(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+    detail: list[Issue] | None = None
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+    node_id: str
+    uptime_s: float
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready", "not_ready"]
+    node_id: str
+
+
+class LookupResponse(BaseModel):
+    matched_tokens: int
+    matched_chunks: int
+    requested_chunks: int
+    requested_tokens: int | None = Field(description="prompt length (token_ids only)")
+    chunk_tokens: int
+    tiers: dict[str, int] = Field(description="matched tokens per tier")
+
+
+class TierStatsBody(BaseModel):
+    name: str
+    kind: str
+    capacity_bytes: int
+    used_bytes: int
+    utilisation: float
+    objects: int
+    hit_tokens: int
+    hit_chunks: int
+    evictions: int
+    promotions: int
+    demotions: int
+    bytes_in: int
+    bytes_out: int
+    corrupt_records: int
+    torn_records: int
+
+
+class TotalsBody(BaseModel):
+    objects: int
+    lookups: int
+    lookup_tokens: int
+    hit_tokens: int
+    miss_tokens: int
+    hit_rate: float
+    puts: int
+    gets: int
+    deletes: int
+    evictions: int
+    expired_leases: int
+    aborted_writes: int
+
+
+class NamespaceStatsBody(BaseModel):
+    model: str
+    tenant: str
+    lookups: int
+    lookup_tokens: int
+    hit_tokens: int
+
+
+class StatsResponse(BaseModel):
+    node_id: str
+    uptime_s: float
+    ready: bool
+    sessions: int
+    tiers: list[TierStatsBody]
+    totals: TotalsBody
+    namespaces: list[NamespaceStatsBody]
+
+
+class EvictResponse(BaseModel):
+    evicted: int
+
+
+class FlushResponse(BaseModel):
+    flushed: bool
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def _from_attributes(model: type[_Model], source: object) -> _Model:
+    """``model`` filled from the same-named attributes (and properties) of ``source``."""
+    return model(**{name: getattr(source, name) for name in model.model_fields})
+
+
+# ---------------------------------------------------------------------- auth
+
+@dataclass(frozen=True)
+class Principal:
+    """The caller: the admin (``tenant`` None; everyone when auth is off) or one tenant."""
+
+    tenant: str | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.tenant is None
+
+    def check_namespace(self, ns: Namespace) -> None:
+        if self.tenant is not None and ns.tenant_salt != self.tenant:
+            raise ForbiddenError(f"this token may only look up tenant {self.tenant!r}")
+
+
+ADMIN = Principal()
+_bearer = HTTPBearer(auto_error=False, description="the admin token or a tenant token")
+
+
+async def _daemon(request: Request) -> DaemonView:
+    return request.app.state.daemon  # type: ignore[no-any-return]
+
+
+Daemon = Annotated[DaemonView, Depends(_daemon)]
+
+
+def _caller(daemon: Daemon, credentials: Annotated[
+        HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+    # Plain def: reading auth.token_file (re-read per request, so it can be rotated) is I/O.
+    auth = daemon.config.auth
+    admin = auth.admin_token
+    if admin is None and not auth.tenants:
+        return ADMIN
+    if credentials is None:
+        raise AuthError("missing bearer token (Authorization: Bearer <token>)")
+    principal = _match(credentials.credentials, admin, auth.tenants)
+    if principal is None:
+        raise AuthError("invalid bearer token")
+    return principal
+
+
+def _match(presented: str, admin: str | None, tenants: Mapping[str, str]) -> Principal | None:
+    """The principal whose token is ``presented``, comparing against every token."""
+    raw = presented.encode("latin-1")  # the header's bytes, as Starlette decoded them
+    candidates = [(admin, ADMIN)] if admin is not None else []
+    candidates += [(token, Principal(tenant)) for token, tenant in tenants.items()]
+    found = None
+    for token, principal in candidates:  # no early exit: timing does not tell which matched
+        if hmac.compare_digest(raw, token.encode()) and found is None:
+            found = principal
+    return found
+
+
+Caller = Annotated[Principal, Depends(_caller)]
+
+
+async def _admin(caller: Caller) -> Principal:
+    if not caller.is_admin:
+        raise ForbiddenError("this endpoint needs the admin token")
+    return caller
+
+
+Admin = Annotated[Principal, Depends(_admin)]
+
+
+# ---------------------------------------------------------------------- errors
+
+_STATUS: dict[type[KVFabricError], int] = {
+    AuthError: 401, ForbiddenError: 403, NotFoundError: 404, UnavailableError: 503,
+    DeadlineExceededError: 504, ConfigError: 500}
+
+
+def _status_of(exc: KVFabricError) -> int:
+    for cls in type(exc).__mro__:
+        if cls in _STATUS:
+            return _STATUS[cls]
+    return 500 if exc.kind == KVFabricError.kind else 400
+
+
+def _error_json(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": {"kind": kind, "message": message}, **extra}, status,
+                        headers=headers)
+
+
+async def _on_kvfabric_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, KVFabricError)
+    return _error_json(_status_of(exc), exc.kind, str(exc))
+
+
+async def _on_validation_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    # Never echo the input back: it may be millions of token ids.
+    issues = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+              for e in errors[:MAX_REPORTED_ISSUES]]
+    message = "; ".join(f"{'.'.join(map(str, i['loc']))}: {i['msg']}" for i in issues)
+    if len(errors) > MAX_REPORTED_ISSUES:
+        message += f"; and {len(errors) - MAX_REPORTED_ISSUES} more"
+    return _error_json(422, ProtocolError.kind, message, detail=issues)
+
+
+def _kind_of(exc: Exception) -> str:
+    if isinstance(exc, RequestValidationError):
+        return ProtocolError.kind
+    if isinstance(exc, HTTPException):
+        return f"http_{exc.status_code}"
+    return error_kind(exc)
+
+
+class _ObservedRoute(APIRoute):
+    """A route whose every request is recorded in the daemon's request metrics."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+        op = self.name
+
+        async def observed(request: Request) -> Response:
+            started = time.perf_counter()
+            kind = None
+            try:
+                return await handler(request)
+            except Exception as exc:
+                kind = _kind_of(exc)
+                raise
+            finally:
+                request.app.state.daemon.metrics.observe_request(
+                    op, time.perf_counter() - started, kind, plane="http")
+
+        return observed
+
+
+# ---------------------------------------------------------------------- endpoints
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": what} for status, what in (
+        (400, "a kvfabric error"), (401, "missing or unknown token"),
+        (403, "token not allowed here"), (422, "invalid body"))}
+
+_probes = APIRouter(tags=["probes"])
+_scrape = APIRouter(tags=["metrics"])
+_api = APIRouter(prefix="/v1", route_class=_ObservedRoute, responses=_ERRORS)
+
+
+def _uptime(daemon: DaemonView) -> float:
+    return max(0.0, time.time() - daemon.started_at)
+
+
+@_probes.get("/healthz")
+async def healthz(daemon: Daemon) -> HealthResponse:
+    return HealthResponse(node_id=daemon.node_id, uptime_s=_uptime(daemon))
+
+
+@_probes.get("/readyz", responses={503: {"model": ReadyResponse, "description": "not ready"}})
+async def readyz(daemon: Daemon, response: Response) -> ReadyResponse:
+    if not daemon.ready:  # starting, or draining before shutdown
+        response.status_code = 503
+    return ReadyResponse(status="ready" if daemon.ready else "not_ready", node_id=daemon.node_id)
+
+
+@_scrape.get("/metrics", response_class=Response, responses=_ERRORS | {
+    200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
+def metrics(daemon: Daemon, _: Admin) -> Response:
+    body, content_type = daemon.metrics.render()  # reads store.stats(): takes the store lock
+    return Response(body, media_type=content_type)
+
+
+@_api.post("/lookup", name="lookup")
+def lookup(body: LookupRequest, daemon: Daemon, caller: Caller) -> LookupResponse:
+    ns = body.namespace.value
+    caller.check_namespace(ns)
+    if body.token_ids is not None:
+        result = daemon.store.lookup_tokens(ns, body.token_ids)
+        requested_tokens: int | None = len(body.token_ids)
+    else:
+        assert body.chunk_hashes is not None
+        result = daemon.store.lookup(ns, [bytes.fromhex(h) for h in body.chunk_hashes])
+        requested_tokens = None
+    return LookupResponse(
+        matched_tokens=result.matched_tokens, matched_chunks=result.matched_chunks,
+        requested_chunks=result.requested_chunks, requested_tokens=requested_tokens,
+        chunk_tokens=ns.spec.chunk_tokens, tiers=result.tier_tokens)
+
+
+@_api.get("/stats", name="stats")
+def stats(daemon: Daemon, _: Admin) -> StatsResponse:
+    snapshot = daemon.store.stats()
+    return StatsResponse(
+        node_id=daemon.node_id, uptime_s=_uptime(daemon), ready=daemon.ready,
+        sessions=daemon.session_count,
+        tiers=[_from_attributes(TierStatsBody, tier) for tier in snapshot.tiers],
+        totals=_from_attributes(TotalsBody, snapshot),
+        namespaces=[NamespaceStatsBody(model=n.model_id, tenant=n.tenant, lookups=n.lookups,
+                                       lookup_tokens=n.lookup_tokens, hit_tokens=n.hit_tokens)
+                    for n in snapshot.namespaces])
+
+
+@_api.post("/admin/evict", name="evict")
+def admin_evict(body: EvictRequest, daemon: Daemon, _: Admin) -> EvictResponse:
+    return EvictResponse(evicted=daemon.store.evict(body.tier, body.nbytes))
+
+
+@_api.post("/admin/flush", name="flush",
+          responses={504: {"model": ErrorResponse, "description": "SSD writes still pending"}})
+def admin_flush(daemon: Daemon, _: Admin) -> FlushResponse:
+    daemon.store.flush()
+    return FlushResponse(flushed=True)
+
+
+def create_app(daemon: DaemonView, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The HTTP API of ``daemon`` (see the module docstring)."""
+    app = FastAPI(title="kvfabric", version=__version__, max_body_size=max_body_bytes,
+                  description="KV-hit lookups, stats, admin and Prometheus metrics of one "
+                              "kvfabric node.")
+    app.state.daemon = daemon
+    for router in (_probes, _scrape, _api):
+        app.include_router(router)
+    app.add_exception_handler(KVFabricError, _on_kvfabric_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    return app

@@ -1,0 +1,210 @@
+"""Prometheus metrics of one kvfabric daemon: every definition, and the text exposition.
+
+:class:`Metrics` owns a private :class:`~prometheus_client.CollectorRegistry` (never the
+process-global one, so several daemons or tests can live in one process). Two kinds of
+series live in it:
+
+* **Event metrics**, pushed by their callers as things happen: the control server calls
+  :meth:`Metrics.session_opened` / :meth:`~Metrics.session_closed` /
+  :meth:`~Metrics.observe_request`; the HTTP API calls :meth:`~Metrics.observe_request` with
+  ``plane="http"``; :class:`~kvfabric.server.instrumented.InstrumentedStore` calls
+  :meth:`~Metrics.observe_store_op` and :meth:`~Metrics.count_lookup` (tokens, per tier and
+  per tenant).
+* **Store metrics**, read from ``store.stats()`` at scrape time by a custom collector (tier
+  capacity / usage gauges and the store's own counters), so the store keeps no Prometheus
+  code and a scrape always sees one consistent snapshot.
+
+Every metric is named ``kvfabric_*`` (counters ``*_total``) and documented in
+``docs/metrics.md``. Tenant label values are capped at ``max_tenants`` distinct values per
+daemon; later tenants are counted under :data:`OTHER_TENANT`, so a deployment that uses a
+cache salt per end user cannot blow up the series count.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvfabric.errors import KVFabricError
+from kvfabric.store.stats import StoreStats
+
+log = logging.getLogger(__name__)
+
+PREFIX = "kvfabric_"
+DEFAULT_MAX_TENANTS = 256
+OTHER_TENANT = "__other__"
+# Store operations range from ~10 us (an in-memory lookup) to seconds (an SSD read-back
+# under load, a layer wait); requests add the socket round trip.
+LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
+                   0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def error_kind(exc: BaseException) -> str:
+    """The stable label of an error: a kvfabric error's ``kind``, else ``internal``."""
+    return exc.kind if isinstance(exc, KVFabricError) else "internal"
+
+
+class StatsSource(Protocol):
+    def stats(self) -> StoreStats: ...
+
+
+class Metrics:
+    """All metrics of one daemon, in a registry of its own."""
+
+    def __init__(self, store: StatsSource | None = None, *,
+                 max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
+        if max_tenants < 1:
+            raise ValueError("max_tenants must be at least 1")
+        self.registry = CollectorRegistry(auto_describe=True)  # catches duplicate names
+        reg = self.registry
+        self._sessions = Gauge(
+            f"{PREFIX}sessions", "Open control-plane sessions.", registry=reg)
+        self._lookups = Counter(
+            f"{PREFIX}lookups", "Prefix lookups served by the store.", ["tenant"], registry=reg)
+        self._lookup_tokens = Counter(
+            f"{PREFIX}lookup_tokens", "Tokens asked for by prefix lookups (full chunks).",
+            ["tenant"], registry=reg)
+        self._hit_tokens = Counter(
+            f"{PREFIX}hit_tokens", "Looked-up tokens found, by the tier that held them.",
+            ["tier", "tenant"], registry=reg)
+        self._miss_tokens = Counter(
+            f"{PREFIX}miss_tokens", "Looked-up tokens beyond the longest stored prefix.",
+            ["tenant"], registry=reg)
+        self._store_seconds = Histogram(
+            f"{PREFIX}store_operation_duration_seconds", "Latency of store operations.",
+            ["op"], buckets=LATENCY_BUCKETS, registry=reg)
+        self._store_errors = Counter(
+            f"{PREFIX}store_errors", "Store operations that raised, by error kind.",
+            ["op", "kind"], registry=reg)
+        self._request_seconds = Histogram(
+            f"{PREFIX}request_duration_seconds",
+            "Latency of control (socket) and HTTP API requests, errors included.",
+            ["plane", "op"], buckets=LATENCY_BUCKETS, registry=reg)
+        self._request_errors = Counter(
+            f"{PREFIX}request_errors", "Requests answered with an error, by error kind.",
+            ["plane", "op", "kind"], registry=reg)
+        self._tenants: set[str] = set()
+        self._max_tenants = max_tenants
+        self._tenant_lock = threading.Lock()
+        if store is not None:
+            reg.register(StoreCollector(store))
+
+    # ------------------------------------------------------------------ control plane
+
+    def session_opened(self) -> None:
+        self._sessions.inc()
+
+    def session_closed(self) -> None:
+        self._sessions.dec()
+
+    def observe_request(self, op: str, seconds: float, error_kind: str | None, *,
+                        plane: str = "control") -> None:
+        """One request finished (``error_kind`` None: it succeeded)."""
+        self._request_seconds.labels(plane, op).observe(seconds)
+        if error_kind is not None:
+            self._request_errors.labels(plane, op, error_kind).inc()
+
+    # ------------------------------------------------------------------ store
+
+    def observe_store_op(self, op: str, seconds: float, error_kind: str | None) -> None:
+        self._store_seconds.labels(op).observe(seconds)
+        if error_kind is not None:
+            self._store_errors.labels(op, error_kind).inc()
+
+    def count_lookup(self, tenant: str, lookup_tokens: int,
+                     tier_tokens: Mapping[str, int]) -> None:
+        """One lookup of ``lookup_tokens`` tokens, of which ``tier_tokens`` were found."""
+        label = self.tenant_label(tenant)
+        self._lookups.labels(label).inc()
+        self._lookup_tokens.labels(label).inc(lookup_tokens)
+        for tier, tokens in tier_tokens.items():
+            self._hit_tokens.labels(tier, label).inc(tokens)
+        self._miss_tokens.labels(label).inc(lookup_tokens - sum(tier_tokens.values()))
+
+    def tenant_label(self, tenant: str) -> str:
+        """``tenant`` itself while fewer than ``max_tenants`` were seen, else OTHER_TENANT."""
+        with self._tenant_lock:
+            if tenant in self._tenants:
+                return tenant
+            if len(self._tenants) < self._max_tenants:
+                self._tenants.add(tenant)
+                return tenant
+        return OTHER_TENANT
+
+    # ------------------------------------------------------------------ exposition
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition of every metric: (body, content type)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+# (metric name without prefix and suffix, TierStats / StoreStats attribute, help)
+_TIER_GAUGES = (
+    ("tier_capacity_bytes", "capacity_bytes", "Configured capacity of the tier in bytes."),
+    ("tier_used_bytes", "used_bytes", "Bytes allocated in the tier (SSD: segment bytes)."),
+    ("tier_objects", "objects", "Objects (chunks) stored in the tier."),
+)
+_TIER_COUNTERS = (
+    ("tier_evictions", "evictions", "Objects evicted (dropped) from the tier."),
+    ("tier_promotions", "promotions", "Objects moved up out of the tier on a hit."),
+    ("tier_demotions", "demotions", "Objects moved down out of the tier under pressure."),
+    ("tier_in_bytes", "bytes_in", "Bytes written into the tier (commits, demotions to SSD)."),
+    ("tier_out_bytes", "bytes_out", "Bytes read out of the tier (pinned reads, SSD read-backs)."),
+    ("tier_corrupt_records", "corrupt_records",
+     "SSD records that failed their checks; skipped or dropped, never served."),
+    ("tier_torn_records", "torn_records", "Torn (partially written) SSD records skipped."),
+)
+_STORE_COUNTERS = (
+    ("store_commits", "puts", "Objects committed (every layer written)."),
+    ("store_pins", "gets", "Objects pinned for reading."),
+    ("store_deletes", "deletes", "Objects deleted on request."),
+    ("store_leases_expired", "expired_leases",
+     "Reservations and pins reclaimed by the store after their deadline passed."),
+    ("store_aborted_writes", "aborted_writes",
+     "Reservations that ended without a complete object (aborted, expired or deleted)."),
+)
+
+
+class StoreCollector(Collector):
+    """Tier gauges and store counters from one ``store.stats()`` snapshot per scrape."""
+
+    def __init__(self, store: StatsSource) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._store.stats()
+        except Exception:  # a failing store must not take the event metrics down with it
+            log.exception("store stats unavailable for this scrape")
+            return
+        yield from _families(stats)
+
+    def describe(self) -> Iterable[Metric]:
+        return _families(None)
+
+
+def _families(stats: StoreStats | None) -> list[Metric]:
+    """The store's metric families, with samples from ``stats`` (empty when None)."""
+    info = GaugeMetricFamily(f"{PREFIX}tier_info", "Tier kind by tier name (always 1).",
+                             labels=["tier", "kind"])
+    tier_families = [(attr, GaugeMetricFamily(PREFIX + name, doc, labels=["tier"]))
+                     for name, attr, doc in _TIER_GAUGES]
+    tier_families += [(attr, CounterMetricFamily(PREFIX + name, doc, labels=["tier"]))
+                      for name, attr, doc in _TIER_COUNTERS]
+    store_families = [(attr, CounterMetricFamily(PREFIX + name, doc))
+                      for name, attr, doc in _STORE_COUNTERS]
+    if stats is not None:
+        for tier in stats.tiers:
+            info.add_metric([tier.name, tier.kind], 1)
+            for attr, family in tier_families:
+                family.add_metric([tier.name], getattr(tier, attr))
+        for attr, family in store_families:
+            family.add_metric([], getattr(stats, attr))
+    return [info, *(f for _, f in tier_families), *(f for _, f in store_families)]

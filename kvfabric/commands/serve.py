@@ -1,0 +1,94 @@
+"""``kvfabric serve``: run the node daemon on a config file, the environment and flags.
+
+The named flags are shorthands for ``--set KEY=VALUE`` and, like it, apply in the order
+given (the last one for a key wins); together they override ``KVFABRIC_*`` variables, which
+override the file, which overrides the embedded defaults (see :mod:`kvfabric.config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvfabric.commands.common import EXIT_UNAVAILABLE, EXIT_USAGE, fail
+from kvfabric.errors import ConfigError, KVFabricError
+
+# (flag, dotted key, the value is a string): strings are passed quoted so that YAML scalar
+# parsing cannot turn a node id "007" or a directory named "null" into a number or None.
+SHORTHANDS: tuple[tuple[str, str, bool], ...] = (
+    ("--data-dir", "store.data_dir", True),
+    ("--socket", "socket_path", True),
+    ("--http-host", "http.host", True),
+    ("--http-port", "http.port", False),  # an int, or null to disable HTTP
+    ("--tcp-port", "tcp.port", False),
+    ("--auth-token-file", "auth.token_file", True),
+    ("--node-id", "node_id", True),
+    ("--log-level", "log_level", True),
+)
+
+class _Override(argparse.Action):
+    """Appends ``key=value`` to ``args.overrides``, keeping command-line order."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, key: str | None = None,
+                 quoted: bool = False, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.key, self.quoted = key, quoted
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        value = str(values)
+        item = value if self.key is None else \
+            f"{self.key}={json.dumps(value) if self.quoted else value}"
+        namespace.overrides = [*(namespace.overrides or []), item]
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "serve", help="run the node daemon until SIGTERM / SIGINT",
+        description="Run the node daemon. Precedence: flags > KVFABRIC_* environment > "
+                    "--config file > embedded defaults (DRAM 1 GiB + SSD 8 GiB under "
+                    "./kvfabric-data, HTTP on 127.0.0.1:8790).")
+    parser.add_argument("--config", type=Path, default=None, metavar="FILE",
+                        help="YAML config file")
+    parser.add_argument("--set", action=_Override, dest="overrides", metavar="KEY=VALUE",
+                        help="override one setting by its dotted path, e.g. "
+                             "store.tiers.dram.capacity=4GiB (repeatable)")
+    for flag, key, quoted in SHORTHANDS:
+        parser.add_argument(flag, action=_Override, dest="overrides", key=key, quoted=quoted,
+                            metavar=key.rsplit(".", 1)[-1].upper(), help=f"= --set {key}=...")
+    parser.add_argument("--ready-file", type=Path, default=None, metavar="FILE",
+                        help="write JSON {pid, node_id, socket, tcp_port, http_port} here once "
+                             "serving")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective config as YAML (tokens redacted) and exit")
+    parser.set_defaults(handler=run, overrides=[])
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvfabric.commands.config_yaml import config_yaml
+    from kvfabric.config import load_config
+
+    try:
+        config = load_config(args.config, overrides=args.overrides)
+        if args.print_config:
+            sys.stdout.write(config_yaml(config))
+            return 0
+        _ = config.auth.admin_token  # an unreadable token file fails now, not per request
+    except ConfigError as exc:
+        return fail("serve", str(exc), EXIT_USAGE)
+    level = logging.DEBUG if args.verbose else getattr(logging, config.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)
+    from kvfabric.server.daemon import run as run_daemon  # uvicorn and the store: only here
+
+    try:
+        return run_daemon(config, ready_file=args.ready_file)
+    except ConfigError as exc:  # raised while opening the store (tier setup)
+        return fail("serve", str(exc), EXIT_USAGE)
+    except KVFabricError as exc:  # e.g. another daemon already serves the socket
+        return fail("serve", str(exc), EXIT_UNAVAILABLE)

@@ -1,0 +1,113 @@
+"""A :class:`~kvfabric.store.TieredStore` wrapped with metrics, without touching its code.
+
+:class:`InstrumentedStore` has the store's method names and signatures and delegates every
+call. Around ``lookup``, ``lookup_tokens``, ``reserve``, ``put``, ``get``, ``pin``,
+``contains``, ``delete`` and ``evict`` it records the latency (label ``op``, the method name)
+and, when the call raises, the error kind; the exception itself propagates unchanged. Each
+successful lookup also counts **tokens**: the tokens asked for and missed per tenant
+(``ns.tenant_salt``), and the tokens found per (tier, tenant) from
+:attr:`~kvfabric.store.LookupResult.tier_tokens`.
+
+Anything not wrapped (``stats``, ``flush``, ``tier_of``, ``tier_names``, ``maintain``,
+``close``, ...) falls through to the store by attribute lookup, so the daemon can hand this
+object to every caller as "the store". Dunder methods (``len()``, ``with``) do not fall
+through: use :attr:`InstrumentedStore.store` for those.
+
+(The pattern is llm-d's ``instrumented_index.go``: wrap a backend instead of sprinkling
+metrics through it.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from kvfabric.errors import WouldBlockError
+from kvfabric.api.metrics import Metrics, error_kind
+from kvfabric.hashing import ROOT
+from kvfabric.spec import Namespace
+from kvfabric.store import LookupResult, ObjectReader, ObjectWriter, TieredStore
+
+
+class InstrumentedStore:
+    """Delegates to ``store``; records latency, errors and lookup tokens in ``metrics``."""
+
+    def __init__(self, store: TieredStore, metrics: Metrics) -> None:
+        self._store = store
+        self._metrics = metrics
+
+    @property
+    def store(self) -> TieredStore:
+        """The wrapped store."""
+        return self._store
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names this class lacks: everything unwrapped is the store's.
+        return getattr(self._store, name)
+
+    @contextmanager
+    def _observed(self, op: str) -> Iterator[None]:
+        started = time.perf_counter()
+        kind = None
+        try:
+            yield
+        except WouldBlockError:
+            raise  # not an outcome: the daemon retries the same call on a worker thread
+        except Exception as exc:
+            kind = error_kind(exc)
+            self._metrics.observe_store_op(op, time.perf_counter() - started, kind)
+            raise
+        self._metrics.observe_store_op(op, time.perf_counter() - started, kind)
+
+    def _count(self, ns: Namespace, result: LookupResult) -> LookupResult:
+        self._metrics.count_lookup(ns.tenant_salt, result.requested_tokens, result.tier_tokens)
+        return result
+
+    # ------------------------------------------------------------------ queries
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
+        with self._observed("lookup"):
+            result = self._store.lookup(ns, keys)
+        return self._count(ns, result)
+
+    def lookup_tokens(self, ns: Namespace, tokens: Any) -> LookupResult:
+        with self._observed("lookup_tokens"):
+            result = self._store.lookup_tokens(ns, tokens)
+        return self._count(ns, result)
+
+    def contains(self, ns: Namespace, key: bytes) -> bool:
+        with self._observed("contains"):
+            return self._store.contains(ns, key)
+
+    # ------------------------------------------------------------------ writing
+
+    def reserve(self, ns: Namespace, key: bytes, *, parent: bytes = ROOT,
+                num_tokens: int | None = None) -> ObjectWriter:
+        with self._observed("reserve"):
+            return self._store.reserve(ns, key, parent=parent, num_tokens=num_tokens)
+
+    def put(self, ns: Namespace, key: bytes, data: Any, *, parent: bytes = ROOT,
+            num_tokens: int | None = None) -> bool:
+        with self._observed("put"):
+            return self._store.put(ns, key, data, parent=parent, num_tokens=num_tokens)
+
+    def delete(self, ns: Namespace, key: bytes) -> bool:
+        with self._observed("delete"):
+            return self._store.delete(ns, key)
+
+    def evict(self, tier: str | None = None, nbytes: int | None = None) -> int:
+        with self._observed("evict"):
+            return self._store.evict(tier, nbytes)
+
+    # ------------------------------------------------------------------ reading
+
+    def get(self, ns: Namespace, key: bytes, *, timeout: float | None = None,
+            lease_s: float | None = None) -> ObjectReader:
+        with self._observed("get"):
+            return self._store.get(ns, key, timeout=timeout, lease_s=lease_s)
+
+    def pin(self, ns: Namespace, key: bytes, lease_s: float) -> ObjectReader:
+        with self._observed("pin"):
+            return self._store.pin(ns, key, lease_s)

@@ -1,0 +1,180 @@
+"""load_config: file < environment < overrides, variable naming, validation, example configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvfabric.config import DEFAULT_HTTP_PORT, load_config
+from kvfabric.errors import ConfigError
+from kvfabric.store.config import GiB, MiB
+from kvfabric.tiers.base import TierKind
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvfabric.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_dram_and_ssd_under_the_local_data_dir() -> None:
+    config = load_config(env={})
+    assert [(t.kind, t.capacity) for t in config.store.tiers] == [
+        (TierKind.DRAM, 1 * GiB), (TierKind.SSD, 8 * GiB)]
+    assert config.store.data_dir == "./kvfabric-data"
+    assert Path(config.socket_path) == Path("kvfabric-data/kvfabric.sock")
+    assert (config.http.host, config.http.port) == ("127.0.0.1", DEFAULT_HTTP_PORT)
+    assert config.tcp.port is None and not config.auth.enabled
+
+
+def test_precedence_overrides_beat_env_beat_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "node_id: from-file\nlog_level: debug\nhttp: {port: 1111}\n"
+                            "tcp: {port: 4444}\n")
+    env = {"KVFABRIC_NODE_ID": "from-env", "KVFABRIC_HTTP__PORT": "2222"}
+    config = load_config(path, env=env, overrides=["http.port=3333"])
+    assert config.http.port == 3333  # all three set it: the override wins
+    assert config.node_id == "from-env"  # file and env: env wins
+    assert config.log_level == "debug" and config.tcp.port == 4444  # file only
+
+
+def test_socket_path_follows_the_data_dir_unless_set(tmp_path: Path) -> None:
+    assert load_config(env={}, overrides=[f"store.data_dir={tmp_path}"]).socket_path == \
+        str(tmp_path / "kvfabric.sock")
+    assert load_config(env={}, overrides=[f"store.data_dir={tmp_path}",
+                                          "socket_path=/run/x.sock"]).socket_path == "/run/x.sock"
+
+
+def test_env_names_tiers_by_name_with_double_underscores(tmp_path: Path) -> None:
+    env = {"KVFABRIC_STORE__TIERS__DRAM__CAPACITY": "4GiB",
+           "KVFABRIC_STORE__TIERS__SSD__WRITERS": "3",
+           "KVFABRIC_STORE__DATA_DIR": str(tmp_path),
+           "KVFABRIC_LIMITS__REQUEST_THREADS": "8",
+           "UNRELATED": "ignored"}
+    config = load_config(env=env)
+    assert config.store.tiers[0].capacity == 4 * GiB
+    assert config.store.tiers[1].writers == 3 and config.store.tiers[1].capacity == 8 * GiB
+    assert config.store.data_dir == str(tmp_path)
+    assert config.limits.request_threads == 8
+
+
+def test_env_adds_a_tier_to_a_file_list_and_changes_one_by_name(tmp_path: Path) -> None:
+    path = _write(tmp_path, "store:\n  tiers:\n    - {kind: dram, capacity: 1GiB}\n"
+                            "    - {kind: ssd, capacity: 2GiB}\n")
+    config = load_config(path, env={"KVFABRIC_STORE__TIERS__SSD__CAPACITY": "5GiB"},
+                         overrides=["store.tiers.dram.page_size=1MiB"])
+    assert [(t.name, t.capacity) for t in config.store.tiers] == [("dram", GiB),
+                                                                   ("ssd", 5 * GiB)]
+    assert config.store.tiers[0].page_size == MiB
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["bogus=1"], "unknown config key"),
+    (["http.bogus=1"], "http: unknown key"),
+    (["store.bogus=1"], "store: unknown key"),
+    (["store.tiers.dram.path=x"], "dram tier: unknown key"),
+    (["store.tiers.dram=1"], "store.tiers.<name>.<key>"),
+    (["http.port=65536"], "port must be an integer"),
+    (["http.port=-1"], "port must be an integer"),
+    (["tcp.port=eighty"], "port must be an integer"),
+    (["http.port=true"], "port must be an integer"),
+    (["store.tiers.dram.capacity=lots"], "cannot parse size"),
+    (["store.tiers.dram.capacity=0"], "must be positive"),
+    (["store.tiers.ssd.segment_bytes=1XB"], "cannot parse size"),
+    (["log_level=chatty"], "log_level"),
+    (["limits.max_sessions=0"], "limits.max_sessions"),
+    (["node_id=5"], "node_id must be a string"),
+    (["novalue"], "key=value"),
+])
+def test_bad_settings_raise_config_error_naming_the_key(overrides: list[str],
+                                                        message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("<", ".")):
+        load_config(env={}, overrides=overrides)
+
+
+def test_bad_env_value_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="port"):
+        load_config(env={"KVFABRIC_HTTP__PORT": "99999"})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("- a list\n", "mapping at the top level"),
+    ("http: [1, 2]\n", "http must be a mapping"),
+    ("store: {tiers: {dram: 1GiB}}\n", "store.tiers.dram must be a mapping"),
+    ("store: {tiers: [1GiB]}\n", "store.tiers entries must be mappings"),
+    ("key: [unclosed\n", "cannot read config"),
+])
+def test_bad_files_raise_config_error(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
+        load_config(_write(tmp_path, text), env={})
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "absent.yaml", env={})
+
+
+def test_values_are_yaml_scalars() -> None:
+    config = load_config(env={"KVFABRIC_HTTP__PORT": "null",
+                              "KVFABRIC_STORE__PROMOTE_ON_HIT": "false",
+                              "KVFABRIC_STORE__HIGH_WATERMARK": "0.9"},
+                         overrides=["tcp.port=0", "store.tiers.dram.prefault=yes",
+                                    "node_id=node a=b"])
+    assert config.http.port is None  # null disables HTTP
+    assert config.tcp.port == 0  # an int: pick a free port
+    assert config.store.promote_on_hit is False and config.store.high_watermark == 0.9
+    assert config.store.tiers[0].prefault is True
+    assert config.node_id == "node a=b"  # split at the first '=' only
+
+
+def test_quoted_values_stay_strings() -> None:
+    assert load_config(env={}, overrides=['node_id="007"']).node_id == "007"
+
+
+def test_token_file_is_read_lazily_and_errors_clearly(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    assert load_config(env={}, overrides=[f"auth.token_file={token}"]).auth.admin_token == "s3cret"
+    missing = load_config(env={}, overrides=[f"auth.token_file={tmp_path / 'absent'}"])
+    with pytest.raises(ConfigError, match="auth.token_file"):
+        _ = missing.auth.admin_token
+
+
+def test_device_tier_is_refused_by_the_daemon_config(tmp_path: Path) -> None:
+    path = _write(tmp_path, "store:\n  tiers:\n    - {kind: device, capacity: 1GiB}\n"
+                            "    - {kind: ssd, capacity: 2GiB}\n")
+    with pytest.raises(ConfigError, match="device tier"):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_config_loads(path: Path) -> None:
+    config = load_config(path, env={})
+    assert config.store.tiers[0].kind in (TierKind.DRAM, TierKind.CXL)
+    assert config.store.tiers[-1].kind is TierKind.SSD
+
+
+def test_example_configs_exist() -> None:
+    names = {p.name for p in CONFIGS.glob("*.yaml")}
+    assert {"single-node.yaml", "decode-cpu.yaml", "cluster-redis.yaml", "cxl-tier.yaml",
+            "store-tiers.yaml"} <= names
+
+
+def test_cxl_example_binds_the_cxl_tier_to_a_numa_node() -> None:
+    tiers = load_config(CONFIGS / "cxl-tier.yaml", env={}).store.tiers
+    assert [t.kind for t in tiers] == [TierKind.DRAM, TierKind.CXL, TierKind.SSD]
+    assert tiers[1].numa_node is not None
+
+
+def test_decode_cpu_example_has_no_device_tier_and_a_large_dram_tier() -> None:
+    config = load_config(CONFIGS / "decode-cpu.yaml", env={})
+    assert all(t.kind is not TierKind.DEVICE for t in config.store.tiers)
+    assert config.store.tiers[0].capacity > load_config(env={}).store.tiers[0].capacity
+
+
+def test_client_side_variables_are_not_daemon_settings() -> None:
+    config = load_config(env={"KVFABRIC_TOKEN": "t", "KVFABRIC_PYTHON": "/usr/bin/python3",
+                              "KVFABRIC_HTTP__PORT": "9001"})
+    assert config.http.port == 9001 and config.auth.token is None
