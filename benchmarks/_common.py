@@ -126,3 +126,22 @@ def emit_json(obj: Mapping[str, Any]) -> None:
     json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")
     sys.stdout.flush()
+
+
+def met(value: float, op: str, target: float) -> bool:
+    return value >= target if op == ">=" else value <= target
+
+
+def report(figures: Mapping[str, float], targets: Mapping[str, tuple[str, float]],
+           described: Sequence[tuple[str, str]], *, as_json: bool, quick: bool) -> None:
+    """The table (stderr when JSON goes to stdout) and, with ``as_json``, one JSON object."""
+    verdicts = {name: met(figures[name], *target) for name, target in targets.items()}
+    rows = [{"figure": name, "value": figures[name],
+             "target": " ".join(map(str, targets[name])) if name in targets else "",
+             "met": ("yes" if verdicts[name] else "NO") if name in targets else "",
+             "what": what} for name, what in described]
+    print_table(rows, ["figure", "value", "target", "met", "what"],
+                file=sys.stderr if as_json else sys.stdout)
+    if as_json:
+        emit_json({**figures, "targets_met": verdicts, "all_targets_met": all(verdicts.values()),
+                   "quick": quick})

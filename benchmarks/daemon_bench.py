@@ -38,8 +38,7 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import (emit_json, limit_torch_threads, measure, measure_pairs, median,
-                     percentile, print_table)
+from _common import limit_torch_threads, measure, measure_pairs, median, percentile, report
 # isort: on
 
 import argparse
@@ -370,10 +369,6 @@ def bench_small_ops(socket_path: str, cfg: Settings) -> dict[str, float]:
     return {"small_ops_per_s_8_clients": sum(rates)}
 
 
-def met(value: float, op: str, target: float) -> bool:
-    return value >= target if op == ">=" else value <= target
-
-
 def run(root: Path, cfg: Settings) -> dict[str, float]:
     # Daemon 1: 256 KiB pages (the default), room for a round of 4 MiB objects.
     big = dram_settings(arena_bytes(OBJECTS * OBJECT_BYTES, 256 * KiB), 256 * KiB)
@@ -402,16 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = run(root, cfg)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    verdicts = {name: met(figures[name], *target) for name, target in TARGETS.items()}
-    rows = [{"figure": name, "value": figures[name],
-             "target": " ".join(map(str, TARGETS[name])) if name in TARGETS else "",
-             "met": ("yes" if verdicts[name] else "NO") if name in TARGETS else "",
-             "what": what} for name, what in FIGURES]
-    print_table(rows, ["figure", "value", "target", "met", "what"],
-                file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        emit_json({**figures, "targets_met": verdicts, "all_targets_met": all(verdicts.values()),
-                   "quick": args.quick})
+    report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)
     return 0
 
 
