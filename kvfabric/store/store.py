@@ -165,8 +165,9 @@ class TieredStore:
             self._end_lease(writer)
 
     def _abort_entry(self, entry: Entry) -> None:
-        entry.flags |= ABORTED
-        self._count["aborted"] += 1
+        if not entry.flags & ABORTED:  # a delete, then the writer's own abort: one write
+            entry.flags |= ABORTED
+            self._count["aborted"] += 1
         self._placement.drop(entry)
         self._cond.notify_all()
 
