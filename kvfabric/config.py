@@ -233,4 +233,4 @@ def _scalar(text: str) -> Any:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
-    return value if isinstance(value, (str, int, float, bool)) or value is None else text
+    return value if isinstance(value, (str, int, float, bool, dict)) or value is None else text

@@ -13,16 +13,18 @@ lease is gone and lease operations raise :class:`~kvfabric.errors.UnavailableErr
 
 from __future__ import annotations
 
+import time
 from array import array
 from typing import Any, Callable
 
 from kvfabric.client.arenas import PageViewer
-from kvfabric.errors import UnavailableError
+from kvfabric.errors import LeaseExpiredError, UnavailableError
 from kvfabric.payload import PayloadAccess, PayloadReader, PayloadWriter
 from kvfabric.protocol.messages import Op
 from kvfabric.spec import Namespace
 
 READY_ALL = -1
+LEASE_SAFETY = 0.9  # share of the lease a client uses: margin for clock steps and transit
 REPLY_MARGIN_S = 5.0  # a wait's reply may take its whole timeout plus the trip back
 
 
@@ -37,11 +39,16 @@ class _RemoteLease(PayloadAccess):
         pages = array("I")
         pages.frombytes(reply["pages"])
         self._viewer: PageViewer = session.arenas.viewer(self.tier_index, pages)
+        # stop short of the daemon's deadline: after it the pages may hold another object
+        self.deadline = time.monotonic() + float(reply.get("lease_s", 0.0)) * LEASE_SAFETY
         self.closed = False
 
     def _range_pieces(self, offset: int, length: int) -> list[Any]:
         if self.closed:
             raise ValueError("lease already given back")
+        if time.monotonic() >= self.deadline:
+            raise LeaseExpiredError(f"the lease on {self.key.hex()} has run out; its pages "
+                                    f"may belong to another object now")
         return self._viewer.pieces(offset, length)
 
     def _call(self) -> Callable[..., Any]:

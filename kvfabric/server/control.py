@@ -25,8 +25,8 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
-from kvfabric.errors import (AuthError, ForbiddenError, KVFabricError, ProtocolError,
-                             WouldBlockError)
+from kvfabric.errors import (AuthError, DeadlineExceededError, ForbiddenError, KVFabricError,
+                             ProtocolError, WouldBlockError)
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
 from kvfabric.protocol.messages import (Op, error_reply, ok_reply, parse_request,
                                         request_id_of)
@@ -37,6 +37,7 @@ from kvfabric.server.session import Session
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 64
+MAX_BLOCKING_PER_SESSION = 4  # worker threads one session may hold: none can starve the rest
 READ_CHUNK = 1 << 16
 
 
@@ -56,6 +57,8 @@ class ControlServer:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._layers_changed = asyncio.Event()  # replaced each time it fires
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def session_count(self) -> int:
@@ -68,6 +71,8 @@ class ControlServer:
         return None
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._ctx.store.add_layer_listener(self._on_layers_changed)
         self._socket_path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_socket(self._socket_path)
         unix = await asyncio.start_unix_server(
@@ -105,6 +110,7 @@ class ControlServer:
         self._metrics.session_opened()
         decoder = FrameDecoder()
         slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+        blocking = asyncio.Semaphore(MAX_BLOCKING_PER_SESSION)
         tasks: set[asyncio.Task[None]] = set()
         try:
             while True:
@@ -122,7 +128,8 @@ class ControlServer:
                             return
                         continue
                     await slots.acquire()
-                    task = asyncio.create_task(self._dispatch(session, message, writer))
+                    task = asyncio.create_task(self._dispatch(session, message, writer,
+                                                              blocking))
                     tasks.add(task)
                     task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -157,8 +164,8 @@ class ControlServer:
             await _send(writer, error_reply(request_id, exc))
             return False
 
-    async def _dispatch(self, session: Session, message: Any,
-                        writer: asyncio.StreamWriter) -> None:
+    async def _dispatch(self, session: Session, message: Any, writer: asyncio.StreamWriter,
+                        blocking: asyncio.Semaphore) -> None:
         started = time.perf_counter()
         self._begin()
         request_id, op_name, error_kind = request_id_of(message), "invalid", None
@@ -170,8 +177,10 @@ class ControlServer:
                 raise ProtocolError(f"{op.value} is only valid as a session's first request")
             if handler.local and not session.local:
                 raise ForbiddenError(f"{op.value} maps shared memory: use the local socket")
-            if handler.blocking:
-                result = await self._run_blocking(handler, session, args)
+            if handler.waits_for_layers:
+                result = await self._run_waiting(handler, session, args)
+            elif handler.blocking:
+                result = await self._run_blocking(handler, session, args, blocking)
             else:
                 result = handler.fn(self._ctx, session, args)
             reply = ok_reply(request_id, result)
@@ -193,18 +202,46 @@ class ControlServer:
         self._metrics.observe_request(op_name, time.perf_counter() - started, error_kind)
 
     async def _run_blocking(self, handler: handlers.Handler, session: Session,
-                            args: dict[str, Any]) -> Any:
+                            args: dict[str, Any], slots: asyncio.Semaphore) -> Any:
         """Most 'blocking' requests do not actually wait (room is free, the object is in
-        memory, the layer is committed): try on the loop first, which saves two thread
-        hand-offs, and go to a worker thread only when the store says it would wait."""
+        memory): try on the loop first, which saves two thread hand-offs, and go to a worker
+        thread (at most ``MAX_BLOCKING_PER_SESSION`` per session) only when the store says
+        it would wait."""
         if not handler.batch:
             try:
                 with self._ctx.store.nonblocking():
                     return handler.fn(self._ctx, session, args)
             except WouldBlockError:
                 pass
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, handler.fn, self._ctx, session, args)
+        async with slots:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, handler.fn, self._ctx, session,
+                                              args)
+
+    async def _run_waiting(self, handler: handlers.Handler, session: Session,
+                           args: dict[str, Any]) -> Any:
+        """Layer waits park on the loop, not on threads: re-try whenever a layer lands."""
+        deadline = time.monotonic() + handlers.wait_timeout(args)
+        while True:
+            changed = self._layers_changed  # taken before the check: no wake-up is missed
+            try:
+                with self._ctx.store.nonblocking():
+                    return handler.fn(self._ctx, session, args)
+            except WouldBlockError:
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceededError("the layer was not committed before the deadline")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
+
+    def _on_layers_changed(self) -> None:  # any thread, under the store lock
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fire_layers_changed)
+
+    def _fire_layers_changed(self) -> None:
+        fired, self._layers_changed = self._layers_changed, asyncio.Event()
+        fired.set()
 
     def _begin(self) -> None:
         self._in_flight += 1

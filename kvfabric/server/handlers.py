@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -21,7 +22,7 @@ import numpy as np
 
 from kvfabric.config import AuthConfig
 from kvfabric.errors import (AuthError, ForbiddenError, KVFabricError, LeaseExpiredError,
-                             ProtocolError)
+                             ObjectAbortedError, ProtocolError)
 from kvfabric.hashing import ROOT
 from kvfabric.protocol.messages import (MAX_KEYS, MAX_TOKENS, PROTOCOL_VERSION, Op, arg_float,
                                         arg_int, arg_key, arg_keys, arg_list, arg_str,
@@ -29,7 +30,7 @@ from kvfabric.protocol.messages import (MAX_KEYS, MAX_TOKENS, PROTOCOL_VERSION, 
 from kvfabric.server.session import Session
 from kvfabric.store.handles import ObjectReader, ObjectWriter
 
-MAX_LAYERS_MASK = (1 << 1024) - 1
+DEFAULT_WAIT_S = 30.0
 
 
 class StoreAPI(Protocol):  # what handlers need: a TieredStore or its instrumented wrapper
@@ -52,6 +53,7 @@ class Handler:
     blocking: bool = False
     local: bool = False
     batch: bool = False  # never tried on the loop: items done before a wait cannot be redone
+    waits_for_layers: bool = False  # waits on the loop for commits instead of on a thread
 
 
 def hello(ctx: Context, session: Session, args: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -116,11 +118,16 @@ def _reserve_one(ctx: Context, session: Session, ns: Any, args: Any) -> dict[str
 def commit(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     lease_id = arg_int(args, "lease")
     writer = session.writer(lease_id)
-    if args.get("layers") is None:
-        writer.commit()
-        done = True
-    else:
-        done = writer.commit_layers(arg_int(args, "layers", low=1, high=MAX_LAYERS_MASK))
+    try:
+        if args.get("layers") is None:
+            writer.commit()
+            done = True
+        else:
+            all_layers = (1 << writer.layout.spec.num_layers) - 1
+            done = writer.commit_layers(arg_int(args, "layers", low=1, high=all_layers))
+    except (LeaseExpiredError, ObjectAbortedError):
+        session.forget(lease_id)  # the object is gone: the lease must not count any more
+        raise
     if done:
         session.forget(lease_id)
     return {"done": done}
@@ -132,9 +139,7 @@ def commit_batch(ctx: Context, session: Session, args: dict[str, Any]) -> list[d
 
 
 def _commit_all(ctx: Context, session: Session, _: Any, raw_id: Any) -> None:
-    lease_id = arg_int({"lease": raw_id}, "lease")
-    session.writer(lease_id).commit()
-    session.forget(lease_id)
+    commit(ctx, session, {"lease": raw_id})
 
 
 def abort(ctx: Context, session: Session, args: dict[str, Any]) -> None:
@@ -167,9 +172,13 @@ def _get_one(ctx: Context, session: Session, ns: Any, item: tuple[Any, float | N
 
 def wait_layer(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     reader = session.reader(arg_int(args, "lease"))
-    timeout = arg_float(args, "timeout", default=30.0)
-    reader.wait_layer(arg_int(args, "layer", high=reader.layout.spec.num_layers - 1), timeout)
+    reader.wait_layer(arg_int(args, "layer", high=reader.layout.spec.num_layers - 1),
+                      wait_timeout(args))
     return {"ready": reader.ready_mask}
+
+
+def wait_timeout(args: dict[str, Any]) -> float:
+    return arg_float(args, "timeout") or DEFAULT_WAIT_S
 
 
 def release(ctx: Context, session: Session, args: dict[str, Any]) -> None:
@@ -223,8 +232,11 @@ def _item(fn: Callable[[Context, Session, Any, Any], Any], ctx: Context, session
 
 
 def _placement(lease_id: int, lease: ObjectWriter | ObjectReader) -> dict[str, Any]:
+    # lease_s: the client stops touching the pages when it runs out, since after it they
+    # may belong to another object (a client frozen mid-copy is the one case it cannot stop)
     return {"lease": lease_id, "tier": lease.tier_index, "pages": lease.pages.tobytes(),
-            "nbytes": lease.nbytes, "num_tokens": lease.num_tokens}
+            "nbytes": lease.nbytes, "num_tokens": lease.num_tokens,
+            "lease_s": max(0.0, lease.deadline - time.monotonic())}
 
 
 HANDLERS: dict[Op, Handler] = {
@@ -233,7 +245,7 @@ HANDLERS: dict[Op, Handler] = {
     Op.COMMIT: Handler(commit, local=True),
     Op.ABORT: Handler(abort, local=True),
     Op.GET: Handler(get, blocking=True, local=True),
-    Op.WAIT_LAYER: Handler(wait_layer, blocking=True, local=True),
+    Op.WAIT_LAYER: Handler(wait_layer, blocking=True, local=True, waits_for_layers=True),
     Op.RELEASE: Handler(release, local=True),
     Op.RESERVE_BATCH: Handler(reserve_batch, blocking=True, local=True, batch=True),
     Op.COMMIT_BATCH: Handler(commit_batch, local=True),

@@ -15,6 +15,8 @@ import itertools
 import threading
 from typing import Any
 
+import msgpack
+
 from kvfabric.errors import ForbiddenError, ProtocolError, UnavailableError
 from kvfabric.protocol.messages import decode_namespace
 from kvfabric.spec import Namespace
@@ -38,7 +40,7 @@ class Session:
         self._max_leases = max_leases
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
-        self._namespaces: dict[Any, Namespace] = {}
+        self._namespaces: dict[bytes, Namespace] = {}
         self._lock = threading.Lock()
         self.closed = False
 
@@ -49,16 +51,13 @@ class Session:
 
     def namespace(self, raw: Any) -> Namespace:
         """Decode (cached) and check that this session may use the namespace."""
-        try:
-            cache_key = (raw["model"], raw.get("tenant", ""), raw.get("lora", ""),
-                         tuple(sorted(raw["spec"].items())))
-            hash(cache_key)
-        except (TypeError, KeyError, AttributeError):
-            cache_key = None
-        ns = self._namespaces.get(cache_key) if cache_key is not None else None
+        # The cache key is the namespace's exact encoding: any other field, type (4.0, True)
+        # or key goes through full validation again.
+        cache_key = msgpack.packb(raw, use_bin_type=True)
+        ns = self._namespaces.get(cache_key)
         if ns is None:
             ns = decode_namespace(raw)
-            if cache_key is not None and len(self._namespaces) < _MAX_CACHED_NAMESPACES:
+            if len(self._namespaces) < _MAX_CACHED_NAMESPACES:
                 self._namespaces[cache_key] = ns
         if self.tenant is not None and ns.tenant_salt != self.tenant:
             raise ForbiddenError(f"this session's token is for tenant {self.tenant!r}, not "

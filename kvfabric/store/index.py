@@ -86,28 +86,44 @@ def _remove_kid(kids: Kids, child: Entry) -> Kids:
 
 
 class LocalIndex:
-    """Key map plus per-tier LRU lists of demotion / eviction candidates."""
+    """Key map plus per-tier LRU lists of demotion / eviction candidates.
+
+    Entries are found by (namespace, key). Keys of different namespaces differ by
+    construction (the namespace seed is hashed into every key), so the map is keyed by the
+    key alone; a key that a *second* namespace uses on purpose (a tenant replaying another
+    tenant's keys) goes to a small side map, so it can neither see, block nor replace the
+    first namespace's object.
+    """
 
     def __init__(self, num_tiers: int) -> None:
         self._entries: dict[bytes, Entry] = {}
-        self._candidates: list[OrderedDict[bytes, None]] = [OrderedDict()
+        self._shadow: dict[tuple[bytes, bytes], Entry] = {}  # (ns seed, key) on collisions
+        self._candidates: list[OrderedDict[Entry, None]] = [OrderedDict()
                                                             for _ in range(num_tiers)]
         # children stored while their parent is absent, so a parent that (re)appears knows them
-        self._orphans: dict[bytes, Kids] = {}
+        self._orphans: dict[tuple[bytes, bytes], Kids] = {}
         self._tier_counts = [0] * num_tiers
         self._last = num_tiers - 1
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._shadow)
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._entries
+    def find(self, ns: Namespace, key: bytes) -> Entry | None:
+        """The entry of ``key`` in ``ns`` (the store's interned namespace instance)."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.ns is ns:
+            return entry
+        return self._shadow.get((ns.seed, key)) if self._shadow else None
 
-    def get(self, key: bytes) -> Entry | None:
-        return self._entries.get(key)
+    def any_with_key(self, key: bytes) -> list[Entry]:
+        """Every entry stored under ``key``, whatever its namespace (SSD relocation)."""
+        found = [self._entries[key]] if key in self._entries else []
+        if self._shadow:
+            found += [e for (_, k), e in self._shadow.items() if k == key]
+        return found
 
     def entries(self) -> Iterator[Entry]:
-        return iter(list(self._entries.values()))
+        return iter([*self._entries.values(), *self._shadow.values()])
 
     def tier_count(self, tier: int) -> int:
         """Number of indexed entries that live in ``tier``."""
@@ -119,8 +135,16 @@ class LocalIndex:
         ``ns`` must be the store's interned instance: membership is an identity check, so a
         key of another tenant's chain is a miss, never a hit.
         """
+        if self._shadow:
+            out = []
+            for key in keys:
+                entry = self.find(ns, key)
+                if entry is None:
+                    break
+                out.append(entry)
+            return out
         get = self._entries.get
-        out: list[Entry] = []
+        out = []
         append = out.append
         for key in keys:
             entry = get(key)
@@ -130,76 +154,83 @@ class LocalIndex:
         return out
 
     def add(self, entry: Entry) -> None:
-        key = entry.key
-        if key in self._entries:
+        key, ns = entry.key, entry.ns
+        if self.find(ns, key) is not None:
             raise KeyError(f"{key.hex()} already indexed")
-        entry.kids = self._orphans.pop(key, None)
-        self._entries[key] = entry
+        if key in self._entries:
+            self._shadow[(ns.seed, key)] = entry
+        else:
+            self._entries[key] = entry
+        entry.kids = self._orphans.pop((ns.seed, key), None)
         self._tier_counts[entry.tier] += 1
-        parent = self._entries.get(entry.parent)
+        parent = self.find(ns, entry.parent)
         if parent is not None:
             parent.kids = _add_kid(parent.kids, entry)
             self._refresh(parent, front=False)
         else:
-            self._orphans[entry.parent] = _add_kid(self._orphans.get(entry.parent), entry)
+            slot = (ns.seed, entry.parent)
+            self._orphans[slot] = _add_kid(self._orphans.get(slot), entry)
         self._refresh(entry, front=False)
 
     def remove(self, entry: Entry) -> None:
-        key = entry.key
-        if self._entries.get(key) is not entry:
+        key, ns = entry.key, entry.ns
+        if self._entries.get(key) is entry:
+            del self._entries[key]
+        elif self._shadow.get((ns.seed, key)) is entry:
+            del self._shadow[(ns.seed, key)]
+        else:
             return
-        del self._entries[key]
         self._tier_counts[entry.tier] -= 1
-        self._candidates[entry.tier].pop(key, None)
+        self._candidates[entry.tier].pop(entry, None)
         if entry.kids is not None:
-            self._orphans[key] = entry.kids
+            self._orphans[(ns.seed, key)] = entry.kids
             entry.kids = None
-        parent = self._entries.get(entry.parent)
+        parent = self.find(ns, entry.parent)
         if parent is not None:
             parent.kids = _remove_kid(parent.kids, entry)
             self._refresh(parent, front=True)
         else:
-            left = _remove_kid(self._orphans.get(entry.parent), entry)
+            slot = (ns.seed, entry.parent)
+            left = _remove_kid(self._orphans.get(slot), entry)
             if left is None:
-                self._orphans.pop(entry.parent, None)
+                self._orphans.pop(slot, None)
             else:
-                self._orphans[entry.parent] = left
+                self._orphans[slot] = left
 
     def touch(self, entry: Entry) -> None:
         """Mark a candidate most recently used (others are ordered through their children)."""
         candidates = self._candidates[entry.tier]
-        if entry.key in candidates:
-            candidates.move_to_end(entry.key)
+        if entry in candidates:
+            candidates.move_to_end(entry)
+
+    def _indexed(self, entry: Entry) -> bool:
+        return self.find(entry.ns, entry.key) is entry
 
     def move(self, entry: Entry, tier: int, handle: Any) -> None:
         """Re-home an entry in another tier (demotion / promotion)."""
-        indexed = self._entries.get(entry.key) is entry
+        indexed = self._indexed(entry)
         if indexed:
-            self._candidates[entry.tier].pop(entry.key, None)
+            self._candidates[entry.tier].pop(entry, None)
             self._tier_counts[entry.tier] -= 1
             self._tier_counts[tier] += 1
         entry.tier = tier
         entry.handle = handle
         if indexed:
             self._refresh(entry, front=False)
-            parent = self._entries.get(entry.parent)
+            parent = self.find(entry.ns, entry.parent)
             if parent is not None:
                 self._refresh(parent, front=True)
 
     def pick_victim(self, tier: int) -> Entry | None:
         """The least recently used candidate of ``tier`` that is complete, unpinned, still."""
-        entries = self._entries
-        for key in self._candidates[tier]:
-            entry = entries[key]
+        for entry in self._candidates[tier]:
             if entry.pins == 0 and entry.ready == READY_ALL and not entry.flags & MOVING:
                 return entry
         return None
 
     def pick_victim_for_eviction(self, tier: int) -> Entry | None:
         """Like :meth:`pick_victim`, but only true leaves: removing it orphans nothing."""
-        entries = self._entries
-        for key in self._candidates[tier]:
-            entry = entries[key]
+        for entry in self._candidates[tier]:
             if entry.kids is None and entry.pins == 0 and entry.ready == READY_ALL and \
                     not entry.flags & MOVING:
                 return entry
@@ -207,7 +238,7 @@ class LocalIndex:
 
     def candidates(self, tier: int) -> list[bytes]:
         """Candidate keys of ``tier``, least recently used first (tests, introspection)."""
-        return list(self._candidates[tier])
+        return [entry.key for entry in self._candidates[tier]]
 
     def _refresh(self, entry: Entry, *, front: bool) -> None:
         """Put ``entry`` in or out of its tier's candidate list after a chain change.
@@ -229,8 +260,8 @@ class LocalIndex:
             eligible = all(kid.tier != tier for kid in kids)
         candidates = self._candidates[tier]
         if not eligible:
-            candidates.pop(entry.key, None)
-        elif entry.key not in candidates:
-            candidates[entry.key] = None
+            candidates.pop(entry, None)
+        elif entry not in candidates:
+            candidates[entry] = None
             if front:
-                candidates.move_to_end(entry.key, last=False)
+                candidates.move_to_end(entry, last=False)

@@ -108,7 +108,7 @@ class Placement:
         try:
             pages = self.claim_pages(entry, dst_index, nbytes)
         except CapacityError:
-            if self.index.get(entry.key) is entry and not entry.pins:
+            if self.index.find(entry.ns, entry.key) is entry and not entry.pins:
                 self.evict(entry)  # nowhere below has room: this is the one that goes
             return
         if pages is not None:
@@ -313,11 +313,11 @@ class Placement:
 
     def relocate(self, key: bytes, old: DiskExtent, new: DiskExtent) -> bool:
         with self._cond:
-            entry = self.index.get(key)
-            if entry is None or entry.tier != self.disk_index or entry.handle != old:
-                return False
-            entry.handle = new
-            return True
+            for entry in self.index.any_with_key(key):
+                if entry.tier == self.disk_index and entry.handle == old:
+                    entry.handle = new
+                    return True
+            return False
 
     def disk(self) -> DiskTier | None:
         if self.disk_index is None:

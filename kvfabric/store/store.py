@@ -34,7 +34,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,7 @@ class TieredStore:
         self._ns_counters: dict[tuple[str, str], NamespaceCounters] = {}
         self._namespaces: dict[bytes, Namespace] = {}
         self._leases: dict[int, _Lease] = {}
+        self._layer_listeners: list[Callable[[], None]] = []
         self._count = dict.fromkeys(("lookups", "lookup_tokens", "hit_tokens", "miss_tokens",
                                      "puts", "gets", "deletes", "expired", "aborted"), 0)
         self._closed = False
@@ -116,7 +117,7 @@ class TieredStore:
         with self._lock:
             self._check_open()
             ns = self._intern(ns)
-            if key in self._index:
+            if self._index.find(ns, key) is not None:
                 raise AlreadyExistsError(f"{key.hex()} is already stored or being written")
             tier, pages = self._placement.allocate(nbytes)
             entry = Entry(key, parent, ns, num_tokens, tier, pages)
@@ -154,7 +155,7 @@ class TieredStore:
                 self._tier_counters[entry.tier].bytes_in += writer.nbytes
             else:
                 entry.ready = ready
-            self._cond.notify_all()
+            self._layers_changed()
             return ready == full
 
     def _abort(self, writer: ObjectWriter) -> None:
@@ -169,7 +170,7 @@ class TieredStore:
             entry.flags |= ABORTED
             self._count["aborted"] += 1
         self._placement.drop(entry)
-        self._cond.notify_all()
+        self._layers_changed()
 
     # ------------------------------------------------------------------ reading
 
@@ -238,6 +239,17 @@ class TieredStore:
         entry.pins -= 1
         self._placement.free_if_dead(entry)
 
+    def add_layer_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (under the store lock: it must be quick and must not call the
+        store) whenever a layer is committed or a write aborted, so an event loop can wait
+        for layers without parking a thread per waiter."""
+        self._layer_listeners.append(callback)
+
+    def _layers_changed(self) -> None:
+        self._cond.notify_all()
+        for callback in self._layer_listeners:
+            callback()
+
     def _layer_ready(self, entry: Entry, layer: int) -> bool:
         return entry.ready == READY_ALL or bool(entry.ready >> layer & 1)
 
@@ -297,8 +309,7 @@ class TieredStore:
 
     def contains(self, ns: Namespace, key: bytes) -> bool:
         with self._lock:
-            entry = self._index.get(key)
-            return entry is not None and entry.ns == ns
+            return self._lookup_entry(ns, key) is not None
 
     def tier_of(self, ns: Namespace, key: bytes) -> str:
         with self._lock:
@@ -307,8 +318,8 @@ class TieredStore:
     def delete(self, ns: Namespace, key: bytes) -> bool:
         """Remove an object (a writer in progress is aborted); ``False`` if absent."""
         with self._lock:
-            entry = self._index.get(key)
-            if entry is None or entry.ns != ns:
+            entry = self._lookup_entry(ns, key)
+            if entry is None:
                 return False
             self._count["deletes"] += 1
             if entry.complete:
@@ -326,14 +337,19 @@ class TieredStore:
             list(range(len(self._tiers) - 1, -1, -1))
         evicted = freed = 0
         with self._lock:
-            for tier_index in order:
-                while nbytes is None or freed < nbytes:
-                    victim = self._index.pick_victim_for_eviction(tier_index)
-                    if victim is None:
-                        break
-                    freed += victim.ns.spec.layout(victim.num_tokens).nbytes
-                    self._placement.evict(victim)
-                    evicted += 1
+            progress = True
+            while progress and (nbytes is None or freed < nbytes):
+                # a pass may turn parents into leaves (in this or an upper tier): go again
+                progress = False
+                for tier_index in order:
+                    while nbytes is None or freed < nbytes:
+                        victim = self._index.pick_victim_for_eviction(tier_index)
+                        if victim is None:
+                            break
+                        freed += victim.ns.spec.layout(victim.num_tokens).nbytes
+                        self._placement.evict(victim)
+                        evicted += 1
+                        progress = True
         return evicted
 
     def host_arenas(self) -> list[tuple[int, str, SharedArena]]:
@@ -424,14 +440,20 @@ class TieredStore:
         self._namespaces[ns.seed] = ns
         return ns
 
+    def _lookup_entry(self, ns: Namespace, key: bytes) -> Entry | None:
+        """The entry of ``key`` in ``ns``; never creates namespace state."""
+        known = self._namespaces.get(ns.seed)
+        return None if known is None else self._index.find(known, key)
+
     def _find(self, ns: Namespace, key: bytes) -> Entry:
-        entry = self._index.get(key)
-        if entry is not None and entry.ns is self._namespaces.get(ns.seed):
+        entry = self._lookup_entry(ns, key)
+        if entry is not None:
             return entry
-        if entry is not None and (entry.ns.model_id, entry.ns.tenant_salt, entry.ns.lora_id) == \
-                (ns.model_id, ns.tenant_salt, ns.lora_id):
-            raise SpecMismatchError(f"{key.hex()} is stored with spec {entry.ns.spec}, "
-                                    f"requested {ns.spec}")
+        for other in self._index.any_with_key(key):
+            if (other.ns.model_id, other.ns.tenant_salt, other.ns.lora_id) == \
+                    (ns.model_id, ns.tenant_salt, ns.lora_id):
+                raise SpecMismatchError(f"{key.hex()} is stored with spec {other.ns.spec}, "
+                                        f"requested {ns.spec}")
         raise NotFoundError(f"no object {key.hex()} in this namespace")
 
     def _check_open(self) -> None:

@@ -115,3 +115,19 @@ def test_branching_prefix_stays_until_every_branch_moved() -> None:
     assert key(1) in index.candidates(0)
     index.remove(right)
     assert root.children == [left]
+
+
+def test_a_key_replayed_by_another_namespace_neither_blocks_nor_sees_the_first() -> None:
+    index = LocalIndex(1)
+    owner = chain(index, [1, 2])
+    squatter = Entry(key(2), key(1), OTHER, 4, 0, None)
+    squatter.ready = READY_ALL
+    index.add(squatter)  # same key, other namespace: stored on the side
+    assert index.find(NS, key(2)) is owner[1] and index.find(OTHER, key(2)) is squatter
+    assert index.longest_prefix(NS, [key(1), key(2)]) == owner
+    assert index.longest_prefix(OTHER, [key(1), key(2)]) == []  # OTHER has no key(1)
+    assert len(index) == 3 and set(index.any_with_key(key(2))) == {owner[1], squatter}
+    index.remove(owner[1])
+    assert index.find(OTHER, key(2)) is squatter and index.find(NS, key(2)) is None
+    index.add(owner[1])  # the owner comes back: the squatter stays where it is
+    assert index.find(NS, key(2)) is owner[1] and index.find(OTHER, key(2)) is squatter

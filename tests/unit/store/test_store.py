@@ -281,7 +281,7 @@ def test_corrupt_ssd_record_is_never_served(tmp_path: Path) -> None:
     keys = put_chain(store, NS, 2)
     store.flush()
     assert store.tier_of(NS, keys[0]) == "ssd"
-    extent = store._index.get(keys[0]).handle  # type: ignore[union-attr]
+    extent = store._index.find(store._namespaces[NS.seed], keys[0]).handle  # type: ignore[union-attr]
     segment = next((tmp_path / "ssd").glob("seg-*.kvf"))
     with open(segment, "r+b") as f:
         f.seek(extent.payload_offset + 100)
@@ -357,7 +357,7 @@ def test_background_maintenance_keeps_memory_under_the_high_watermark(tmp_path: 
 def test_root_parent_default(store: TieredStore) -> None:
     key = b"r" * 16
     store.put(NS, key, payload(key))
-    assert store._index.get(key).parent == ROOT  # type: ignore[union-attr]
+    assert store._index.find(store._namespaces[NS.seed], key).parent == ROOT  # type: ignore[union-attr]
 
 
 def test_admin_evict_drops_leaves_first_and_counts(tmp_path: Path) -> None:
