@@ -22,6 +22,8 @@ from typing import Any, Self, TextIO
 for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_name] = "1"
 
+import numpy as np  # noqa: E402  (after the thread caps above, which numpy reads on import)
+
 
 def limit_torch_threads() -> None:
     """Give torch one intra-op thread if something imported it (never imports it itself)."""
@@ -145,3 +147,15 @@ def report(figures: Mapping[str, float], targets: Mapping[str, tuple[str, float]
     if as_json:
         emit_json({**figures, "targets_met": verdicts, "all_targets_met": all(verdicts.values()),
                    "quick": quick})
+
+
+def tokens(count: int, seed: int, vocab: int = 128_000) -> np.ndarray:
+    """A reproducible prompt of ``count`` token ids (int32, as connectors keep them)."""
+    return np.random.default_rng(seed).integers(0, vocab, count, dtype=np.int32)
+
+
+def touched(nbytes: int) -> np.ndarray:
+    """A buffer whose pages are faulted in now, like a pre-faulted arena."""
+    buf = np.empty(nbytes, dtype=np.uint8)
+    buf.fill(0)
+    return buf

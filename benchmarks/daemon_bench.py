@@ -38,7 +38,8 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import limit_torch_threads, measure, measure_pairs, median, percentile, report
+from _common import (limit_torch_threads, measure, measure_pairs, median, percentile, report,
+                     tokens, touched)
 # isort: on
 
 import argparse
@@ -80,7 +81,6 @@ CHAIN_CHUNKS = 512  # a 128k-token prompt
 SMALL_OP = Namespace("bench-64kib", KVSpec(4, 2, 64, "bfloat16", chunk_tokens=32))  # 64 KiB
 SMALL_OP_BYTES = 64 * KiB
 CLIENTS = 8
-VOCAB = 128_000
 READY_TIMEOUT_S = 60.0
 
 TARGETS: dict[str, tuple[str, float]] = {
@@ -170,15 +170,6 @@ def arena_bytes(payload_bytes: int, page_size: int) -> int:
     return -(-payload_bytes * 4 // (3 * page_size)) * page_size
 
 
-def tokens(count: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, count, dtype=np.int32)
-
-
-def touched(nbytes: int) -> np.ndarray:
-    """A buffer whose pages are faulted in now, like the daemon's pre-faulted arena."""
-    buf = np.empty(nbytes, dtype=np.uint8)
-    buf.fill(0)
-    return buf
 
 
 def gb_s(seconds: float) -> float:

@@ -38,7 +38,7 @@ from __future__ import annotations
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
 from _common import (Timer, limit_torch_threads, measure, measure_pairs, median, percentile,
-                     report)
+                     report, tokens, touched)
 # isort: on
 
 import argparse
@@ -75,7 +75,6 @@ DRAM_OBJECTS = 64  # 256 MiB: the whole put phase fits, nothing is evicted
 RESIDENT_OBJECTS = 16  # DRAM tier size in the demotion run
 META_CHAIN = 32  # chunks per prompt in the metadata run (8k-token prompts)
 SSD_META = bytes(160)  # about the size of the store's msgpack record metadata
-VOCAB = 128_000
 
 TARGETS: dict[str, tuple[str, float]] = {
     "dram_put_vs_memcpy": (">=", 0.8),
@@ -129,15 +128,6 @@ FULL = Settings(rounds=21, lookups=50_000, hash_calls=10, ssd_records=64, demote
                 metadata_objects=20_000)
 
 
-def tokens(count: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, count, dtype=np.int32)
-
-
-def touched(nbytes: int) -> np.ndarray:
-    """A buffer whose pages are faulted in now, like a ``prefault=True`` arena."""
-    buf = np.empty(nbytes, dtype=np.uint8)
-    buf.fill(0)
-    return buf
 
 
 def page_views(buf: np.ndarray) -> list[np.ndarray]:

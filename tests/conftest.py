@@ -75,6 +75,22 @@ class DaemonProcess:
         return (self.data_dir / "daemon.log").read_text(errors="replace")[-4000:]
 
 
+@pytest.fixture(scope="module")
+def start_module_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """Factory for daemons shared by every test of a module: start(name, *settings)."""
+    started: list[DaemonProcess] = []
+
+    def start(name: str, *settings: str) -> DaemonProcess:
+        daemon = DaemonProcess(tmp_path_factory.mktemp(name), list(settings)).start()
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.kill()
+        daemon.log.close()
+
+
 @pytest.fixture
 def start_daemon(tmp_path: Path) -> Iterator:
     """Factory: start_daemon(*settings, data_dir=None) -> a running DaemonProcess."""

@@ -39,21 +39,10 @@ def http(daemon):
         yield client
 
 
-def _daemon_process_class(config: pytest.Config) -> type:
-    """tests/conftest.py's DaemonProcess, for one daemon shared by the read-only tests."""
-    for _, plugin in config.pluginmanager.list_name_plugin():
-        if hasattr(plugin, "DaemonProcess"):
-            return plugin.DaemonProcess
-    raise LookupError("tests/conftest.py with DaemonProcess is not loaded")
-
 
 @pytest.fixture(scope="module")
-def shared(request, tmp_path_factory):
-    process = _daemon_process_class(request.config)(
-        tmp_path_factory.mktemp("api-shared"), list(SETTINGS)).start()
-    yield process
-    process.kill()
-    process.log.close()
+def shared(start_module_daemon):
+    return start_module_daemon("api-shared", *SETTINGS)
 
 
 @pytest.fixture

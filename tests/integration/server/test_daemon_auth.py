@@ -34,21 +34,10 @@ ADMIN_ONLY = [("GET", "/v1/stats"), ("GET", "/metrics"), ("POST", "/v1/admin/evi
               ("POST", "/v1/admin/flush")]
 
 
-def _daemon_process_class(config: pytest.Config) -> type:
-    """tests/conftest.py's DaemonProcess, for one daemon shared by this module."""
-    for _, plugin in config.pluginmanager.list_name_plugin():
-        if hasattr(plugin, "DaemonProcess"):
-            return plugin.DaemonProcess
-    raise LookupError("tests/conftest.py with DaemonProcess is not loaded")
-
 
 @pytest.fixture(scope="module")
-def daemon(request, tmp_path_factory):
-    process = _daemon_process_class(request.config)(
-        tmp_path_factory.mktemp("auth-node"), list(SETTINGS)).start()
-    yield process
-    process.kill()
-    process.log.close()
+def daemon(start_module_daemon):
+    return start_module_daemon("auth-node", *SETTINGS)
 
 
 @pytest.fixture(autouse=True)

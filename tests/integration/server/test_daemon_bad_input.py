@@ -227,25 +227,13 @@ def payload(key: bytes, nbytes: int = SPEC.chunk_bytes) -> bytes:
     return rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
 
 
-def _daemon_process_class(config: pytest.Config) -> type:
-    """tests/conftest.py's DaemonProcess (its start_daemon fixture is per test; the
-    daemon here is shared by the module, so every test adds to the same daemon's abuse)."""
-    for _, plugin in config.pluginmanager.list_name_plugin():
-        if hasattr(plugin, "DaemonProcess"):
-            return plugin.DaemonProcess
-    raise LookupError("tests/conftest.py with DaemonProcess is not loaded")
-
 
 @pytest.fixture(scope="module")
-def daemon(request, tmp_path_factory):
-    process = _daemon_process_class(request.config)(
-        tmp_path_factory.mktemp("fuzzed-node"), list(SETTINGS)).start()
-    try:
-        process.seeded = seed(process)  # before any test of the module abuses it
-        yield process
-    finally:
-        process.kill()
-        process.log.close()
+def daemon(start_module_daemon):
+    # one daemon shared by the module: every test adds to the same daemon's abuse
+    process = start_module_daemon("fuzzed-node", *SETTINGS)
+    process.seeded = seed(process)  # before any test of the module abuses it
+    return process
 
 
 @pytest.fixture
