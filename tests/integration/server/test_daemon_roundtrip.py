@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvfabric.client import AsyncClient, Client
-from kvfabric.errors import AlreadyExistsError, NotFoundError, ProtocolError
+from kvfabric.errors import AlreadyExistsError, ForbiddenError, NotFoundError, ProtocolError
 from kvfabric.hashing import chunk_hashes, chunk_keys
 from kvfabric.spec import KVSpec, Namespace
 
@@ -189,3 +189,33 @@ def test_batches_store_and_read_many_chunks_in_two_round_trips(daemon) -> None:
         assert isinstance(results[0], AlreadyExistsError)
         client.commit_many([w for w in results[1:]])
         assert client.contains(NS, [chunk_keys(NS, [1] * SPEC.chunk_tokens)[0]]) == [True]
+
+
+def test_tcp_serves_remote_tooling_but_no_shared_memory(start_daemon) -> None:
+    daemon = start_daemon(*SMALL, "tcp.port=0")
+    with Client(daemon.socket) as local:
+        keys = put_prompt(local, 2)
+    with Client(("127.0.0.1", daemon.info["tcp_port"])) as remote:
+        assert remote.lookup(NS, keys=keys).matched_chunks == 2
+        assert remote.contains(NS, keys) == [True, True]
+        assert remote.stats()["objects"] == 2
+        with pytest.raises(ForbiddenError, match="local socket"):
+            remote.reserve(NS, b"\x05" * 16)
+        with pytest.raises(ForbiddenError):
+            remote.get(NS, keys[0])
+
+
+def test_get_copies_into_caller_tensors(daemon) -> None:
+    import torch
+
+    with Client(daemon.socket) as client:
+        (key,) = put_prompt(client, 1)
+        out = torch.empty(SPEC.chunk_bytes // 2, dtype=torch.bfloat16)
+        layer = torch.empty(SPEC.layout().layer_bytes // 2, dtype=torch.bfloat16)
+        with client.get(NS, key) as reader:
+            reader.read_into(out)
+            reader.read_into(layer, layer=2)
+        assert out.view(torch.uint8).numpy().tobytes() == payload(key).tobytes()
+        layer_bytes = SPEC.layout().layer_bytes
+        assert layer.view(torch.uint8).numpy().tobytes() == \
+            payload(key)[2 * layer_bytes:3 * layer_bytes].tobytes()
