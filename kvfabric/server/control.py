@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from array import array
 from concurrent.futures import Executor
@@ -58,7 +59,9 @@ class ControlServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._layers_changed = asyncio.Event()  # replaced each time it fires
+        self._layer_waiters = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
 
     @property
     def session_count(self) -> int:
@@ -72,6 +75,7 @@ class ControlServer:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._ctx.store.add_layer_listener(self._on_layers_changed)
         self._socket_path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_socket(self._socket_path)
@@ -222,21 +226,31 @@ class ControlServer:
                            args: dict[str, Any]) -> Any:
         """Layer waits park on the loop, not on threads: re-try whenever a layer lands."""
         deadline = time.monotonic() + handlers.wait_timeout(args)
-        while True:
-            changed = self._layers_changed  # taken before the check: no wake-up is missed
-            try:
-                with self._ctx.store.nonblocking():
-                    return handler.fn(self._ctx, session, args)
-            except WouldBlockError:
-                pass
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineExceededError("the layer was not committed before the deadline")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
+        self._layer_waiters += 1
+        try:
+            while True:
+                changed = self._layers_changed  # taken before the check: no wake-up is lost
+                try:
+                    with self._ctx.store.nonblocking():
+                        return handler.fn(self._ctx, session, args)
+                except WouldBlockError:
+                    pass
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceededError("the layer was not committed before the deadline")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), remaining)
+        finally:
+            self._layer_waiters -= 1
 
     def _on_layers_changed(self) -> None:  # any thread, under the store lock
-        if self._loop is not None and not self._loop.is_closed():
+        # A waiter counts itself before its first check, so none is missed when this skips;
+        # commits made on the loop itself need no cross-thread wake-up.
+        if not self._layer_waiters or self._loop is None or self._loop.is_closed():
+            return
+        if threading.get_ident() == self._loop_thread:
+            self._loop.call_soon(self._fire_layers_changed)
+        else:
             self._loop.call_soon_threadsafe(self._fire_layers_changed)
 
     def _fire_layers_changed(self) -> None:
