@@ -21,9 +21,9 @@ from kvfabric.client.client import default_address
 from kvfabric.client.connection import Address, handshake, open_socket, result_of
 from kvfabric.client.objects import AsyncRemoteReader, AsyncRemoteWriter
 from kvfabric.client.retry import Backoff, ExponentialBackoff
-from kvfabric.errors import (AlreadyExistsError, DeadlineExceededError, ProtocolError,
-                             UnavailableError)
-from kvfabric.hashing import ROOT
+from kvfabric.errors import (AlreadyExistsError, DeadlineExceededError, KVFabricError,
+                             NotFoundError, ProtocolError, UnavailableError)
+from kvfabric.hashing import ROOT, ChunkRef
 from kvfabric.lookup import LookupResult
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
 from kvfabric.protocol.messages import Op, request
@@ -150,6 +150,60 @@ class AsyncClient:
             writer.write(data)
             await writer.commit()
         return True
+
+    async def reserve_many(self, ns: Any, chunks: Sequence[ChunkRef]
+                           ) -> list[AsyncRemoteWriter | KVFabricError]:
+        session, items = await self._call_on_session(Op.RESERVE_BATCH,
+                                                     requests.reserve_batch_args(ns, chunks))
+        return [r if isinstance(r, KVFabricError) else AsyncRemoteWriter(session, ns, c.key, r)
+                for c, r in zip(chunks, requests.item_results(items))]
+
+    async def commit_many(self, writers: Sequence[AsyncRemoteWriter]) -> None:
+        if writers:
+            session = requests.lease_session(writers)
+            items = await session.call(Op.COMMIT_BATCH, requests.leases_args(writers))
+            requests.raise_first(requests.item_results(items))
+
+    async def put_many(self, ns: Any, chunks: Sequence[ChunkRef],
+                       payloads: Sequence[Any]) -> list[bool]:
+        """As :meth:`kvfabric.client.Client.put_many`: two round trips for all chunks."""
+        if len(chunks) != len(payloads):
+            raise ValueError("one payload per chunk")
+        results = await self.reserve_many(ns, chunks)
+        writers = [r for r in results if isinstance(r, AsyncRemoteWriter)]
+        try:
+            requests.raise_first([r for r in results
+                                  if not isinstance(r, (AsyncRemoteWriter, AlreadyExistsError))])
+            for result, data in zip(results, payloads):
+                if isinstance(result, AsyncRemoteWriter):
+                    result.write(data)
+        except BaseException:
+            for writer in writers:
+                await writer.abort()
+            raise
+        await self.commit_many(writers)
+        return [isinstance(r, AsyncRemoteWriter) for r in results]
+
+    async def get_many(self, ns: Any, keys: Sequence[bytes], *, timeout: float | None = None
+                       ) -> list[AsyncRemoteReader | None]:
+        session, items = await self._call_on_session(
+            Op.GET_BATCH, requests.get_batch_args(ns, keys, timeout))
+        results = requests.item_results(items)
+        readers = [None if isinstance(r, KVFabricError) else
+                   AsyncRemoteReader(session, ns, k, r) for k, r in zip(keys, results)]
+        failures = [r for r in results
+                    if isinstance(r, KVFabricError) and not isinstance(r, NotFoundError)]
+        if failures:
+            await self.release_many(readers)
+            raise failures[0]
+        return readers
+
+    async def release_many(self, readers: Sequence[AsyncRemoteReader | None]) -> None:
+        live = [r for r in readers if r is not None and not r.closed]
+        if live:
+            session = requests.lease_session(live)
+            items = await session.call(Op.RELEASE_BATCH, requests.leases_args(live))
+            requests.raise_first(requests.item_results(items))
 
     async def get(self, ns: Any, key: bytes, *, timeout: float | None = None
                   ) -> AsyncRemoteReader:

@@ -97,7 +97,7 @@ class Client:
     def commit_many(self, writers: Sequence[RemoteWriter]) -> None:
         """Commit every layer of each writer in one round trip; raises the first failure."""
         if writers:
-            _raise_first(_batch(writers, Op.COMMIT_BATCH))
+            requests.raise_first(_batch(writers, Op.COMMIT_BATCH))
 
     def put_many(self, ns: Namespace, chunks: Sequence[ChunkRef],
                  payloads: Sequence[Any]) -> list[bool]:
@@ -108,8 +108,8 @@ class Client:
         results = self.reserve_many(ns, chunks)
         writers = [r for r in results if isinstance(r, RemoteWriter)]
         try:
-            _raise_first([r for r in results if not isinstance(r, (RemoteWriter,
-                                                                    AlreadyExistsError))])
+            requests.raise_first([r for r in results
+                                  if not isinstance(r, (RemoteWriter, AlreadyExistsError))])
             for result, data in zip(results, payloads):
                 if isinstance(result, RemoteWriter):
                     result.write(data)
@@ -139,7 +139,7 @@ class Client:
         """Give many pins back in one round trip; raises the first failure."""
         live = [r for r in readers if r is not None and not r.closed]
         if live:
-            _raise_first(_batch(live, Op.RELEASE_BATCH))
+            requests.raise_first(_batch(live, Op.RELEASE_BATCH))
 
     def get(self, ns: Namespace, key: bytes, *, timeout: float | None = None) -> RemoteReader:
         session, reply = self._call_on_session(Op.GET, requests.get_args(ns, key, timeout))
@@ -196,16 +196,6 @@ class Client:
 
 def _batch(leases: Sequence[RemoteWriter | RemoteReader], op: Op) -> list[Any]:
     """One batch request over the session the leases live on; closes their handles."""
-    session = leases[0]._session
-    if any(lease._session is not session for lease in leases) or session.closed:
-        raise UnavailableError("leases of a lost or different session")
-    items = session.call(op, {"leases": [lease.lease for lease in leases]})
-    for lease in leases:
-        lease.closed = True
+    session = requests.lease_session(leases)
+    items = session.call(op, requests.leases_args(leases))
     return requests.item_results(items)
-
-
-def _raise_first(results: Sequence[Any]) -> None:
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvfabric.errors import SpecError, error_for_kind
+from kvfabric.errors import SpecError, UnavailableError, error_for_kind
 from kvfabric.hashing import ROOT, ChunkRef, as_token_array
 from kvfabric.lookup import LookupResult
 from kvfabric.protocol.messages import encode_namespace
@@ -73,3 +73,25 @@ def keys_args(ns: Namespace, keys: Sequence[bytes]) -> dict[str, Any]:
 
 def key_args(ns: Namespace, key: bytes) -> dict[str, Any]:
     return {"ns": encode_namespace(ns), "key": key}
+
+
+def lease_session(leases: Sequence[Any]) -> Any:
+    """The one live session a batch of lease handles lives on."""
+    session = leases[0]._session
+    if any(lease._session is not session for lease in leases) or session.closed:
+        raise UnavailableError("leases of a lost or different session")
+    return session
+
+
+def leases_args(leases: Sequence[Any]) -> dict[str, Any]:
+    """Arguments of a commit / release batch; the handles count as given back from now."""
+    args = {"leases": [lease.lease for lease in leases]}
+    for lease in leases:
+        lease.closed = True
+    return args
+
+
+def raise_first(results: Sequence[Any]) -> None:
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result

@@ -138,6 +138,13 @@ def test_async_client_round_trip(daemon) -> None:
                     assert reader.to_bytes() == payload(ref.key).tobytes()
             hit = await client.lookup(NS, keys=[r.key for r in refs])
             assert hit.matched_chunks == 2
+            more = chunk_hashes(NS, list(range(9000, 9000 + 3 * SPEC.chunk_tokens)))
+            assert await client.put_many(NS, more, [payload(r.key) for r in more]) == [True] * 3
+            readers = await client.get_many(NS, [r.key for r in more] + [b"\x08" * 16])
+            assert readers[-1] is None
+            assert [r.to_bytes() for r in readers[:3]] == [payload(r.key).tobytes() for r in more]
+            await client.release_many(readers)
+            assert all(r.closed for r in readers[:3])
             with pytest.raises(NotFoundError):
                 await client.get(NS, b"\x07" * 16)
 
