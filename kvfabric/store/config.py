@@ -118,6 +118,7 @@ class StoreConfig:
     pin_timeout_s: float = 60.0  # a reader holding a pin longer loses it
     maintenance_interval_s: float = 0.25
     compact_dead_ratio: float = 0.5  # SSD segments with this share of dead bytes get compacted
+    persist_on_close: bool = True  # write memory-resident objects to SSD when closing
 
     def __post_init__(self) -> None:
         if not isinstance(self.data_dir, str):
@@ -127,8 +128,9 @@ class StoreConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{name} must be a number, got {value!r}")
-        if not isinstance(self.promote_on_hit, bool):
-            raise ConfigError(f"promote_on_hit must be true or false, got {self.promote_on_hit!r}")
+        for name in ("promote_on_hit", "persist_on_close"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not self.tiers:
             raise ConfigError("at least one tier is required")
         names = [t.name for t in self.tiers]

@@ -311,6 +311,29 @@ class Placement:
                 return  # the rest is pinned, moving or waiting on its children: next pass
             self.demote(victim)
 
+    def spill(self) -> int:
+        """Demote every complete, unpinned object from memory down to the SSD tier (so a
+        restart finds it); returns how many moves were made. With the SSD full, the usual
+        rule applies: its leaves are evicted for the (hotter) objects coming down."""
+        if self.disk_index is None:
+            return 0
+        moves = 0
+        budget = 3 * len(self.index) + 16  # a move that makes no progress cannot loop forever
+        while budget > 0:
+            moved_now = 0
+            for tier_index in self.paged:
+                while budget > 0 and (victim := self.index.pick_victim(tier_index)):
+                    self.demote(victim)
+                    moved_now += 1
+                    budget -= 1
+            moves += moved_now
+            if not moved_now:
+                if not any(self.pending_demotion):
+                    return moves
+                # parents become candidates once their children's SSD writes land
+                self.wait(time.monotonic() + 60, "spilling to SSD")
+        return moves
+
     def relocate(self, key: bytes, old: DiskExtent, new: DiskExtent) -> bool:
         with self._cond:
             for entry in self.index.any_with_key(key):

@@ -489,7 +489,8 @@ class TieredStore:
                                  for (m, t), c in sorted(self._ns_counters.items())))
 
     def close(self) -> None:
-        """Stop maintenance, finish queued SSD writes, release all memory. Idempotent."""
+        """Stop maintenance, write memory-resident objects to SSD (``persist_on_close``),
+        finish queued SSD writes, release all memory. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -500,6 +501,10 @@ class TieredStore:
         disk = self._placement.disk()
         if disk is not None:
             try:
+                if self.config.persist_on_close:
+                    with self._lock:
+                        moved = self._placement.spill()
+                    log.info("wrote %d memory-resident objects to SSD before closing", moved)
                 self.flush()
             except DeadlineExceededError:
                 log.warning("closing with SSD demotions still in flight")

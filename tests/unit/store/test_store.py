@@ -259,17 +259,34 @@ def test_demotion_through_every_tier_and_promotion_on_hit(tmp_path: Path) -> Non
 def test_ssd_contents_survive_a_restart(tmp_path: Path) -> None:
     tiers = (TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=PAGE),
              TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20))
-    store = make_store(tmp_path, *tiers)
+    store = make_store(tmp_path, *tiers, persist_on_close=False)
     keys = put_chain(store, NS, 6)
     store.flush()
     on_ssd = [k for k in keys if store.tier_of(NS, k) == "ssd"]
     assert len(on_ssd) == 4
     store.close()
-    store = make_store(tmp_path, *tiers)
-    assert len(store) == len(on_ssd)  # re-indexed from the segment headers
+    store = make_store(tmp_path, *tiers, persist_on_close=False)
+    assert len(store) == len(on_ssd)  # re-indexed from the segment headers; DRAM was volatile
     leading = next((i for i, k in enumerate(keys) if k not in on_ssd), len(keys))
     assert store.lookup(NS, keys).matched_chunks == leading
     for key in on_ssd:
+        assert read(store, NS, key) == payload(key).tobytes()
+    store.close()
+
+
+def test_close_persists_memory_resident_objects(tmp_path: Path) -> None:
+    tiers = (TierConfig(TierKind.DRAM, 4 * CHUNK, page_size=PAGE),
+             TierConfig(TierKind.CXL, 2 * CHUNK, page_size=PAGE),
+             TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20))
+    store = make_store(tmp_path, *tiers)  # persist_on_close is the default
+    keys = put_chain(store, NS, 8)
+    reader = store.get(NS, keys[0])
+    reader.release()
+    store.close()
+    store = make_store(tmp_path, *tiers)
+    assert len(store) == 8 and store.lookup(NS, keys).matched_chunks == 8  # nothing lost
+    assert {store.tier_of(NS, k) for k in keys} == {"ssd"}
+    for key in keys:
         assert read(store, NS, key) == payload(key).tobytes()
     store.close()
 
