@@ -7,6 +7,11 @@ cd "$(dirname "$0")/.."
 # No library may phone home from a test run.
 export LMCACHE_TRACK_USAGE=false VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1
 
+# The cluster tests start their own redis-server on a random loopback port.
+if ! command -v redis-server >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server
+fi
+
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv

@@ -1,0 +1,396 @@
+"""Redis backend of the global index (redis-py against a real server).
+
+Key layout (``P`` = ``prefix``; the ``{...}`` hash tag picks the Redis Cluster slot, so every
+multi-key script touches one slot only)::
+
+    P:{<seed hex>}:chunk:<key hex>  hash  'node|epoch|tier' -> '1', '@' -> parent || u32le tokens
+    P:{<seed hex>}:live             hash  node -> '<epoch>:<lease deadline, server ms>'
+    P:{reg}:live                    hash  node -> '<epoch>:<deadline>' (the registry's leases)
+    P:{reg}:node:<node>             hash  the NodeInfo fields
+    P:{reg}:epoch:<node>            counter of the node's epochs
+    P:{reg}:seeds:<node>            set of namespaces the node ever published in
+    P:{events}:stream               stream of KV events (XADD MAXLEN ~ max_events)
+
+Liveness is judged by the scripts against the server clock (no client clock skew): an entry
+counts only if its node's live field carries the same epoch and a deadline in the future.
+``register`` writes the new epoch into every namespace the node ever used before it returns,
+so a restarted node's old entries vanish at once; superseded entries are deleted lazily by
+lookups. Every call has socket timeouts and no retries: a dead server costs at most
+``socket_timeout`` and raises :class:`~kvfabric.errors.UnavailableError`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvfabric.cluster import events as codec
+from kvfabric.cluster.index import (
+    BatchingIndex,
+    ChunkRecord,
+    GlobalLookup,
+    IndexSnapshot,
+    Inventory,
+    KVEvent,
+    Location,
+    NodeInfo,
+    Update,
+    check_key,
+    parse_stream_id,
+)
+from kvfabric.errors import LeaseExpiredError, SpecError, UnavailableError
+from kvfabric.hashing import KEY_BYTES
+
+T = TypeVar("T")
+_META = struct.Struct("<I")
+MAX_BLOCK_MS = 10_000
+
+# KEYS[1] live hash; ARGV node, epoch, ttl_ms. 0: a newer epoch owns the node (nothing
+# written); 1: renewed; 2: renewed, but the lease had lapsed or was missing (entries may be
+# gone: the caller republishes).
+_HEARTBEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local epoch = tonumber(ARGV[2])
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+local status = 2
+if cur then
+  local e, d = string.match(cur, '^(%d+):(%d+)$')
+  if tonumber(e) > epoch then return 0 end
+  if tonumber(e) == epoch and tonumber(d) > now then status = 1 end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ':' .. (now + tonumber(ARGV[3])))
+return status
+"""
+
+# KEYS[1] epoch counter, KEYS[2] seeds set; ARGV min_epoch. Returns {epoch, seeds...}.
+_NEW_EPOCH = """
+local e = redis.call('INCR', KEYS[1])
+if e < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]); e = tonumber(ARGV[1]) end
+local out = redis.call('SMEMBERS', KEYS[2])
+table.insert(out, 1, e)
+return out
+"""
+
+# KEYS[1] live hash of the namespace, KEYS[2..] chunk hashes of a chain. Returns one row of
+# live 'node|epoch|tier' fields per chunk, stopping at the first chunk without any.
+_LOOKUP = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local live = {}
+local out = {}
+for i = 2, #KEYS do
+  local row = {}
+  for _, f in ipairs(redis.call('HKEYS', KEYS[i])) do
+    if f ~= '@' then
+      local node, e = string.match(f, '^([^|]+)|(%d+)|')
+      local st = live[node]
+      if st == nil then
+        st = {0, 0}
+        local v = redis.call('HGET', KEYS[1], node)
+        if v then
+          local le, ld = string.match(v, '^(%d+):(%d+)$')
+          st = {tonumber(le), tonumber(ld)}
+        end
+        live[node] = st
+      end
+      e = tonumber(e)
+      if e == st[1] and st[2] > now then
+        row[#row + 1] = f
+      elseif e < st[1] then
+        redis.call('HDEL', KEYS[i], f)
+        if redis.call('HLEN', KEYS[i]) <= 1 then redis.call('DEL', KEYS[i]) end
+      end
+    end
+  end
+  if #row == 0 then break end
+  out[#out + 1] = row
+end
+return out
+"""
+
+
+class RedisGlobalIndex(BatchingIndex):
+    """One node's (or router's) client of the Redis global index.
+
+    ``inventory``, when given, returns the node's whole local inventory; the flusher calls it
+    to republish by itself once Redis is reachable again after a loss (or after this node's
+    lease lapsed). Without it the owner calls :meth:`republish` when :attr:`stale` is set.
+    """
+
+    def __init__(self, url: str, *, prefix: str = "kvf", lease_ttl: float = 10.0,
+                 socket_timeout: float = 0.5, max_events: int = 1_000_000,
+                 flush_interval: float = 0.005, max_batch: int = 4096,
+                 inventory: Inventory | None = None, retry_interval: float = 0.5) -> None:
+        if lease_ttl <= 0 or socket_timeout <= 0 or max_events <= 0 or retry_interval <= 0:
+            raise SpecError("lease_ttl, socket_timeout, max_events, retry_interval must be > 0")
+        self._p = prefix
+        self._ttl_ms = max(1, int(lease_ttl * 1000))
+        self._max_events = max_events
+        self._inventory = inventory
+        self._retry_interval = retry_interval
+        self._next_retry = 0.0
+        common: dict[str, Any] = {"socket_connect_timeout": socket_timeout,
+                                  "retry": Retry(NoBackoff(), 0)}
+        self._r = redis.Redis.from_url(url, socket_timeout=socket_timeout, **common)
+        # Blocking XREADs need a read timeout longer than the longest block.
+        self._blocking = redis.Redis.from_url(
+            url, socket_timeout=socket_timeout + MAX_BLOCK_MS / 1000, **common)
+        self._hb = self._r.register_script(_HEARTBEAT)
+        self._new_epoch = self._r.register_script(_NEW_EPOCH)
+        self._lookup = self._r.register_script(_LOOKUP)
+        self._send_lock = threading.RLock()  # one writer at a time: flusher vs. republish
+        self._info: NodeInfo | None = None
+        self._seeds: set[bytes] = set()  # namespaces whose live hash carries our epoch
+        self._stale = False
+        self._stream = f"{prefix}:{{events}}:stream"
+        super().__init__(flush_interval=flush_interval, max_batch=max_batch)
+
+    # -- keys ---------------------------------------------------------------------------
+    def _chunk_key(self, seed: bytes, key: bytes) -> str:
+        return f"{self._p}:{{{seed.hex()}}}:chunk:{key.hex()}"
+
+    def _live_key(self, seed: bytes | None) -> str:
+        return f"{self._p}:{{{'reg' if seed is None else seed.hex()}}}:live"
+
+    def _reg(self, what: str, node_id: str) -> str:
+        return f"{self._p}:{{reg}}:{what}:{node_id}"
+
+    # -- errors -------------------------------------------------------------------------
+    @property
+    def stale(self) -> bool:
+        return self._stale
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except redis.exceptions.RedisError as exc:
+            self._stale = True
+            raise UnavailableError(f"global index (Redis) unavailable: {exc}") from None
+
+    # -- registry -----------------------------------------------------------------------
+    def register(self, info: NodeInfo) -> NodeInfo:
+        with self._send_lock:
+            return self._register(info)
+
+    def _register(self, info: NodeInfo) -> NodeInfo:
+        min_epoch = self._info.epoch + 1 if self._info is not None else 1
+        node = info.node_id
+
+        def run() -> NodeInfo:
+            reply = self._new_epoch(keys=[self._reg("epoch", node), self._reg("seeds", node)],
+                                    args=[min_epoch])
+            new = replace(info, epoch=int(reply[0]))
+            seeds = {bytes.fromhex(s.decode()) for s in reply[1:]}
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hset(self._reg("node", node), mapping={
+                "address": new.address, "tiers": ",".join(new.tiers),
+                "hardware_class": new.hardware_class,
+                "transports": json.dumps(new.transports, sort_keys=True), "epoch": new.epoch})
+            self._renew(pipe, new, [None, *seeds])
+            pipe.execute()
+            return new
+
+        new = self._call(run)
+        self._info, self._seeds = new, set()
+        return new
+
+    def _renew(self, pipe: Any, info: NodeInfo, seeds: Iterable[bytes | None]) -> None:
+        for seed in seeds:
+            self._hb(keys=[self._live_key(seed)], args=[info.node_id, info.epoch, self._ttl_ms],
+                     client=pipe)
+
+    def heartbeat(self) -> None:
+        info = self._require_info()
+        seeds = [None, *self._seeds]
+
+        def run() -> list[int]:
+            pipe = self._r.pipeline(transaction=False)
+            self._renew(pipe, info, seeds)
+            return [int(x) for x in pipe.execute()]
+
+        statuses = self._call(run)
+        if 0 in statuses:
+            raise LeaseExpiredError(f"node {info.node_id} epoch {info.epoch} was replaced")
+        if statuses[0] == 2:  # lease lapsed (or Redis lost it): our entries can't be trusted
+            self._stale = True
+
+    def nodes(self) -> list[NodeInfo]:
+        def run() -> list[NodeInfo]:
+            now_s, now_us = self._r.time()
+            now = now_s * 1000 + now_us // 1000
+            out = []
+            for node, epoch in _live_epochs(self._r.hgetall(self._live_key(None)), now).items():
+                raw = {k.decode(): v.decode() for k, v in
+                       self._r.hgetall(self._reg("node", node)).items()}
+                if int(raw.get("epoch", -1)) != epoch:
+                    continue  # registered a newer epoch that has not taken its lease yet
+                out.append(NodeInfo(node, raw["address"],
+                                    tuple(t for t in raw["tiers"].split(",") if t),
+                                    raw["hardware_class"], json.loads(raw["transports"]), epoch))
+            return out
+
+        return self._call(run)
+
+    # -- writes -------------------------------------------------------------------------
+    def _send(self, batch: list[Update]) -> None:
+        with self._send_lock:
+            if self._stale:
+                raise UnavailableError("stale: updates wait for republish")
+            self._write(batch)
+
+    def _write(self, batch: Sequence[Update]) -> None:
+        info = self._info
+        if info is None:
+            raise UnavailableError("publish before register(): updates dropped")
+        new_seeds = {rec.seed for _, rec in batch} - self._seeds
+        owner_prefix = f"{info.node_id}|{info.epoch}|"
+
+        def run() -> None:
+            pipe = self._r.pipeline(transaction=False)
+            for seed in new_seeds:  # announce first: readers must see our lease in that slot
+                pipe.sadd(self._reg("seeds", info.node_id), seed.hex())
+            self._renew(pipe, info, new_seeds)
+            for kind, rec in batch:
+                key = self._chunk_key(rec.seed, rec.key)
+                if kind == "stored":
+                    pipe.hset(key, mapping={owner_prefix + rec.tier: b"1",
+                                            "@": rec.parent + _META.pack(rec.num_tokens)})
+                else:
+                    pipe.hdel(key, owner_prefix + rec.tier)
+            for event in codec.batch_events(batch, info.node_id, info.epoch):
+                pipe.xadd(self._stream, codec.encode(event), maxlen=self._max_events,
+                          approximate=True)
+            pipe.execute()
+
+        self._call(run)
+        self._seeds |= new_seeds
+
+    def republish(self, inventory: Iterable[ChunkRecord]) -> None:
+        """Pass a lazy iterable (or use the ``inventory`` callback): it is read after the
+        queue is dropped, so nothing published meanwhile is lost."""
+        self._republish(lambda: inventory)
+
+    def _republish(self, source: Callable[[], Iterable[ChunkRecord]]) -> None:
+        info = self._require_info()
+        with self._send_lock:
+            self._discard_pending()
+            self._register(info)
+            batch: list[Update] = []
+            for rec in source():
+                batch.append(("stored", rec))
+                if len(batch) >= self._max_batch:
+                    self._write(batch)
+                    batch = []
+            if batch:
+                self._write(batch)
+            self._stale = False
+
+    def _tick(self) -> None:
+        if not self._stale or self._inventory is None or self._info is None:
+            return
+        now = time.monotonic()
+        if now >= self._next_retry:
+            self._next_retry = now + self._retry_interval
+            self._republish(self._inventory)
+
+    # -- reads --------------------------------------------------------------------------
+    def lookup(self, seed: bytes, keys: Sequence[bytes]) -> GlobalLookup:
+        check_key("namespace seed", seed)
+        for key in keys:
+            check_key("chunk key", key)
+        if not keys:
+            return GlobalLookup(0, (), self._stale)
+        rows = self._call(lambda: self._lookup(
+            keys=[self._live_key(seed), *(self._chunk_key(seed, k) for k in keys)]))
+        owners = tuple(tuple(_location(f) for f in row) for row in rows)
+        return GlobalLookup(len(keys), owners, self._stale)
+
+    def events(self, after_id: str = "0-0", block_ms: int = 0,
+               count: int = 1000) -> list[KVEvent]:
+        parse_stream_id(after_id)
+        if not 0 <= block_ms <= MAX_BLOCK_MS or count <= 0:
+            raise SpecError(f"block_ms must be in [0, {MAX_BLOCK_MS}] and count positive")
+        client = self._blocking if block_ms else self._r
+        reply = self._call(lambda: client.xread({self._stream: after_id}, count=count,
+                                                block=block_ms or None))
+        out: list[KVEvent] = []
+        for _, entries in reply or ():
+            out += [codec.decode(ident.decode(), fields) for ident, fields in entries]
+        return out
+
+    def snapshot(self) -> IndexSnapshot:
+        return self._call(self._snapshot)
+
+    def _snapshot(self) -> IndexSnapshot:
+        # The id is taken first: events after it may already show in the scan, and replaying
+        # them is harmless (idempotent), whereas taking it last could skip some.
+        last = self._r.xrevrange(self._stream, count=1)
+        stream_id = last[0][0].decode() if last else "0-0"
+        now_s, now_us = self._r.time()
+        now = now_s * 1000 + now_us // 1000
+        live: dict[bytes, dict[str, int]] = {}
+        out: list[KVEvent] = []
+        for names in _batches(self._r.scan_iter(match=f"{self._p}:{{*}}:chunk:*", count=1000)):
+            pipe = self._r.pipeline(transaction=False)
+            for name in names:
+                pipe.hgetall(name)
+            for name, fields in zip(names, pipe.execute()):
+                _, tag, _, key_hex = name.decode().split(":")
+                seed = bytes.fromhex(tag[1:-1])
+                if seed not in live:
+                    live[seed] = _live_epochs(self._r.hgetall(self._live_key(seed)), now)
+                meta = fields.pop(b"@", None)
+                if meta is None or len(meta) != KEY_BYTES + _META.size:
+                    continue
+                parent, (tokens,) = meta[:KEY_BYTES], _META.unpack(meta[KEY_BYTES:])
+                for field in fields:
+                    loc = _location(field)
+                    if live[seed].get(loc.node_id) == loc.epoch:
+                        out.append(KVEvent("stored", (bytes.fromhex(key_hex),), loc.tier,
+                                           loc.node_id, loc.epoch, seed.hex(), parent, tokens))
+        return IndexSnapshot(stream_id, tuple(out))
+
+    def close(self) -> None:
+        self._stop_flusher()
+        self._r.close()
+        self._blocking.close()
+
+    def _require_info(self) -> NodeInfo:
+        if self._info is None:
+            raise SpecError("call register() first")
+        return self._info
+
+
+def _location(field: bytes) -> Location:
+    node, epoch, tier = field.decode().split("|", 2)
+    return Location(node, int(epoch), tier)
+
+
+def _live_epochs(raw: dict[bytes, bytes], now_ms: int) -> dict[str, int]:
+    out = {}
+    for node, value in raw.items():
+        epoch, deadline = (int(x) for x in value.split(b":"))
+        if deadline > now_ms:
+            out[node.decode()] = epoch
+    return out
+
+
+def _batches(items: Iterable[bytes], size: int = 500) -> Iterator[list[bytes]]:
+    batch: list[bytes] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
