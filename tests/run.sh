@@ -17,5 +17,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+# NIXL without its dependencies: they would pull a multi-GB CUDA torch; it runs on the CPU.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps nixl-cu12
 
 exec .venv/bin/python -m pytest "$@"
