@@ -15,7 +15,8 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -91,6 +92,63 @@ class Limits:
                 raise ConfigError(f"limits.{name} must be a positive integer")
 
 
+INDEX_BACKENDS = ("embedded", "redis")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Membership of the global prefix index (see :mod:`kvfabric.cluster.index`).
+
+    ``index`` "embedded" keeps the index in the daemon's process (one node: the cluster view
+    is the local one); "redis" shares ``redis_url`` with every node and router. The node
+    renews its lease every ``heartbeat_s``; readers ignore its entries ``lease_ttl_s`` after
+    the last renewal. ``advertise`` is the address peers and routers reach this node at
+    (empty: the control socket path); ``hardware_class`` groups nodes for routing.
+    """
+
+    index: Literal["embedded", "redis"] = "embedded"
+    redis_url: str | None = None
+    lease_ttl_s: float = 10.0
+    heartbeat_s: float = 2.0
+    hardware_class: str = "generic"
+    advertise: str = ""
+
+    def __post_init__(self) -> None:
+        if self.index not in INDEX_BACKENDS:
+            raise ConfigError(f"cluster.index must be one of {list(INDEX_BACKENDS)}, "
+                              f"got {self.index!r}")
+        if self.redis_url is not None and not isinstance(self.redis_url, str):
+            raise ConfigError("cluster.redis_url must be a string")
+        if self.index == "redis":
+            if not self.redis_url or urlsplit(self.redis_url).scheme != "redis":
+                # never echo the value: it may carry a password
+                raise ConfigError("cluster.redis_url must be a redis:// URL when cluster.index "
+                                  "is redis")
+            try:
+                _ = urlsplit(self.redis_url).port  # parsing it raises on a malformed port
+            except ValueError:
+                raise ConfigError("cluster.redis_url has an invalid port") from None
+        for name in ("lease_ttl_s", "heartbeat_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"cluster.{name} must be a positive number")
+        if self.heartbeat_s >= self.lease_ttl_s:
+            raise ConfigError("cluster.heartbeat_s must be shorter than cluster.lease_ttl_s, "
+                              "or the node's lease lapses between renewals")
+        for name in ("hardware_class", "advertise"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"cluster.{name} must be a string")
+
+    @property
+    def redis_url_redacted(self) -> str:
+        """``redis_url`` without its credentials, for logs."""
+        if not self.redis_url:
+            return ""
+        parts = urlsplit(self.redis_url)
+        host = parts.netloc.rpartition("@")[2]
+        return parts._replace(netloc=host).geturl()
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     node_id: str = field(default_factory=socket.gethostname)
@@ -100,6 +158,7 @@ class DaemonConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: Limits = field(default_factory=Limits)
     store: StoreConfig = field(default_factory=StoreConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -114,7 +173,7 @@ class DaemonConfig:
 
 
 _SECTIONS: dict[str, type] = {"tcp": Endpoint, "http": Endpoint, "auth": AuthConfig,
-                              "limits": Limits}
+                              "limits": Limits, "cluster": ClusterConfig}
 
 
 def load_config(path: str | os.PathLike | None = None, *,

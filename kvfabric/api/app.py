@@ -10,7 +10,8 @@ endpoint                    who (auth on)      what
 ``GET /metrics``            admin              Prometheus text exposition (its tenant
                                                labels would show tenants each other)
 ``POST /v1/lookup``         admin, tenants     longest stored prefix of a prompt or chain
-                            (own tenant only)
+                            (own tenant only)  (``scope: cluster``: also per-node prefixes
+                                               from the global index, and ``stale``)
 ``GET /v1/stats``           admin              tiers, totals, namespaces, node
 ``POST /v1/admin/evict``    admin              ``store.evict(tier, bytes)``
 ``POST /v1/admin/flush``    admin              ``store.flush()`` (waits for SSD writes)
@@ -52,8 +53,9 @@ from kvfabric.api.metrics import Metrics, error_kind
 from kvfabric.config import DaemonConfig
 from kvfabric.errors import (AuthError, ConfigError, DeadlineExceededError, ForbiddenError,
                              KVFabricError, NotFoundError, ProtocolError, UnavailableError)
-from kvfabric.hashing import KEY_BYTES
+from kvfabric.hashing import KEY_BYTES, chunk_keys
 from kvfabric.protocol.messages import MAX_KEYS, MAX_STRING, MAX_TOKENS, decode_namespace
+from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.spec import (DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS, MAX_HEAD_DIM, MAX_KV_HEADS,
                            MAX_LAYERS, KVDtype, Namespace)
 
@@ -80,6 +82,8 @@ class DaemonView(Protocol):
     def started_at(self) -> float: ...  # time.time() at start
     @property
     def session_count(self) -> int: ...
+    @property
+    def cluster(self) -> ClusterLink | None: ...  # None: no global index (scope cluster: 503)
 
 
 # ---------------------------------------------------------------------- request bodies
@@ -131,6 +135,8 @@ class LookupRequest(BaseModel):
         None, max_length=MAX_TOKENS, description="a prompt; only its full chunks are looked up")
     chunk_hashes: list[ChunkHash] | None = Field(
         None, max_length=MAX_KEYS, description="a chain of chunk keys, hex, root first")
+    scope: Literal["local", "cluster"] = Field(
+        "local", description="cluster: also which nodes hold the prefix (global index)")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Self:
@@ -175,6 +181,13 @@ class ReadyResponse(BaseModel):
     node_id: str
 
 
+class NodePrefixBody(BaseModel):
+    node_id: str
+    epoch: int
+    chunks: int = Field(description="leading chunks of the chain this node holds")
+    tier_chunks: dict[str, int] = Field(description="of those, how many per tier")
+
+
 class LookupResponse(BaseModel):
     matched_tokens: int
     matched_chunks: int
@@ -182,6 +195,11 @@ class LookupResponse(BaseModel):
     requested_tokens: int | None = Field(description="prompt length (token_ids only)")
     chunk_tokens: int
     tiers: dict[str, int] = Field(description="matched tokens per tier")
+    nodes: list[NodePrefixBody] | None = Field(
+        None, description="scope cluster: live nodes holding a prefix of the chain")
+    stale: bool | None = Field(
+        None, description="scope cluster: the global view may lag (index unreachable or "
+                          "not yet republished)")
 
 
 class TierStatsBody(BaseModel):
@@ -420,7 +438,8 @@ def metrics(daemon: Daemon, _: Admin) -> Response:
     return Response(body, media_type=content_type)
 
 
-@_api.post("/lookup", name="lookup")
+# exclude_unset: the cluster fields appear only when scope is cluster
+@_api.post("/lookup", name="lookup", response_model_exclude_unset=True)
 def lookup(body: LookupRequest, daemon: Daemon, caller: Caller) -> LookupResponse:
     ns = body.namespace.value
     caller.check_namespace(ns)
@@ -431,10 +450,22 @@ def lookup(body: LookupRequest, daemon: Daemon, caller: Caller) -> LookupRespons
         assert body.chunk_hashes is not None
         result = daemon.store.lookup(ns, [bytes.fromhex(h) for h in body.chunk_hashes])
         requested_tokens = None
-    return LookupResponse(
+    response = LookupResponse(
         matched_tokens=result.matched_tokens, matched_chunks=result.matched_chunks,
         requested_chunks=result.requested_chunks, requested_tokens=requested_tokens,
         chunk_tokens=ns.spec.chunk_tokens, tiers=result.tier_tokens)
+    if body.scope == "cluster":
+        if daemon.cluster is None:
+            raise UnavailableError("this server has no global index")
+        keys = (chunk_keys(ns, body.token_ids, include_partial=False)
+                if body.token_ids is not None else
+                [bytes.fromhex(h) for h in body.chunk_hashes or ()])
+        found = daemon.cluster.lookup(ns, keys)
+        response.nodes = [NodePrefixBody(node_id=p.node_id, epoch=p.epoch, chunks=p.chunks,
+                                         tier_chunks=dict(p.tier_chunks))
+                          for p in found.nodes().values()]
+        response.stale = found.stale
+    return response
 
 
 @_api.get("/stats", name="stats")

@@ -2,13 +2,16 @@
 
 Lifecycle of :func:`run` (``kvfabric serve``):
 
-1. open the store (SSD contents are re-indexed from the segment headers);
+1. open the store (SSD contents are re-indexed from the segment headers) and join the
+   global index (:class:`~kvfabric.server.cluster_link.ClusterLink`: register, publish the
+   inventory, heartbeat);
 2. listen on the Unix socket (and TCP if configured), then on HTTP;
 3. write the ready file if asked (JSON: pid, socket, tcp_port, http_port, node_id) and
    report ready on ``/readyz``;
 4. on SIGTERM or SIGINT: report not ready, stop accepting, give in-flight requests a grace
    period, close every session (their leases are given back), stop HTTP, then close the
-   store, which waits for queued SSD writes. A restart finds the SSD contents again.
+   store, which waits for queued SSD writes, and the cluster link. A restart finds the SSD
+   contents again and republishes them under a new epoch.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import uvicorn
 from kvfabric.api.app import create_app
 from kvfabric.api.metrics import Metrics
 from kvfabric.config import DaemonConfig
+from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.control import ControlServer
 from kvfabric.server.handlers import Context
 from kvfabric.server.instrumented import InstrumentedStore
@@ -51,10 +55,18 @@ class Daemon:
         self._raw_store = TieredStore(config.store)
         self.metrics = Metrics(self._raw_store)
         self.store = InstrumentedStore(self._raw_store, self.metrics)
+        try:
+            self.cluster = ClusterLink(config.cluster, self.node_id,
+                                       config.cluster.advertise or config.socket_path,
+                                       self._raw_store)
+        except BaseException:
+            self._raw_store.close()
+            raise
         self._executor = ThreadPoolExecutor(config.limits.request_threads,
                                             thread_name_prefix="kvfabric-request")
         self.control = ControlServer(
-            Context(self.store, config.auth, self.node_id, config.limits.max_leases_per_session),
+            Context(self.store, config.auth, self.node_id, config.limits.max_leases_per_session,
+                    self.cluster),
             self._executor, self.metrics, socket_path=config.socket_path,
             tcp_host=config.tcp.host, tcp_port=config.tcp.port,
             max_sessions=config.limits.max_sessions)
@@ -99,6 +111,8 @@ class Daemon:
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._raw_store.close()
+        # after the store: what closing it moved (persist_on_close) is still published
+        self.cluster.close()
 
 
 class _EmbeddedUvicorn(uvicorn.Server):

@@ -22,11 +22,13 @@ import numpy as np
 
 from kvfabric.config import AuthConfig
 from kvfabric.errors import (AuthError, ForbiddenError, KVFabricError, LeaseExpiredError,
-                             ObjectAbortedError, ProtocolError)
-from kvfabric.hashing import ROOT
+                             ObjectAbortedError, ProtocolError, UnavailableError,
+                             WouldBlockError)
+from kvfabric.hashing import ROOT, chunk_keys
 from kvfabric.protocol.messages import (MAX_KEYS, MAX_TOKENS, PROTOCOL_VERSION, Op, arg_float,
                                         arg_int, arg_key, arg_keys, arg_list, arg_str,
                                         arg_tokens, item_error, item_ok)
+from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.session import Session
 from kvfabric.store.handles import ObjectReader, ObjectWriter
 
@@ -45,6 +47,7 @@ class Context:
     auth: AuthConfig
     node_id: str
     max_leases: int
+    cluster: ClusterLink | None = None  # None: cluster-scope lookups are refused
 
 
 @dataclass(frozen=True)
@@ -87,13 +90,32 @@ def _tenant_of(auth: AuthConfig, token: str | None) -> str | None:
 
 
 def lookup(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    """Local longest prefix; with ``scope: "cluster"`` also ``nodes`` (per node: its epoch,
+    leading chunks held, and those per tier) and ``stale`` from the global index."""
+    scope = arg_str(args, "scope", default="local")
+    if scope not in ("local", "cluster"):
+        raise ProtocolError(f"scope must be 'local' or 'cluster', got {scope!r}")
+    if scope == "cluster":
+        if ctx.cluster is None:
+            raise UnavailableError("this server has no global index")
+        if ctx.store.in_nonblocking_mode:
+            raise WouldBlockError("a cluster lookup asks the global index over the network")
     ns = session.namespace(args.get("ns"))
     if "keys" in args:
-        result = ctx.store.lookup(ns, arg_keys(args))
+        keys = arg_keys(args)
+        out = ctx.store.lookup(ns, keys).to_dict()
     else:
         tokens = np.frombuffer(arg_tokens(args), dtype="<i4")
-        result = ctx.store.lookup_tokens(ns, tokens)
-    return result.to_dict()
+        out = ctx.store.lookup_tokens(ns, tokens).to_dict()
+        if scope == "cluster":
+            keys = chunk_keys(ns, tokens, include_partial=False)
+    if scope == "cluster":
+        assert ctx.cluster is not None
+        found = ctx.cluster.lookup(ns, keys)
+        out["nodes"] = [{"node_id": p.node_id, "epoch": p.epoch, "chunks": p.chunks,
+                         "tier_chunks": dict(p.tier_chunks)} for p in found.nodes().values()]
+        out["stale"] = found.stale
+    return out
 
 
 def reserve(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
@@ -240,7 +262,8 @@ def _placement(lease_id: int, lease: ObjectWriter | ObjectReader) -> dict[str, A
 
 
 HANDLERS: dict[Op, Handler] = {
-    Op.LOOKUP: Handler(lookup),
+    # blocking: a cluster lookup goes to a worker thread (local ones still run on the loop)
+    Op.LOOKUP: Handler(lookup, blocking=True),
     Op.RESERVE: Handler(reserve, blocking=True, local=True),
     Op.COMMIT: Handler(commit, local=True),
     Op.ABORT: Handler(abort, local=True),

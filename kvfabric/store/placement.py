@@ -43,7 +43,8 @@ class Placement:
 
     def __init__(self, tiers: list[AnyTier], names: list[str], index: LocalIndex,
                  counters: list[TierCounters], cond: threading.Condition, config: StoreConfig,
-                 reclaim: Callable[[], object]) -> None:
+                 reclaim: Callable[[], object],
+                 on_inventory: Callable[[list[Entry], list[tuple[Entry, int]]], None]) -> None:
         self.tiers = tiers
         self.names = names
         self.index = index
@@ -51,6 +52,9 @@ class Placement:
         self.config = config
         self._cond = cond
         self._reclaim = reclaim  # expire stale leases: they may be what holds the memory
+        # complete objects that moved (stored, (entry, old tier)) or left (removed): the
+        # store tells its inventory listeners
+        self._on_inventory = on_inventory
         last = tiers[-1]
         self.disk_index = len(tiers) - 1 if isinstance(last, DiskTier) else None
         self.paged = [i for i, t in enumerate(tiers) if isinstance(t, PagedTier)]
@@ -152,7 +156,7 @@ class Placement:
         assert isinstance(src, PagedTier) and isinstance(dst, PagedTier)
         copy_pieces(dst.pieces(pages, 0, nbytes), src.pieces(entry.handle, 0, nbytes))
         old = entry.handle
-        self.index.move(entry, dst_index, pages)
+        self.rehome(entry, dst_index, pages)
         src.free(old)
 
     def demote_to_disk(self, entry: Entry, nbytes: int) -> None:
@@ -190,7 +194,7 @@ class Placement:
                 disk.delete(future.result())  # deleted meanwhile, or hot again: keep in memory
             else:
                 old = entry.handle
-                self.index.move(entry, self.disk_index, future.result())
+                self.rehome(entry, self.disk_index, future.result())
                 self.tiers[src_index].free(old)  # type: ignore[union-attr]
                 self.counters[src_index].demotions += 1
                 self.counters[self.disk_index].bytes_in += nbytes  # type: ignore[index]
@@ -241,7 +245,7 @@ class Placement:
                 self.free_if_dead(entry)
             else:
                 disk.delete(entry.handle)  # compaction may have moved it: use the current one
-                self.index.move(entry, tier_index, pages)
+                self.rehome(entry, tier_index, pages)
                 self.counters[self.disk_index].promotions += 1  # type: ignore[index]
                 self.counters[self.disk_index].bytes_out += nbytes  # type: ignore[index]
             self._cond.notify_all()
@@ -276,11 +280,21 @@ class Placement:
 
     def drop(self, entry: Entry, *, disk_already_dead: bool = False) -> None:
         """Take an entry out of the index; its storage goes when the last pin does."""
+        was_listed = entry.complete and self.index.find(entry.ns, entry.key) is entry
         self.index.remove(entry)
         entry.flags |= REMOVED
         if disk_already_dead and entry.tier == self.disk_index:
             entry.handle = None
         self.free_if_dead(entry)
+        if was_listed:
+            self._on_inventory([], [(entry, entry.tier)])
+
+    def rehome(self, entry: Entry, tier_index: int, handle: Any) -> None:
+        """Move an entry to another tier in the index (and tell the inventory listeners)."""
+        old = entry.tier
+        self.index.move(entry, tier_index, handle)
+        if old != tier_index and entry.complete and not entry.flags & REMOVED:
+            self._on_inventory([entry], [(entry, old)])
 
     def free_if_dead(self, entry: Entry) -> None:
         if not entry.flags & REMOVED or entry.pins or entry.flags & MOVING:

@@ -61,6 +61,12 @@ log = logging.getLogger(__name__)
 
 MAX_NAMESPACES = 1 << 16
 
+# A complete object as inventory listeners see it: (namespace, key, parent, num_tokens, tier
+# name); and a removed copy: (namespace, key, tier name).
+StoredObject = tuple[Namespace, bytes, bytes, int, str]
+RemovedObject = tuple[Namespace, bytes, str]
+InventoryListener = Callable[[list[StoredObject], list[RemovedObject]], None]
+
 
 class TieredStore:
     """Objects (chunks) in memory / SSD tiers with a prefix-aware local index."""
@@ -87,12 +93,14 @@ class TieredStore:
         self._tier_counters = [TierCounters() for _ in self._tiers]
         self._placement = Placement(self._tiers, self._names, self._index, self._tier_counters,
                                     self._cond, self.config,
-                                    lambda: self._reclaim_expired(time.monotonic()))
+                                    lambda: self._reclaim_expired(time.monotonic()),
+                                    self._inventory_changed)
         self._disk_index = self._placement.disk_index
         self._ns_counters: dict[tuple[str, str], NamespaceCounters] = {}
         self._namespaces: dict[bytes, Namespace] = {}
         self._leases: dict[int, _Lease] = {}
         self._layer_listeners: list[Callable[[], None]] = []
+        self._inventory_listeners: list[InventoryListener] = []
         self._count = dict.fromkeys(("lookups", "lookup_tokens", "hit_tokens", "miss_tokens",
                                      "puts", "gets", "deletes", "expired", "aborted"), 0)
         self._closed = False
@@ -153,6 +161,7 @@ class TieredStore:
                 self._end_lease(writer)
                 self._count["puts"] += 1
                 self._tier_counters[entry.tier].bytes_in += writer.nbytes
+                self._inventory_changed([entry], [])
             else:
                 entry.ready = ready
             self._layers_changed()
@@ -208,6 +217,12 @@ class TieredStore:
         finally:
             flag.on = False
 
+    @property
+    def in_nonblocking_mode(self) -> bool:
+        """Whether this thread is inside :meth:`nonblocking` (callers that would do slow
+        I/O of their own raise WouldBlockError then, as the store does)."""
+        return bool(getattr(self._placement.nonblocking, "on", False))
+
     def pin(self, ns: Namespace, key: bytes, lease_s: float) -> ObjectReader:
         """:meth:`get` with an explicit pin deadline (seconds)."""
         if lease_s <= 0:
@@ -244,6 +259,45 @@ class TieredStore:
         store) whenever a layer is committed or a write aborted, so an event loop can wait
         for layers without parking a thread per waiter."""
         self._layer_listeners.append(callback)
+
+    def add_inventory_listener(self, callback: InventoryListener, *,
+                               replay: bool = False) -> None:
+        """Call ``callback(stored, removed)`` whenever complete objects change: an object
+        becomes complete or moves to another tier (``stored``, with its new tier; a move also
+        lists the old tier in ``removed``), or is removed — deleted, evicted, aborted, dropped
+        as corrupt (``removed``). Objects recovered from SSD at start are not reported: see
+        :meth:`inventory`. With ``replay``, the current inventory is first reported as stored,
+        atomically with the registration, so no change is missed or reordered.
+
+        The callback runs under the store lock, on whichever thread made the change: it must
+        be quick (enqueue and return), must not call the store, and should not raise (an
+        exception is logged and ignored so that the store's own work completes)."""
+        with self._lock:
+            self._inventory_listeners.append(callback)
+            if replay:
+                self._call_inventory_listener(callback, list(self.inventory()), [])
+
+    def inventory(self) -> Iterator[StoredObject]:
+        """Every complete object as (namespace, key, parent, num_tokens, tier name); a
+        snapshot taken under the lock (for a republish of the whole inventory)."""
+        with self._lock:
+            return iter([(e.ns, e.key, e.parent, e.num_tokens, self._names[e.tier])
+                         for e in self._index.entries() if e.complete])
+
+    def _inventory_changed(self, stored: list[Entry], removed: list[tuple[Entry, int]]) -> None:
+        if not self._inventory_listeners:
+            return
+        stored_out = [(e.ns, e.key, e.parent, e.num_tokens, self._names[e.tier]) for e in stored]
+        removed_out = [(e.ns, e.key, self._names[tier]) for e, tier in removed]
+        for callback in self._inventory_listeners:
+            self._call_inventory_listener(callback, stored_out, removed_out)
+
+    def _call_inventory_listener(self, callback: InventoryListener, stored: list[StoredObject],
+                                 removed: list[RemovedObject]) -> None:
+        try:
+            callback(stored, removed)
+        except Exception:  # a listener bug must not leave a store operation half done
+            log.exception("inventory listener failed")
 
     def _layers_changed(self) -> None:
         self._cond.notify_all()

@@ -87,6 +87,15 @@ def test_env_adds_a_tier_to_a_file_list_and_changes_one_by_name(tmp_path: Path) 
     (["limits.max_sessions=0"], "limits.max_sessions"),
     (["node_id=5"], "node_id must be a string"),
     (["novalue"], "key=value"),
+    (["cluster.index=zookeeper"], "cluster.index must be one of"),
+    (["cluster.index=redis"], "cluster.redis_url must be a redis:// URL"),
+    (["cluster.index=redis", "cluster.redis_url=http://h:6379"], "redis:// URL"),
+    (["cluster.index=redis", "cluster.redis_url=redis://h:port/0"], "invalid port"),
+    (["cluster.lease_ttl_s=0"], "cluster.lease_ttl_s must be a positive number"),
+    (["cluster.heartbeat_s=true"], "cluster.heartbeat_s must be a positive number"),
+    (["cluster.heartbeat_s=10", "cluster.lease_ttl_s=5"], "heartbeat_s must be shorter"),
+    (["cluster.hardware_class=5"], "cluster.hardware_class must be a string"),
+    (["cluster.bogus=1"], "cluster: unknown key"),
 ])
 def test_bad_settings_raise_config_error_naming_the_key(overrides: list[str],
                                                         message: str) -> None:
@@ -178,3 +187,36 @@ def test_client_side_variables_are_not_daemon_settings() -> None:
     config = load_config(env={"KVFABRIC_TOKEN": "t", "KVFABRIC_PYTHON": "/usr/bin/python3",
                               "KVFABRIC_HTTP__PORT": "9001"})
     assert config.http.port == 9001 and config.auth.token is None
+
+
+def test_cluster_defaults_to_the_embedded_index() -> None:
+    cluster = load_config(env={}).cluster
+    assert (cluster.index, cluster.redis_url, cluster.lease_ttl_s, cluster.heartbeat_s,
+            cluster.hardware_class, cluster.advertise) == ("embedded", None, 10, 2, "generic", "")
+
+
+def test_cluster_settings_by_dotted_path_env_and_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "cluster: {index: redis, redis_url: 'redis://r:6379/0'}\n")
+    config = load_config(path, env={"KVFABRIC_CLUSTER__LEASE_TTL_S": "4",
+                                    "KVFABRIC_CLUSTER__HARDWARE_CLASS": "h100"},
+                         overrides=["cluster.heartbeat_s=0.5", "cluster.advertise=10.0.0.7:8791"])
+    cluster = config.cluster
+    assert (cluster.index, cluster.redis_url) == ("redis", "redis://r:6379/0")
+    assert (cluster.lease_ttl_s, cluster.heartbeat_s) == (4, 0.5)
+    assert (cluster.hardware_class, cluster.advertise) == ("h100", "10.0.0.7:8791")
+
+
+def test_a_redis_password_never_reaches_errors_or_the_redacted_url() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides=["cluster.index=redis",
+                                       "cluster.redis_url=rediss://:hunter2@h:6379/0"])
+    assert "hunter2" not in str(info.value)
+    config = load_config(env={}, overrides=["cluster.index=redis",
+                                            "cluster.redis_url=redis://u:hunter2@h:6379/0"])
+    assert config.cluster.redis_url_redacted == "redis://h:6379/0"
+
+
+def test_cluster_example_uses_the_redis_index() -> None:
+    cluster = load_config(CONFIGS / "cluster-redis.yaml", env={}).cluster
+    assert cluster.index == "redis" and cluster.redis_url.startswith("redis://")
+    assert cluster.heartbeat_s < cluster.lease_ttl_s

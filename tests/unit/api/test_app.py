@@ -45,6 +45,7 @@ class FakeDaemon:
     ready: bool = True
     started_at: float = field(default_factory=time.time)
     session_count: int = 0
+    cluster: None = None  # no global index: cluster-scope lookups are refused
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -443,3 +444,10 @@ def test_a_blocked_store_call_does_not_block_the_event_loop(daemon: FakeDaemon,
 
     assert asyncio.run(scenario()) == (200, 200)
     assert released_in_time == [True]
+
+
+def test_cluster_scope_without_a_global_index_is_unavailable(client: TestClient) -> None:
+    body = {"namespace": ns_body("acme"), "token_ids": prompt(CT), "scope": "cluster"}
+    response = client.post("/v1/lookup", json=body, headers=ADMIN)
+    assert response.status_code == 503
+    assert response.json()["error"]["kind"] == "unavailable"
