@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Protocol, Self, TypeVar
 
@@ -55,7 +55,7 @@ from kvfabric.errors import (AuthError, ConfigError, DeadlineExceededError, Forb
                              KVFabricError, NotFoundError, ProtocolError, UnavailableError)
 from kvfabric.hashing import KEY_BYTES, chunk_keys
 from kvfabric.protocol.messages import MAX_KEYS, MAX_STRING, MAX_TOKENS, decode_namespace
-from kvfabric.server.cluster_link import ClusterLink
+from kvfabric.cluster.index import GlobalLookup
 from kvfabric.spec import (DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS, MAX_HEAD_DIM, MAX_KV_HEADS,
                            MAX_LAYERS, KVDtype, Namespace)
 
@@ -63,6 +63,12 @@ from kvfabric.spec import (DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS, MAX_HEAD_DIM,
 # separator and some whitespace each, plus the namespace.
 MAX_BODY_BYTES = 16 * MAX_TOKENS + (1 << 20)
 MAX_REPORTED_ISSUES = 10
+
+
+class ClusterView(Protocol):
+    """The daemon's link to the global index, as far as the API needs it."""
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> GlobalLookup: ...
 
 
 class DaemonView(Protocol):
@@ -83,7 +89,7 @@ class DaemonView(Protocol):
     @property
     def session_count(self) -> int: ...
     @property
-    def cluster(self) -> ClusterLink | None: ...  # None: no global index (scope cluster: 503)
+    def cluster(self) -> ClusterView | None: ...  # None: no global index (scope cluster: 503)
 
 
 # ---------------------------------------------------------------------- request bodies
