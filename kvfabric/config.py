@@ -93,6 +93,7 @@ class Limits:
 
 
 INDEX_BACKENDS = ("embedded", "redis")
+TRANSPORTS = ("auto", "socket", "nixl")  # kvfabric.transport.BACKENDS, without importing it
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,10 @@ class ClusterConfig:
     is the local one); "redis" shares ``redis_url`` with every node and router. The node
     renews its lease every ``heartbeat_s``; readers ignore its entries ``lease_ttl_s`` after
     the last renewal. ``advertise`` is the address peers and routers reach this node at
-    (empty: the control socket path); ``hardware_class`` groups nodes for routing.
+    (empty: the control socket path; with the redis index, the TCP control endpoint's
+    ``host:port``, where peers pull chunks from); ``hardware_class`` groups nodes for routing.
+    ``transport`` is the peer transport pulled chunks travel on ("auto": NIXL when it works
+    here, else the socket backend); every node of a cluster must end up on the same one.
     """
 
     index: Literal["embedded", "redis"] = "embedded"
@@ -112,6 +116,7 @@ class ClusterConfig:
     heartbeat_s: float = 2.0
     hardware_class: str = "generic"
     advertise: str = ""
+    transport: Literal["auto", "socket", "nixl"] = "auto"
 
     def __post_init__(self) -> None:
         if self.index not in INDEX_BACKENDS:
@@ -138,6 +143,9 @@ class ClusterConfig:
         for name in ("hardware_class", "advertise"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"cluster.{name} must be a string")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"cluster.transport must be one of {list(TRANSPORTS)}, "
+                              f"got {self.transport!r}")
 
     @property
     def redis_url_redacted(self) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvfabric.client import requests
 from kvfabric.client.arenas import ArenaSet
-from kvfabric.client.client import default_address
+from kvfabric.client.client import DEFAULT_PREFETCH_S, PREFETCH_REPLY_MARGIN_S, default_address
 from kvfabric.client.connection import Address, handshake, open_socket, result_of
 from kvfabric.client.objects import AsyncRemoteReader, AsyncRemoteWriter
 from kvfabric.client.retry import Backoff, ExponentialBackoff
@@ -134,6 +134,13 @@ class AsyncClient:
         return requests.lookup_result(await self._call(Op.LOOKUP,
                                                        requests.lookup_args(ns, tokens, keys)))
 
+    async def prefetch(self, ns: Any, keys: Sequence[bytes] | None = None, tokens: Any = None,
+                       *, timeout: float = DEFAULT_PREFETCH_S) -> dict[str, Any]:
+        """See :meth:`kvfabric.client.Client.prefetch`."""
+        return dict(await self._call(Op.PREFETCH,
+                                     requests.prefetch_args(ns, tokens, keys, timeout),
+                                     timeout + PREFETCH_REPLY_MARGIN_S))
+
     async def reserve(self, ns: Any, key: bytes, *, parent: bytes = ROOT,
                       num_tokens: int | None = None) -> AsyncRemoteWriter:
         session, reply = await self._call_on_session(
@@ -222,17 +229,18 @@ class AsyncClient:
     async def ping(self) -> None:
         await self._call(Op.PING, {})
 
-    async def _call(self, op: Op, args: dict[str, Any]) -> Any:
-        return (await self._call_on_session(op, args))[1]
+    async def _call(self, op: Op, args: dict[str, Any], timeout: float | None = None) -> Any:
+        return (await self._call_on_session(op, args, timeout))[1]
 
-    async def _call_on_session(self, op: Op, args: dict[str, Any]
-                               ) -> tuple[AsyncConnection, Any]:
+    async def _call_on_session(self, op: Op, args: dict[str, Any],
+                               timeout: float | None = None) -> tuple[AsyncConnection, Any]:
+        """``timeout``: for the reply (default: the client's)."""
         give_up = time.monotonic() + self.reconnect_timeout
         attempt = 0
         while True:
             try:
                 session = await self._session()
-                return session, await session.call(op, args)
+                return session, await session.call(op, args, timeout)
             except UnavailableError:
                 if not self.reconnect or time.monotonic() >= give_up:
                     raise

@@ -36,6 +36,9 @@ from kvfabric.protocol.messages import Op
 from kvfabric.spec import Namespace
 
 DEFAULT_SOCKET = "./kvfabric-data/kvfabric.sock"
+DEFAULT_PREFETCH_S = 10.0
+# The daemon answers a prefetch by its deadline; this much more covers the round trip.
+PREFETCH_REPLY_MARGIN_S = 5.0
 
 
 def default_address() -> str:
@@ -67,6 +70,16 @@ class Client:
         """Longest prefix the node holds, from token ids (full chunks) or chunk keys."""
         return requests.lookup_result(self._call(Op.LOOKUP, requests.lookup_args(ns, tokens,
                                                                                 keys)))
+
+    def prefetch(self, ns: Namespace, keys: Sequence[bytes] | None = None, tokens: Any = None,
+                 *, timeout: float = DEFAULT_PREFETCH_S) -> dict[str, Any]:
+        """Have the node pull the chunks of ``keys`` (or of the full chunks of ``tokens``) it
+        lacks from the nodes that own them, within ``timeout`` seconds; afterwards they are
+        served like any local chunk. Returns counts of chunks ``pulled``, ``already_local``
+        and ``missing`` (held nowhere, or not pulled in time) and ``source`` (the node they
+        came from, or None). Needs the local socket and a node in a redis cluster."""
+        return dict(self._call(Op.PREFETCH, requests.prefetch_args(ns, tokens, keys, timeout),
+                               timeout=timeout + PREFETCH_REPLY_MARGIN_S))
 
     def reserve(self, ns: Namespace, key: bytes, *, parent: bytes = ROOT,
                 num_tokens: int | None = None) -> RemoteWriter:
@@ -157,16 +170,18 @@ class Client:
     def ping(self) -> None:
         self._call(Op.PING, {})
 
-    def _call(self, op: Op, args: dict[str, Any]) -> Any:
-        return self._call_on_session(op, args)[1]
+    def _call(self, op: Op, args: dict[str, Any], timeout: float | None = None) -> Any:
+        return self._call_on_session(op, args, timeout)[1]
 
-    def _call_on_session(self, op: Op, args: dict[str, Any]) -> tuple[Connection, Any]:
+    def _call_on_session(self, op: Op, args: dict[str, Any], timeout: float | None = None
+                         ) -> tuple[Connection, Any]:
+        """``timeout``: for the reply (default: the client's)."""
         give_up = time.monotonic() + self.reconnect_timeout
         attempt = 0
         while True:
             try:
                 session = self._session()
-                return session, session.call(op, args)
+                return session, session.call(op, args, timeout)
             except UnavailableError:
                 if not self.reconnect or time.monotonic() >= give_up:
                     raise

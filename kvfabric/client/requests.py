@@ -22,6 +22,11 @@ def lookup_args(ns: Namespace, tokens: Any = None, keys: Sequence[bytes] | None 
     return {"ns": encode_namespace(ns), "tokens": as_token_array(tokens).astype("<i4").tobytes()}
 
 
+def prefetch_args(ns: Namespace, tokens: Any, keys: Sequence[bytes] | None, timeout: float
+                  ) -> dict[str, Any]:
+    return {**lookup_args(ns, tokens, keys), "timeout": timeout}
+
+
 def lookup_result(result: dict[str, Any]) -> LookupResult:
     return LookupResult.from_dict(result)
 

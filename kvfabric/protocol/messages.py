@@ -75,6 +75,9 @@ class Op(str, enum.Enum):
     DELETE = "delete"
     STATS = "stats"
     PING = "ping"
+    PEER_PIN = "peer_pin"  # node to node (TCP): pin chunks a peer is about to read
+    PEER_RELEASE = "peer_release"
+    PREFETCH = "prefetch"  # pull chunks this node lacks from their owners
 
 
 def request(request_id: int, op: Op, args: dict[str, Any]) -> dict[str, Any]:

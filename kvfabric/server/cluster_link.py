@@ -42,11 +42,13 @@ class ClusterLink:
     """
 
     def __init__(self, config: ClusterConfig, node_id: str, address: str,
-                 store: TieredStore) -> None:
+                 store: TieredStore, transports: dict[str, str] | None = None) -> None:
+        """``transports``: backend name -> descriptor (hex) peers pull this node's chunks
+        with; published with the node's registration."""
         try:
             check_name("node_id", node_id)
             self._info = NodeInfo(node_id, address, tuple(store.tier_names),
-                                  config.hardware_class, {})
+                                  config.hardware_class, dict(transports or {}))
         except SpecError as exc:
             raise ConfigError(f"cannot join the global index: {exc}") from None
         self._config = config

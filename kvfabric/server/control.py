@@ -46,12 +46,14 @@ class ControlServer:
     """Accepts sessions and dispatches their requests to :mod:`kvfabric.server.handlers`."""
 
     def __init__(self, ctx: Context, executor: Executor, metrics: Any, *, socket_path: str,
-                 tcp_host: str, tcp_port: int | None, max_sessions: int) -> None:
+                 tcp_listener: socket.socket | None, max_sessions: int) -> None:
+        """``tcp_listener``: a bound, listening socket for remote sessions (bound by the
+        caller, so its port is known before the server starts), or None."""
         self._ctx = ctx
         self._executor = executor
         self._metrics = metrics
         self._socket_path = Path(socket_path)
-        self._tcp_host, self._tcp_port = tcp_host, tcp_port
+        self._tcp_listener = tcp_listener
         self._max_sessions = max_sessions
         self._servers: list[asyncio.AbstractServer] = []
         self._connections: dict[Session, asyncio.StreamWriter] = {}
@@ -84,9 +86,9 @@ class ControlServer:
             limit=READ_CHUNK)
         os.chmod(self._socket_path, 0o660)  # the node's engines run as the same group
         self._servers.append(unix)
-        if self._tcp_port is not None:
+        if self._tcp_listener is not None:
             tcp = await asyncio.start_server(lambda r, w: self._serve(r, w, local=False),
-                                             self._tcp_host, self._tcp_port, limit=READ_CHUNK)
+                                             sock=self._tcp_listener, limit=READ_CHUNK)
             self._servers.append(tcp)
 
     async def stop(self, grace_s: float) -> None:

@@ -4,7 +4,9 @@ Lifecycle of :func:`run` (``kvfabric serve``):
 
 1. open the store (SSD contents are re-indexed from the segment headers) and join the
    global index (:class:`~kvfabric.server.cluster_link.ClusterLink`: register, publish the
-   inventory, heartbeat);
+   inventory, heartbeat). With the redis index the node also opens a peer transport with
+   its host arenas registered (region id = tier index) and advertises it, with its TCP
+   control endpoint, so peers can pull its chunks (:mod:`kvfabric.server.puller`);
 2. listen on the Unix socket (and TCP if configured), then on HTTP;
 3. write the ready file if asked (JSON: pid, socket, tcp_port, http_port, node_id) and
    report ready on ``/readyz``;
@@ -33,11 +35,14 @@ import uvicorn
 from kvfabric.api.app import create_app
 from kvfabric.api.metrics import Metrics
 from kvfabric.config import DaemonConfig
+from kvfabric.errors import ConfigError
 from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.control import ControlServer
 from kvfabric.server.handlers import Context
 from kvfabric.server.instrumented import InstrumentedStore
+from kvfabric.server.puller import Puller
 from kvfabric.store import TieredStore
+from kvfabric.transport import SocketTransport, Transport, select_backend
 
 log = logging.getLogger(__name__)
 
@@ -52,24 +57,42 @@ class Daemon:
         self.node_id = config.node_id
         self.started_at = time.time()
         self.ready = False
+        peers = config.cluster.index == "redis"
+        if peers and config.tcp.port is None:
+            raise ConfigError("cluster.index redis needs the TCP control endpoint (tcp.port; "
+                              "0 picks a free port): peers pull this node's chunks through it")
         self._raw_store = TieredStore(config.store)
         self.metrics = Metrics(self._raw_store)
         self.store = InstrumentedStore(self._raw_store, self.metrics)
+        self._tcp: socket.socket | None = None
+        self.transport: Transport | None = None
         try:
-            self.cluster = ClusterLink(config.cluster, self.node_id,
-                                       config.cluster.advertise or config.socket_path,
-                                       self._raw_store)
+            if config.tcp.port is not None:
+                self._tcp = _tcp_listener(config.tcp.host, config.tcp.port)
+            address = config.cluster.advertise or config.socket_path
+            transports: dict[str, str] = {}
+            if peers:
+                assert self._tcp is not None
+                host = _reachable_host(config.tcp.host)
+                address = config.cluster.advertise or _host_port(host,
+                                                                 self._tcp.getsockname()[1])
+                self.transport = _open_transport(config, host, self._raw_store)
+                transports[self.transport.backend] = self.transport.descriptor().hex()
+            self.cluster = ClusterLink(config.cluster, self.node_id, address, self._raw_store,
+                                       transports)
         except BaseException:
+            self._close_transport_and_listener()
             self._raw_store.close()
             raise
+        self.puller = None if self.transport is None else Puller(
+            self.store, self.cluster, self.transport, config.auth.admin_token)
         self._executor = ThreadPoolExecutor(config.limits.request_threads,
                                             thread_name_prefix="kvfabric-request")
         self.control = ControlServer(
             Context(self.store, config.auth, self.node_id, config.limits.max_leases_per_session,
-                    self.cluster),
+                    self.cluster, self.puller),
             self._executor, self.metrics, socket_path=config.socket_path,
-            tcp_host=config.tcp.host, tcp_port=config.tcp.port,
-            max_sessions=config.limits.max_sessions)
+            tcp_listener=self._tcp, max_sessions=config.limits.max_sessions)
         self.http_port: int | None = None
         self._stop: asyncio.Event | None = None
 
@@ -110,9 +133,45 @@ class Daemon:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.puller is not None:
+            self.puller.close()
+        # before the store: no peer may read the arenas once they are unmapped
+        self._close_transport_and_listener()
         self._raw_store.close()
         # after the store: what closing it moved (persist_on_close) is still published
         self.cluster.close()
+
+    def _close_transport_and_listener(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if self._tcp is not None:
+            self._tcp.close()  # asyncio closed it already if the server ran; closing twice is fine
+
+
+def _open_transport(config: DaemonConfig, host: str, store: TieredStore) -> Transport:
+    """The peer transport (``cluster.transport``) with every host arena registered."""
+    backend = select_backend(config.cluster.transport)
+    if backend is SocketTransport:
+        transport: Transport = SocketTransport(config.node_id, host=config.tcp.host,
+                                               advertise_host=host)
+    else:
+        transport = backend(config.node_id)
+    try:
+        for index, _, arena in store.host_arenas():
+            transport.register(index, arena.array)
+    except BaseException:
+        transport.close()
+        raise
+    return transport
+
+
+def _reachable_host(host: str) -> str:
+    """The host peers reach a listener bound to ``host`` at (a wildcard: this host's name)."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class _EmbeddedUvicorn(uvicorn.Server):

@@ -29,10 +29,12 @@ from kvfabric.protocol.messages import (MAX_KEYS, MAX_TOKENS, PROTOCOL_VERSION, 
                                         arg_int, arg_key, arg_keys, arg_list, arg_str,
                                         arg_tokens, item_error, item_ok)
 from kvfabric.server.cluster_link import ClusterLink
+from kvfabric.server.puller import Puller
 from kvfabric.server.session import Session
 from kvfabric.store.handles import ObjectReader, ObjectWriter
 
 DEFAULT_WAIT_S = 30.0
+DEFAULT_PREFETCH_S = 10.0
 
 
 class StoreAPI(Protocol):  # what handlers need: a TieredStore or its instrumented wrapper
@@ -48,6 +50,7 @@ class Context:
     node_id: str
     max_leases: int
     cluster: ClusterLink | None = None  # None: cluster-scope lookups are refused
+    puller: Puller | None = None  # None: prefetch is refused (no peer transport)
 
 
 @dataclass(frozen=True)
@@ -244,6 +247,70 @@ def ping(ctx: Context, session: Session, args: dict[str, Any]) -> str:
     return "pong"
 
 
+def peer_pin(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Pin chunks for a peer node that reads them over its transport (admin only).
+
+    Per key: the pin's placement (see :func:`_placement`) plus ``page_size`` (of the tier the
+    pages are in) and ``parent``, or that key's error. SSD copies are read back into memory
+    first; a chunk still being written is waited for until ``timeout``. The pins are leases
+    of this session: given back by ``peer_release``, when the session ends, or at their
+    deadline.
+    """
+    _require_admin(session, "peer_pin")
+    ns = session.namespace(args.get("ns"))
+    timeout = arg_float(args, "timeout")
+    page_sizes = {index: arena.page_size for index, _, arena in ctx.store.host_arenas()}
+    return [_item(_peer_pin_one, ctx, session, ns, (key, timeout, page_sizes))
+            for key in arg_keys(args)]
+
+
+def _peer_pin_one(ctx: Context, session: Session, ns: Any,
+                  item: tuple[bytes, float | None, dict[int, int]]) -> dict[str, Any]:
+    key, timeout, page_sizes = item
+    reader = ctx.store.get(ns, key, timeout=timeout)
+    try:
+        reader.wait_complete(timeout or DEFAULT_WAIT_S)  # a peer copies whole chunks only
+        result = _placement(session.add_lease(reader), reader)
+    except BaseException:
+        if not reader.closed:
+            reader.release()
+        raise
+    result.update(page_size=page_sizes[reader.tier_index], parent=reader.parent)
+    return result
+
+
+def peer_release(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Give back pins taken by ``peer_pin`` (admin only); per lease: ok or its error."""
+    _require_admin(session, "peer_release")
+    return release_batch(ctx, session, args)
+
+
+def prefetch(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    """Pull the chunks of ``keys`` (or of the full chunks of ``tokens``) this node lacks from
+    the nodes that own them, within ``timeout`` seconds (see :mod:`kvfabric.server.puller`).
+
+    Returns ``pulled``, ``already_local``, ``missing`` (counts of chunks) and ``source`` (the
+    node the pulled chunks came from, or None).
+    """
+    if ctx.puller is None:
+        raise UnavailableError("this node cannot pull chunks: it has no peer transport "
+                               "(cluster.index is not redis)")
+    ns = session.namespace(args.get("ns"))
+    if "keys" in args:
+        keys = arg_keys(args)
+    else:
+        keys = chunk_keys(ns, np.frombuffer(arg_tokens(args), dtype="<i4"),
+                          include_partial=False)
+    timeout = arg_float(args, "timeout") or DEFAULT_PREFETCH_S
+    return ctx.puller.prefetch(ns, keys, timeout).to_dict()
+
+
+def _require_admin(session: Session, op: str) -> None:
+    # a tenant token must not pin (or read, through a transport) another node's pages
+    if session.tenant is not None:
+        raise ForbiddenError(f"{op} is a node-to-node operation: it needs the admin token")
+
+
 def _item(fn: Callable[[Context, Session, Any, Any], Any], ctx: Context, session: Session,
           ns: Any, item: Any) -> dict[str, Any]:
     """One batch item: its result, or its own error (the other items go on)."""
@@ -278,4 +345,9 @@ HANDLERS: dict[Op, Handler] = {
     Op.DELETE: Handler(delete),
     Op.STATS: Handler(stats),
     Op.PING: Handler(ping),
+    # node to node, over TCP: batch so it never runs on the loop (it may read SSD, wait)
+    Op.PEER_PIN: Handler(peer_pin, blocking=True, batch=True),
+    Op.PEER_RELEASE: Handler(peer_release),
+    # local: it fills this node's memory; batch: network I/O belongs on a worker thread
+    Op.PREFETCH: Handler(prefetch, blocking=True, local=True, batch=True),
 }

@@ -55,6 +55,11 @@ class _Lease(PayloadAccess):
         return self._entry.key
 
     @property
+    def parent(self) -> bytes:
+        """Key of the chunk before this one in its chain (ROOT for a first chunk)."""
+        return self._entry.parent
+
+    @property
     def namespace(self) -> Namespace:
         return self._entry.ns
 

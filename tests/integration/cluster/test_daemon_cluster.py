@@ -27,7 +27,7 @@ SMALL = ["store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
 def node_settings(redis_url: str, node_id: str, lease_ttl_s: float = 10) -> list[str]:
     return [*SMALL, f"node_id={node_id}", "cluster.index=redis",
             f"cluster.redis_url={redis_url}", f"cluster.lease_ttl_s={lease_ttl_s}",
-            "cluster.heartbeat_s=0.2", "cluster.hardware_class=test"]
+            "cluster.heartbeat_s=0.2", "cluster.hardware_class=test", "tcp.port=0"]
 
 
 def put_chain(socket: str, n_chunks: int, start: int = 0) -> list[bytes]:

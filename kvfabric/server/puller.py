@@ -1,0 +1,320 @@
+"""Pulling chunks this node lacks from the nodes that own them (the ``prefetch`` op).
+
+For a chain of keys, :meth:`Puller.prefetch` asks the global index who holds what, skips the
+chunks held here, and pulls the rest from one owner at a time, longest prefix first (ties:
+more of the chunks in the owner's fastest tier). Each owner gets an even share of the time
+left, so a frozen one leaves time for the next. One pull from one owner is:
+
+1. ``peer_pin`` over the owner's TCP control endpoint: the owner pins the chunks (reading
+   SSD copies back into memory first) and answers with their tier, page ids and page size;
+2. reserve each chunk in this node's store, map every remote page range onto the local
+   pages (page sizes may differ between the nodes) and move everything with one transport
+   ``read`` into this node's arena;
+3. commit the local copies, but only if the read finished before the owner's pins could
+   expire (after that the owner may have reused the pages: the copy could be torn);
+4. ``peer_release`` the pins.
+
+Any failure (owner gone or frozen, deadline, error reply) aborts the local reservations, so
+no page stays taken here, and drops the cached connection to that owner: the owner's session
+then ends and gives its pins back even if the release never arrived. The chunks are then
+tried on the next owner that holds them; what no owner could supply is reported missing.
+
+Thread-safe: prefetches run on the daemon's worker threads, several at once. Connections
+(control session and transport peer) are cached per owner node and replaced when the owner
+restarts (new epoch).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvfabric.client.connection import Connection
+from kvfabric.client.requests import item_results
+from kvfabric.cluster.index import GlobalLookup, NodeInfo
+from kvfabric.errors import (AlreadyExistsError, DeadlineExceededError, KVFabricError,
+                             LeaseExpiredError, ProtocolError, UnavailableError)
+from kvfabric.memory.arena import SharedArena
+from kvfabric.memory.pages import slice_pages
+from kvfabric.protocol.messages import Op, encode_namespace
+from kvfabric.server.cluster_link import ClusterLink
+from kvfabric.spec import Namespace
+from kvfabric.store.handles import ObjectWriter
+from kvfabric.transport import Peer, ReadPiece, Transport
+
+log = logging.getLogger(__name__)
+
+# Time a release may take after the pull's deadline: the release only frees the owner's pages
+# early (closing the connection frees them too), so it must not stretch the deadline much.
+RELEASE_GRACE_S = 0.5
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """Outcome of one prefetch: chunks copied here, held here already, found nowhere (or not
+    pulled in time), and the node the copied chunks came from (the first, if several)."""
+
+    pulled: int
+    already_local: int
+    missing: int
+    source: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pulled": self.pulled, "already_local": self.already_local,
+                "missing": self.missing, "source": self.source}
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """A cached link to one owner incarnation."""
+
+    epoch: int
+    connection: Connection
+    peer: Peer
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    node_id: str
+    epoch: int
+    held: tuple[int, ...]  # indices of the wanted chunks this node holds
+    rank: tuple[int, int, str]  # sort key: longest prefix, then most in its fastest tier
+
+
+class Puller:
+    """Pulls chunks into ``store`` (see the module docstring).
+
+    ``transport`` must have every host arena of ``store`` registered under its tier index;
+    ``token`` is presented to owners (the cluster's admin token when auth is on).
+    """
+
+    def __init__(self, store: Any, cluster: ClusterLink, transport: Transport,
+                 token: str | None) -> None:
+        self._store = store
+        self._cluster = cluster
+        self._transport = transport
+        self._token = token
+        self._arenas: dict[int, SharedArena] = {i: a for i, _, a in store.host_arenas()}
+        self._owners: dict[str, _Owner] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def prefetch(self, ns: Namespace, keys: Sequence[bytes], timeout: float) -> PrefetchResult:
+        """Pull every chunk of ``keys`` not held here, within ``timeout`` seconds.
+
+        Never raises for an owner's failure, nor once this node is closing: chunks that
+        could not be pulled count as missing.
+        """
+        end = time.monotonic() + timeout
+        local = [self._store.contains(ns, key) for key in keys]
+        wanted = {i for i, here in enumerate(local) if not here}
+        already_local = len(keys) - len(wanted)
+        pulled, source = 0, None
+        if wanted:
+            found = self._cluster.lookup(ns, keys)
+            candidates = self._candidates(found, wanted)
+            for n, candidate in enumerate(candidates):
+                todo = [i for i in candidate.held if i in wanted]
+                now = time.monotonic()
+                if not todo or now >= end:
+                    continue
+                # a frozen owner must leave time for the next ones: split what is left evenly
+                others = sum(1 for c in candidates[n + 1:] if wanted.intersection(c.held))
+                try:
+                    copied, raced = self._pull(candidate, ns, [keys[i] for i in todo],
+                                               now + (end - now) / (1 + others))
+                except KVFabricError as exc:
+                    log.warning("pulling %d chunk(s) from %s failed: %s", len(todo),
+                                candidate.node_id, exc)
+                    self._forget(candidate.node_id)
+                    continue
+                wanted -= {i for i in todo if keys[i] in copied or keys[i] in raced}
+                pulled += len(copied)
+                already_local += len(raced)
+                if copied and source is None:
+                    source = candidate.node_id
+        return PrefetchResult(pulled, already_local, len(wanted), source)
+
+    def _candidates(self, found: GlobalLookup, wanted: set[int]) -> list[_Candidate]:
+        """Other nodes holding any wanted chunk, best first."""
+        tiers = {info.node_id: info.tiers for info in self._nodes()}
+        held: dict[tuple[str, int], list[int]] = {}
+        fast: dict[tuple[str, int], int] = {}
+        for i, copies in enumerate(found.owners):
+            for loc in copies:
+                node = (loc.node_id, loc.epoch)
+                if loc.node_id == self._cluster.node_id or i not in wanted:
+                    continue
+                if not held.get(node) or held[node][-1] != i:  # a chunk in two tiers: once
+                    held.setdefault(node, []).append(i)
+                if tiers.get(loc.node_id, ())[:1] == (loc.tier,):
+                    fast[node] = fast.get(node, 0) + 1
+        prefixes = {node.node_id: node.chunks for node in found.nodes().values()}
+        out = [_Candidate(node_id, epoch, tuple(indices),
+                          (-prefixes.get(node_id, 0), -fast.get((node_id, epoch), 0), node_id))
+               for (node_id, epoch), indices in held.items()]
+        return sorted(out, key=lambda c: c.rank)
+
+    def _nodes(self) -> list[NodeInfo]:
+        try:
+            return self._cluster.index.nodes()
+        except UnavailableError:
+            return []  # the index is down: no owner can be reached anyway
+
+    # -- one owner ------------------------------------------------------------------------
+    def _pull(self, candidate: _Candidate, ns: Namespace, keys: list[bytes], end: float
+              ) -> tuple[set[bytes], set[bytes]]:
+        """Copy ``keys`` from one owner; returns (copied keys, keys that appeared here
+        meanwhile). Raises KVFabricError when nothing could be copied from this owner."""
+        owner = self._owner(candidate, end)
+        pinned_at = time.monotonic()
+        items = item_results(owner.connection.call(
+            Op.PEER_PIN, {"ns": encode_namespace(ns), "keys": keys,
+                          "timeout": _left(end, "peer_pin")},
+            timeout=_left(end, "peer_pin")))
+        leases = [r["lease"] for r in items if not isinstance(r, KVFabricError)]
+        writers: list[tuple[bytes, ObjectWriter]] = []
+        raced: set[bytes] = set()
+        try:
+            pieces: list[ReadPiece] = []
+            lease_s = float("inf")
+            for key, item in zip(keys, items):
+                if isinstance(item, KVFabricError):
+                    continue  # the owner lost this chunk: it stays wanted
+                try:
+                    writer = self._store.reserve(ns, key, parent=item["parent"],
+                                                 num_tokens=item["num_tokens"])
+                except AlreadyExistsError:
+                    raced.add(key)  # stored here since the check
+                    continue
+                writers.append((key, writer))
+                pieces += self._pieces(item, writer)
+                lease_s = min(lease_s, float(item["lease_s"]))
+            if pieces:
+                self._transport.read(owner.peer, pieces, _left(end, "transfer"))
+                if time.monotonic() >= pinned_at + lease_s:
+                    raise LeaseExpiredError("the owner's pins expired during the transfer")
+            for _, writer in writers:
+                writer.commit()
+        except BaseException:
+            for _, writer in writers:
+                writer.abort()  # no-op for one already committed
+            raise  # the caller drops the connection, which gives the owner's pins back
+        self._release(candidate.node_id, owner, leases, end)
+        return {key for key, _ in writers}, raced
+
+    def _pieces(self, item: dict[str, Any], writer: ObjectWriter) -> list[ReadPiece]:
+        """Read pieces moving the owner's pages of one chunk into ``writer``'s pages."""
+        try:
+            remote_tier, page_size, nbytes = (int(item["tier"]), int(item["page_size"]),
+                                              int(item["nbytes"]))
+            remote_pages = np.frombuffer(item["pages"], dtype="<u4").tolist()
+            if nbytes != writer.nbytes or page_size <= 0:
+                raise ValueError(f"{nbytes} bytes in pages of {page_size}, this node expects "
+                                 f"{writer.nbytes}")
+            remote = slice_pages(lambda p, s, e: (p * page_size + s, e - s), remote_pages,
+                                 page_size, 0, nbytes)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"malformed peer_pin item: {exc}") from None
+        arena = self._arenas[writer.tier_index]
+        array, local_size = arena.array, arena.page_size
+        local = slice_pages(lambda p, s, e: array[p * local_size + s:p * local_size + e],
+                            writer.pages, local_size, 0, nbytes)
+        out: list[ReadPiece] = []
+        views = iter(local)
+        view = next(views)
+        for offset, length in remote:  # split at both sides' page boundaries
+            while length:
+                if not len(view):
+                    view = next(views)
+                n = min(length, len(view))
+                out.append(ReadPiece(remote_tier, offset, view[:n]))
+                view, offset, length = view[n:], offset + n, length - n
+        return out
+
+    def _release(self, node_id: str, owner: _Owner, leases: list[int], end: float) -> None:
+        if not leases:
+            return
+        try:
+            owner.connection.call(Op.PEER_RELEASE, {"leases": leases},
+                                  timeout=max(end - time.monotonic(), 0) + RELEASE_GRACE_S)
+        except KVFabricError as exc:
+            # dropping the session gives the pins back on the owner's side
+            log.info("releasing pins on %s failed (%s); dropping the connection", node_id, exc)
+            self._forget(node_id)
+
+    # -- connections ----------------------------------------------------------------------
+    def _owner(self, candidate: _Candidate, end: float) -> _Owner:
+        with self._lock:
+            if self._closed:
+                raise UnavailableError("this node is shutting down")
+            cached = self._owners.get(candidate.node_id)
+        if cached is not None and cached.epoch == candidate.epoch \
+                and not cached.connection.closed:
+            return cached
+        self._forget(candidate.node_id)
+        owner = self._connect(candidate, end)
+        with self._lock:
+            current = self._owners.get(candidate.node_id)
+            if self._closed or (current is not None and current.epoch == owner.epoch):
+                owner.connection.close()  # another thread connected first, or closing
+                if current is None:
+                    raise UnavailableError("this node is shutting down")
+                return current
+            self._owners[candidate.node_id] = owner
+        return owner
+
+    def _connect(self, candidate: _Candidate, end: float) -> _Owner:
+        info = next((n for n in self._nodes()
+                     if n.node_id == candidate.node_id and n.epoch == candidate.epoch), None)
+        if info is None:
+            raise UnavailableError(f"node {candidate.node_id} (epoch {candidate.epoch}) is "
+                                   f"no longer registered")
+        descriptor = info.transports.get(self._transport.backend)
+        if descriptor is None:
+            raise UnavailableError(f"node {info.node_id} offers no {self._transport.backend!r} "
+                                   f"transport (it has {sorted(info.transports)})")
+        host, _, port = info.address.rpartition(":")
+        try:
+            address = (host.strip("[]"), int(port))
+            peer_descriptor = bytes.fromhex(descriptor)
+        except ValueError:
+            raise UnavailableError(f"node {info.node_id} advertises {info.address!r} and a "
+                                   f"transport descriptor that cannot be used") from None
+        try:
+            connection = Connection(address, token=self._token, timeout=_left(end, "connect"))
+        except OSError as exc:  # the hello timed out: a frozen owner
+            raise UnavailableError(f"cannot reach node {info.node_id}: {exc!r}") from None
+        try:
+            peer = self._transport.connect(peer_descriptor, _left(end, "connect"))
+        except BaseException:
+            connection.close()
+            raise
+        return _Owner(info.epoch, connection, peer)
+
+    def _forget(self, node_id: str) -> None:
+        with self._lock:
+            owner = self._owners.pop(node_id, None)
+        if owner is not None:
+            owner.connection.close()
+
+    def close(self) -> None:
+        """Close every owner connection (their pins are given back); later prefetches fail."""
+        with self._lock:
+            self._closed = True
+            owners, self._owners = list(self._owners.values()), {}
+        for owner in owners:
+            owner.connection.close()
+
+
+def _left(end: float, what: str) -> float:
+    left = end - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceededError(f"prefetch: deadline passed before {what}")
+    return left

@@ -1,0 +1,186 @@
+"""Pull: a node's daemon copies chunks it lacks from the daemons that own them (separate
+processes on one real redis-server, over the socket and NIXL transports), then serves them
+from its own arena; owners that die or freeze cost only the deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvfabric.client import AsyncClient, Client
+from kvfabric.client import requests as client_requests
+from kvfabric.config import load_config
+from kvfabric.errors import ConfigError
+from kvfabric.hashing import chunk_hashes
+from kvfabric.protocol.messages import Op
+from kvfabric.spec import KVSpec, Namespace
+from kvfabric.transport import nixl_unavailable_reason
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
+NS = Namespace("pull-model", SPEC, tenant_salt="t1")
+SMALL = ["store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
+         "store.tiers.ssd.capacity=32MiB"]
+TRANSPORTS = ["socket", pytest.param("nixl", marks=pytest.mark.skipif(
+    nixl_unavailable_reason() is not None, reason=f"NIXL: {nixl_unavailable_reason()}"))]
+DEADLINE_S = 5.0
+
+
+def node_settings(redis_url: str, node_id: str, transport: str, *extra: str) -> list[str]:
+    return [*SMALL, f"node_id={node_id}", "cluster.index=redis",
+            f"cluster.redis_url={redis_url}", "cluster.lease_ttl_s=10",
+            "cluster.heartbeat_s=0.2", "tcp.port=0", f"cluster.transport={transport}", *extra]
+
+
+def put_chain(socket: str, n_chunks: int) -> tuple[list[bytes], list[bytes]]:
+    """A chain of random chunks; returns (keys, payloads)."""
+    refs = chunk_hashes(NS, list(range(n_chunks * SPEC.chunk_tokens)))
+    rng = np.random.default_rng(7)
+    payloads = [rng.integers(0, 256, SPEC.chunk_bytes, dtype=np.uint8).tobytes() for _ in refs]
+    with Client(socket) as client:
+        for ref, data in zip(refs, payloads):
+            assert client.put(NS, ref.key, data, parent=ref.parent)
+    return [r.key for r in refs], payloads
+
+
+def wait_until_held(viewer: Any, keys: list[bytes], node_ids: set[str]) -> None:
+    """Until the global index (as ``viewer`` sees it) lists the whole chain on ``node_ids``."""
+    deadline = time.monotonic() + 10
+    with Client(viewer.socket) as client:
+        while True:
+            answer = client._call(Op.LOOKUP, {**client_requests.lookup_args(NS, None, keys),
+                                              "scope": "cluster"})
+            held = {n["node_id"] for n in answer["nodes"] if n["chunks"] == len(keys)}
+            if node_ids <= held:
+                return
+            assert time.monotonic() < deadline, f"index shows {answer['nodes']}"
+            time.sleep(0.05)
+
+
+async def _prefetch_async(socket: str, tokens: list[int]) -> dict[str, Any]:
+    client = await AsyncClient.connect(socket)
+    try:
+        return await client.prefetch(NS, tokens=tokens)
+    finally:
+        await client.close()
+
+
+def dram_used(client: Client) -> int:
+    return next(t["used_bytes"] for t in client.stats()["tiers"] if t["name"] == "dram")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prefetch_pulls_a_chain_byte_exact_and_releases_the_owners_pins(
+        redis_server, start_daemon, transport: str) -> None:
+    a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
+    # other page size on the puller: remote and local page ranges must be sliced apart
+    b = start_daemon(*node_settings(redis_server.url, "node-b", transport,
+                                    "store.tiers.dram.page_size=4KiB"))
+    keys, payloads = put_chain(a.socket, 4)
+    wait_until_held(b, keys, {"node-a"})
+    with Client(b.socket) as client:
+        assert client.lookup(NS, keys=keys).matched_chunks == 0
+        result = client.prefetch(NS, keys=keys, timeout=DEADLINE_S)
+        assert result == {"pulled": 4, "already_local": 0, "missing": 0, "source": "node-a"}
+        hit = client.lookup(NS, keys=keys)
+        assert (hit.matched_chunks, hit.tier_tokens) == (4, {"dram": 4 * SPEC.chunk_tokens})
+        for key, data in zip(keys, payloads):
+            with client.get(NS, key) as reader:  # zero copy from B's own arena
+                assert reader.to_bytes() == data
+    assert asyncio.run(_prefetch_async(b.socket, list(range(4 * SPEC.chunk_tokens)))) == {
+        "pulled": 0, "already_local": 4, "missing": 0, "source": None}
+    with Client(a.socket) as owner:
+        # a pin left behind would keep its pages taken after the delete
+        for key in keys:
+            assert owner.delete(NS, key)
+        assert dram_used(owner) == 0
+
+
+@pytest.mark.parametrize("when", ["before", "while"])
+def test_an_owner_killed_before_or_during_the_pull_costs_only_the_deadline(
+        redis_server, start_daemon, when: str) -> None:
+    a = start_daemon(*node_settings(redis_server.url, "node-a", "socket"))
+    b = start_daemon(*node_settings(redis_server.url, "node-b", "socket"))
+    keys, _ = put_chain(a.socket, 4)
+    wait_until_held(b, keys, {"node-a"})
+    with Client(b.socket) as client:
+        baseline = dram_used(client)
+        results: list[dict[str, Any]] = []
+        started = time.monotonic()
+        if when == "before":
+            a.kill()
+            results.append(client.prefetch(NS, keys=keys, timeout=DEADLINE_S))
+        else:
+            # frozen first, so the pull is surely waiting on A when A dies
+            assert a.proc is not None
+            a.proc.send_signal(signal.SIGSTOP)
+            with Client(b.socket) as puller:
+                pull = threading.Thread(target=lambda: results.append(
+                    puller.prefetch(NS, keys=keys, timeout=DEADLINE_S)))
+                pull.start()
+                time.sleep(0.5)
+                a.kill()
+                pull.join(DEADLINE_S + 5)
+        assert time.monotonic() - started < DEADLINE_S + 1
+        assert results == [{"pulled": 0, "already_local": 0, "missing": 4, "source": None}]
+        assert dram_used(client) == baseline  # every local reservation was aborted
+        assert client.lookup(NS, keys=keys).matched_chunks == 0
+        # B still serves
+        data = bytes(SPEC.chunk_bytes)
+        assert client.put(NS, b"\x01" * 16, data)
+        with client.get(NS, b"\x01" * 16) as reader:
+            assert reader.to_bytes() == data
+
+
+def test_a_frozen_first_owner_falls_back_to_the_second_within_the_deadline(
+        redis_server, start_daemon) -> None:
+    # equal prefixes and tiers: node ids break the tie, so the frozen node-a is tried first
+    a = start_daemon(*node_settings(redis_server.url, "node-a", "socket"))
+    c = start_daemon(*node_settings(redis_server.url, "node-c", "socket"))
+    b = start_daemon(*node_settings(redis_server.url, "node-b", "socket"))
+    keys, payloads = put_chain(a.socket, 4)
+    put_chain(c.socket, 4)
+    wait_until_held(b, keys, {"node-a", "node-c"})
+    assert a.proc is not None
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        with Client(b.socket) as client:
+            started = time.monotonic()
+            result = client.prefetch(NS, keys=keys, timeout=DEADLINE_S)
+            assert time.monotonic() - started < DEADLINE_S
+            assert result == {"pulled": 4, "already_local": 0, "missing": 0,
+                              "source": "node-c"}
+            for key, data in zip(keys, payloads):
+                with client.get(NS, key) as reader:
+                    assert reader.to_bytes() == data
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_copy_that_outlived_the_owners_pins_is_discarded(redis_server,
+                                                          start_daemon) -> None:
+    # pins that lapse at once: the owner may reuse the pages mid-read, so the copy is torn
+    a = start_daemon(*node_settings(redis_server.url, "node-a", "socket",
+                                    "store.pin_timeout_s=0.001"))
+    b = start_daemon(*node_settings(redis_server.url, "node-b", "socket"))
+    keys, _ = put_chain(a.socket, 4)
+    wait_until_held(b, keys, {"node-a"})
+    with Client(b.socket) as client:
+        baseline = dram_used(client)
+        result = client.prefetch(NS, keys=keys, timeout=DEADLINE_S)
+        assert result == {"pulled": 0, "already_local": 0, "missing": 4, "source": None}
+        assert dram_used(client) == baseline  # the reservations were aborted
+        assert client.lookup(NS, keys=keys).matched_chunks == 0
+
+
+def test_a_redis_node_needs_its_tcp_endpoint_and_a_known_transport(redis_server,
+                                                                   start_daemon) -> None:
+    with pytest.raises(RuntimeError, match="tcp.port"):
+        start_daemon(*node_settings(redis_server.url, "node-a", "socket", "tcp.port=null"))
+    with pytest.raises(ConfigError, match="cluster.transport"):
+        load_config(env={}, overrides=["cluster.transport=rdma"])
