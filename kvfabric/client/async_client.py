@@ -17,7 +17,8 @@ from typing import Any
 
 from kvfabric.client import requests
 from kvfabric.client.arenas import ArenaSet
-from kvfabric.client.client import DEFAULT_PREFETCH_S, PREFETCH_REPLY_MARGIN_S, default_address
+from kvfabric.client.client import (DEFAULT_PREFETCH_S, DEFAULT_PUSH_S, PREFETCH_REPLY_MARGIN_S,
+                                    default_address)
 from kvfabric.client.connection import Address, handshake, open_socket, result_of
 from kvfabric.client.objects import AsyncRemoteReader, AsyncRemoteWriter
 from kvfabric.client.retry import Backoff, ExponentialBackoff
@@ -139,6 +140,12 @@ class AsyncClient:
         """See :meth:`kvfabric.client.Client.prefetch`."""
         return dict(await self._call(Op.PREFETCH,
                                      requests.prefetch_args(ns, tokens, keys, timeout),
+                                     timeout + PREFETCH_REPLY_MARGIN_S))
+
+    async def push(self, ns: Any, keys: Sequence[bytes], target: str, *,
+                   timeout: float = DEFAULT_PUSH_S) -> dict[str, Any]:
+        """See :meth:`kvfabric.client.Client.push`."""
+        return dict(await self._call(Op.PUSH, requests.push_args(ns, keys, target, timeout),
                                      timeout + PREFETCH_REPLY_MARGIN_S))
 
     async def reserve(self, ns: Any, key: bytes, *, parent: bytes = ROOT,

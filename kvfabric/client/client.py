@@ -37,7 +37,8 @@ from kvfabric.spec import Namespace
 
 DEFAULT_SOCKET = "./kvfabric-data/kvfabric.sock"
 DEFAULT_PREFETCH_S = 10.0
-# The daemon answers a prefetch by its deadline; this much more covers the round trip.
+DEFAULT_PUSH_S = 10.0
+# The daemon answers a prefetch or a push by its deadline; this much more covers the trip.
 PREFETCH_REPLY_MARGIN_S = 5.0
 
 
@@ -79,6 +80,18 @@ class Client:
         and ``missing`` (held nowhere, or not pulled in time) and ``source`` (the node they
         came from, or None). Needs the local socket and a node in a redis cluster."""
         return dict(self._call(Op.PREFETCH, requests.prefetch_args(ns, tokens, keys, timeout),
+                               timeout=timeout + PREFETCH_REPLY_MARGIN_S))
+
+    def push(self, ns: Namespace, keys: Sequence[bytes], target: str, *,
+             timeout: float = DEFAULT_PUSH_S) -> dict[str, Any]:
+        """Have the node push the chunks of ``keys`` to node ``target``, each layer as soon
+        as it is committed here (the chunks may still be being written), within ``timeout``
+        seconds. The chunks exist on ``target`` as soon as the push has reserved them there:
+        its readers can wait on layer 0 while later layers are in flight. Returns counts of
+        distinct chunks ``pushed`` (complete on ``target``), ``already_there`` and
+        ``failed`` (not held here, or not pushed in time). Blocks until the push ends.
+        Needs the local socket and a node in a redis cluster."""
+        return dict(self._call(Op.PUSH, requests.push_args(ns, keys, target, timeout),
                                timeout=timeout + PREFETCH_REPLY_MARGIN_S))
 
     def reserve(self, ns: Namespace, key: bytes, *, parent: bytes = ROOT,

@@ -27,6 +27,11 @@ def prefetch_args(ns: Namespace, tokens: Any, keys: Sequence[bytes] | None, time
     return {**lookup_args(ns, tokens, keys), "timeout": timeout}
 
 
+def push_args(ns: Namespace, keys: Sequence[bytes], target: str, timeout: float
+              ) -> dict[str, Any]:
+    return {**keys_args(ns, keys), "target": target, "timeout": timeout}
+
+
 def lookup_result(result: dict[str, Any]) -> LookupResult:
     return LookupResult.from_dict(result)
 

@@ -30,6 +30,13 @@ contains       ns, keys                                     [bool, ...]
 delete         ns, key                                      bool
 stats          (none)                                       store statistics (map)
 ping           (none)                                       "pong"
+prefetch       ns, keys | tokens, timeout?                  pulled, already_local, missing, source
+push           ns, keys, target, timeout?                   pushed, already_there, failed
+peer_pin       ns, keys, timeout?                           [item, ...] (TCP, admin: for pullers)
+peer_release   leases                                       [item, ...]
+peer_reserve   ns, items                                    [item, ...] (TCP, admin: for pushers)
+peer_commit    leases, layers                               [item, ...]
+peer_abort     leases                                       [item, ...]
 =============  ===========================================  =======================================
 
 Batch operations amortise one round trip over many chunks (an engine saves or loads many per
@@ -78,6 +85,10 @@ class Op(str, enum.Enum):
     PEER_PIN = "peer_pin"  # node to node (TCP): pin chunks a peer is about to read
     PEER_RELEASE = "peer_release"
     PREFETCH = "prefetch"  # pull chunks this node lacks from their owners
+    PEER_RESERVE = "peer_reserve"  # node to node (TCP): reserve chunks a peer will push
+    PEER_COMMIT = "peer_commit"
+    PEER_ABORT = "peer_abort"
+    PUSH = "push"  # push chunks to a peer, layer by layer as they are committed
 
 
 def request(request_id: int, op: Op, args: dict[str, Any]) -> dict[str, Any]:

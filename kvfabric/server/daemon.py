@@ -6,7 +6,8 @@ Lifecycle of :func:`run` (``kvfabric serve``):
    global index (:class:`~kvfabric.server.cluster_link.ClusterLink`: register, publish the
    inventory, heartbeat). With the redis index the node also opens a peer transport with
    its host arenas registered (region id = tier index) and advertises it, with its TCP
-   control endpoint, so peers can pull its chunks (:mod:`kvfabric.server.puller`);
+   control endpoint, so peers can pull its chunks (:mod:`kvfabric.server.puller`) and push
+   chunks to it (:mod:`kvfabric.server.pusher`);
 2. listen on the Unix socket (and TCP if configured), then on HTTP;
 3. write the ready file if asked (JSON: pid, socket, tcp_port, http_port, node_id) and
    report ready on ``/readyz``;
@@ -40,7 +41,9 @@ from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.control import ControlServer
 from kvfabric.server.handlers import Context
 from kvfabric.server.instrumented import InstrumentedStore
+from kvfabric.server.peers import PeerLinks
 from kvfabric.server.puller import Puller
+from kvfabric.server.pusher import Pusher
 from kvfabric.store import TieredStore
 from kvfabric.transport import SocketTransport, Transport, select_backend
 
@@ -84,13 +87,15 @@ class Daemon:
             self._close_transport_and_listener()
             self._raw_store.close()
             raise
-        self.puller = None if self.transport is None else Puller(
-            self.store, self.cluster, self.transport, config.auth.admin_token)
+        self._links = None if self.transport is None else PeerLinks(
+            self.cluster, self.transport, config.auth.admin_token)
+        self.puller = None if self._links is None else Puller(self.store, self._links)
+        self.pusher = None if self._links is None else Pusher(self.store, self._links)
         self._executor = ThreadPoolExecutor(config.limits.request_threads,
                                             thread_name_prefix="kvfabric-request")
         self.control = ControlServer(
             Context(self.store, config.auth, self.node_id, config.limits.max_leases_per_session,
-                    self.cluster, self.puller),
+                    self.cluster, self.puller, self.pusher),
             self._executor, self.metrics, socket_path=config.socket_path,
             tcp_listener=self._tcp, max_sessions=config.limits.max_sessions)
         self.http_port: int | None = None
@@ -133,8 +138,8 @@ class Daemon:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
-        if self.puller is not None:
-            self.puller.close()
+        if self._links is not None:
+            self._links.close()  # peers give back the pins and reservations taken for us
         # before the store: no peer may read the arenas once they are unmapped
         self._close_transport_and_listener()
         self._raw_store.close()

@@ -30,11 +30,13 @@ from kvfabric.protocol.messages import (MAX_KEYS, MAX_TOKENS, PROTOCOL_VERSION, 
                                         arg_tokens, item_error, item_ok)
 from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.puller import Puller
+from kvfabric.server.pusher import Pusher
 from kvfabric.server.session import Session
 from kvfabric.store.handles import ObjectReader, ObjectWriter
 
 DEFAULT_WAIT_S = 30.0
 DEFAULT_PREFETCH_S = 10.0
+DEFAULT_PUSH_S = 10.0
 
 
 class StoreAPI(Protocol):  # what handlers need: a TieredStore or its instrumented wrapper
@@ -51,6 +53,7 @@ class Context:
     max_leases: int
     cluster: ClusterLink | None = None  # None: cluster-scope lookups are refused
     puller: Puller | None = None  # None: prefetch is refused (no peer transport)
+    pusher: Pusher | None = None  # None: push is refused (no peer transport)
 
 
 @dataclass(frozen=True)
@@ -141,21 +144,27 @@ def _reserve_one(ctx: Context, session: Session, ns: Any, args: Any) -> dict[str
 
 
 def commit(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
-    lease_id = arg_int(args, "lease")
+    return {"done": _commit_one(session, arg_int(args, "lease"), args.get("layers"))}
+
+
+def _commit_one(session: Session, lease_id: int, layers: Any) -> bool:
+    """Commit the layers in mask ``layers`` (all when None); True once the object is
+    complete, which ends the lease."""
     writer = session.writer(lease_id)
     try:
-        if args.get("layers") is None:
+        if layers is None:
             writer.commit()
             done = True
         else:
             all_layers = (1 << writer.layout.spec.num_layers) - 1
-            done = writer.commit_layers(arg_int(args, "layers", low=1, high=all_layers))
+            done = writer.commit_layers(arg_int({"layers": layers}, "layers", low=1,
+                                                high=all_layers))
     except (LeaseExpiredError, ObjectAbortedError):
         session.forget(lease_id)  # the object is gone: the lease must not count any more
         raise
     if done:
         session.forget(lease_id)
-    return {"done": done}
+    return done
 
 
 def commit_batch(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -285,6 +294,82 @@ def peer_release(ctx: Context, session: Session, args: dict[str, Any]) -> list[d
     return release_batch(ctx, session, args)
 
 
+def peer_reserve(ctx: Context, session: Session, args: dict[str, Any]
+                 ) -> list[dict[str, Any]]:
+    """Reserve chunks a peer node is about to push (admin only).
+
+    ``items`` as for ``reserve_batch``; per item: the reservation's placement (see
+    :func:`_placement`) plus ``page_size`` (of the tier the pages are in), or that item's
+    error (``exists`` when the chunk is stored or being written here already). From now on
+    local readers find the chunks and may wait on their layers. The reservations are leases
+    of this session: committed layer by layer with ``peer_commit``, dropped by
+    ``peer_abort``, when the session ends (the pusher died), or at their deadline.
+    """
+    _require_admin(session, "peer_reserve")
+    ns = session.namespace(args.get("ns"))
+    page_sizes = {index: arena.page_size for index, _, arena in ctx.store.host_arenas()}
+    return [_item(_peer_reserve_one, ctx, session, ns, (item, page_sizes))
+            for item in arg_list(args, "items")]
+
+
+def _peer_reserve_one(ctx: Context, session: Session, ns: Any,
+                      item: tuple[Any, dict[int, int]]) -> dict[str, Any]:
+    raw, page_sizes = item
+    result = _reserve_one(ctx, session, ns, raw)
+    page_size = page_sizes.get(result["tier"])
+    if page_size is None:  # a device tier: the peer's transport cannot reach it
+        _abort_one(ctx, session, None, result["lease"])
+        raise UnavailableError("the chunk was placed in a tier peers cannot write to")
+    result["page_size"] = page_size
+    return result
+
+
+def peer_commit(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Commit the layers in mask ``layers`` of every reservation in ``leases`` (taken by
+    ``peer_reserve``; admin only): local readers waiting on them wake up. Per lease:
+    ``{"done"}`` (True once the chunk is complete, which ends the lease) or its error."""
+    _require_admin(session, "peer_commit")
+    layers = arg_int(args, "layers", low=1)
+    return [_item(_peer_commit_one, ctx, session, None, (lease, layers))
+            for lease in arg_list(args, "leases")]
+
+
+def _peer_commit_one(ctx: Context, session: Session, _: Any, item: tuple[Any, int]
+                     ) -> dict[str, bool]:
+    raw_id, layers = item
+    return {"done": _commit_one(session, arg_int({"lease": raw_id}, "lease"), layers)}
+
+
+def peer_abort(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Drop reservations taken by ``peer_reserve`` (admin only); per lease: ok or its
+    error. Readers waiting on the chunks get an error."""
+    _require_admin(session, "peer_abort")
+    return [_item(_abort_one, ctx, session, None, lease) for lease in arg_list(args, "leases")]
+
+
+def _abort_one(ctx: Context, session: Session, _: Any, raw_id: Any) -> None:
+    lease_id = arg_int({"lease": raw_id}, "lease")
+    writer = session.writer(lease_id)  # a pin is not this op's to drop
+    session.forget(lease_id)
+    writer.abort()
+
+
+def push(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    """Push the chunks of ``keys`` to node ``target`` layer by layer, as their layers are
+    committed here, within ``timeout`` seconds (see :mod:`kvfabric.server.pusher`).
+
+    Returns counts of distinct chunks: ``pushed``, ``already_there``, ``failed``.
+    """
+    if ctx.pusher is None:
+        raise UnavailableError("this node cannot push chunks: it has no peer transport "
+                               "(cluster.index is not redis)")
+    ns = session.namespace(args.get("ns"))
+    keys = arg_keys(args)
+    target = arg_str(args, "target")
+    timeout = arg_float(args, "timeout") or DEFAULT_PUSH_S
+    return ctx.pusher.push(ns, keys, target, timeout).to_dict()
+
+
 def prefetch(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     """Pull the chunks of ``keys`` (or of the full chunks of ``tokens``) this node lacks from
     the nodes that own them, within ``timeout`` seconds (see :mod:`kvfabric.server.puller`).
@@ -350,4 +435,10 @@ HANDLERS: dict[Op, Handler] = {
     Op.PEER_RELEASE: Handler(peer_release),
     # local: it fills this node's memory; batch: network I/O belongs on a worker thread
     Op.PREFETCH: Handler(prefetch, blocking=True, local=True, batch=True),
+    # a reservation may wait for room; commits and aborts only take the store lock
+    Op.PEER_RESERVE: Handler(peer_reserve, blocking=True, batch=True),
+    Op.PEER_COMMIT: Handler(peer_commit),
+    Op.PEER_ABORT: Handler(peer_abort),
+    # local, batch: as prefetch (it also waits for this node's layers)
+    Op.PUSH: Handler(push, blocking=True, local=True, batch=True),
 }

@@ -20,33 +20,28 @@ then ends and gives its pins back even if the release never arrived. The chunks 
 tried on the next owner that holds them; what no owner could supply is reported missing.
 
 Thread-safe: prefetches run on the daemon's worker threads, several at once. Connections
-(control session and transport peer) are cached per owner node and replaced when the owner
-restarts (new epoch).
+(control session and transport peer) are the daemon's :class:`~kvfabric.server.peers.PeerLinks`,
+cached per owner node and replaced when the owner restarts (new epoch).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from kvfabric.client.connection import Connection
 from kvfabric.client.requests import item_results
-from kvfabric.cluster.index import GlobalLookup, NodeInfo
+from kvfabric.cluster.index import GlobalLookup
 from kvfabric.errors import (AlreadyExistsError, DeadlineExceededError, KVFabricError,
-                             LeaseExpiredError, ProtocolError, UnavailableError)
+                             LeaseExpiredError)
 from kvfabric.memory.arena import SharedArena
-from kvfabric.memory.pages import slice_pages
 from kvfabric.protocol.messages import Op, encode_namespace
-from kvfabric.server.cluster_link import ClusterLink
+from kvfabric.server.peers import PeerLink, PeerLinks, arena_views, pair_ranges, placement_ranges
 from kvfabric.spec import Namespace
 from kvfabric.store.handles import ObjectWriter
-from kvfabric.transport import Peer, ReadPiece, Transport
+from kvfabric.transport import ReadPiece
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +66,6 @@ class PrefetchResult:
 
 
 @dataclass(frozen=True)
-class _Owner:
-    """A cached link to one owner incarnation."""
-
-    epoch: int
-    connection: Connection
-    peer: Peer
-
-
-@dataclass(frozen=True)
 class _Candidate:
     node_id: str
     epoch: int
@@ -90,20 +76,16 @@ class _Candidate:
 class Puller:
     """Pulls chunks into ``store`` (see the module docstring).
 
-    ``transport`` must have every host arena of ``store`` registered under its tier index;
-    ``token`` is presented to owners (the cluster's admin token when auth is on).
+    ``links.transport`` must have every host arena of ``store`` registered under its tier
+    index. Closing ``links`` makes later prefetches find no owner.
     """
 
-    def __init__(self, store: Any, cluster: ClusterLink, transport: Transport,
-                 token: str | None) -> None:
+    def __init__(self, store: Any, links: PeerLinks) -> None:
         self._store = store
-        self._cluster = cluster
-        self._transport = transport
-        self._token = token
+        self._links = links
+        self._cluster = links.cluster
+        self._transport = links.transport
         self._arenas: dict[int, SharedArena] = {i: a for i, _, a in store.host_arenas()}
-        self._owners: dict[str, _Owner] = {}
-        self._lock = threading.Lock()
-        self._closed = False
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes], timeout: float) -> PrefetchResult:
         """Pull every chunk of ``keys`` not held here, within ``timeout`` seconds.
@@ -132,7 +114,7 @@ class Puller:
                 except KVFabricError as exc:
                     log.warning("pulling %d chunk(s) from %s failed: %s", len(todo),
                                 candidate.node_id, exc)
-                    self._forget(candidate.node_id)
+                    self._links.forget(candidate.node_id)
                     continue
                 wanted -= {i for i in todo if keys[i] in copied or keys[i] in raced}
                 pulled += len(copied)
@@ -143,7 +125,7 @@ class Puller:
 
     def _candidates(self, found: GlobalLookup, wanted: set[int]) -> list[_Candidate]:
         """Other nodes holding any wanted chunk, best first."""
-        tiers = {info.node_id: info.tiers for info in self._nodes()}
+        tiers = {info.node_id: info.tiers for info in self._links.nodes()}
         held: dict[tuple[str, int], list[int]] = {}
         fast: dict[tuple[str, int], int] = {}
         for i, copies in enumerate(found.owners):
@@ -161,18 +143,12 @@ class Puller:
                for (node_id, epoch), indices in held.items()]
         return sorted(out, key=lambda c: c.rank)
 
-    def _nodes(self) -> list[NodeInfo]:
-        try:
-            return self._cluster.index.nodes()
-        except UnavailableError:
-            return []  # the index is down: no owner can be reached anyway
-
     # -- one owner ------------------------------------------------------------------------
     def _pull(self, candidate: _Candidate, ns: Namespace, keys: list[bytes], end: float
               ) -> tuple[set[bytes], set[bytes]]:
         """Copy ``keys`` from one owner; returns (copied keys, keys that appeared here
         meanwhile). Raises KVFabricError when nothing could be copied from this owner."""
-        owner = self._owner(candidate, end)
+        owner = self._links.link(candidate.node_id, candidate.epoch, end)
         pinned_at = time.monotonic()
         items = item_results(owner.connection.call(
             Op.PEER_PIN, {"ns": encode_namespace(ns), "keys": keys,
@@ -211,34 +187,11 @@ class Puller:
 
     def _pieces(self, item: dict[str, Any], writer: ObjectWriter) -> list[ReadPiece]:
         """Read pieces moving the owner's pages of one chunk into ``writer``'s pages."""
-        try:
-            remote_tier, page_size, nbytes = (int(item["tier"]), int(item["page_size"]),
-                                              int(item["nbytes"]))
-            remote_pages = np.frombuffer(item["pages"], dtype="<u4").tolist()
-            if nbytes != writer.nbytes or page_size <= 0:
-                raise ValueError(f"{nbytes} bytes in pages of {page_size}, this node expects "
-                                 f"{writer.nbytes}")
-            remote = slice_pages(lambda p, s, e: (p * page_size + s, e - s), remote_pages,
-                                 page_size, 0, nbytes)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"malformed peer_pin item: {exc}") from None
-        arena = self._arenas[writer.tier_index]
-        array, local_size = arena.array, arena.page_size
-        local = slice_pages(lambda p, s, e: array[p * local_size + s:p * local_size + e],
-                            writer.pages, local_size, 0, nbytes)
-        out: list[ReadPiece] = []
-        views = iter(local)
-        view = next(views)
-        for offset, length in remote:  # split at both sides' page boundaries
-            while length:
-                if not len(view):
-                    view = next(views)
-                n = min(length, len(view))
-                out.append(ReadPiece(remote_tier, offset, view[:n]))
-                view, offset, length = view[n:], offset + n, length - n
-        return out
+        region, remote = placement_ranges(item, writer.nbytes, 0, writer.nbytes, "peer_pin")
+        local = arena_views(self._arenas[writer.tier_index], writer.pages, 0, writer.nbytes)
+        return [ReadPiece(region, offset, view) for offset, view in pair_ranges(remote, local)]
 
-    def _release(self, node_id: str, owner: _Owner, leases: list[int], end: float) -> None:
+    def _release(self, node_id: str, owner: PeerLink, leases: list[int], end: float) -> None:
         if not leases:
             return
         try:
@@ -247,70 +200,7 @@ class Puller:
         except KVFabricError as exc:
             # dropping the session gives the pins back on the owner's side
             log.info("releasing pins on %s failed (%s); dropping the connection", node_id, exc)
-            self._forget(node_id)
-
-    # -- connections ----------------------------------------------------------------------
-    def _owner(self, candidate: _Candidate, end: float) -> _Owner:
-        with self._lock:
-            if self._closed:
-                raise UnavailableError("this node is shutting down")
-            cached = self._owners.get(candidate.node_id)
-        if cached is not None and cached.epoch == candidate.epoch \
-                and not cached.connection.closed:
-            return cached
-        self._forget(candidate.node_id)
-        owner = self._connect(candidate, end)
-        with self._lock:
-            current = self._owners.get(candidate.node_id)
-            if self._closed or (current is not None and current.epoch == owner.epoch):
-                owner.connection.close()  # another thread connected first, or closing
-                if current is None:
-                    raise UnavailableError("this node is shutting down")
-                return current
-            self._owners[candidate.node_id] = owner
-        return owner
-
-    def _connect(self, candidate: _Candidate, end: float) -> _Owner:
-        info = next((n for n in self._nodes()
-                     if n.node_id == candidate.node_id and n.epoch == candidate.epoch), None)
-        if info is None:
-            raise UnavailableError(f"node {candidate.node_id} (epoch {candidate.epoch}) is "
-                                   f"no longer registered")
-        descriptor = info.transports.get(self._transport.backend)
-        if descriptor is None:
-            raise UnavailableError(f"node {info.node_id} offers no {self._transport.backend!r} "
-                                   f"transport (it has {sorted(info.transports)})")
-        host, _, port = info.address.rpartition(":")
-        try:
-            address = (host.strip("[]"), int(port))
-            peer_descriptor = bytes.fromhex(descriptor)
-        except ValueError:
-            raise UnavailableError(f"node {info.node_id} advertises {info.address!r} and a "
-                                   f"transport descriptor that cannot be used") from None
-        try:
-            connection = Connection(address, token=self._token, timeout=_left(end, "connect"))
-        except OSError as exc:  # the hello timed out: a frozen owner
-            raise UnavailableError(f"cannot reach node {info.node_id}: {exc!r}") from None
-        try:
-            peer = self._transport.connect(peer_descriptor, _left(end, "connect"))
-        except BaseException:
-            connection.close()
-            raise
-        return _Owner(info.epoch, connection, peer)
-
-    def _forget(self, node_id: str) -> None:
-        with self._lock:
-            owner = self._owners.pop(node_id, None)
-        if owner is not None:
-            owner.connection.close()
-
-    def close(self) -> None:
-        """Close every owner connection (their pins are given back); later prefetches fail."""
-        with self._lock:
-            self._closed = True
-            owners, self._owners = list(self._owners.values()), {}
-        for owner in owners:
-            owner.connection.close()
+            self._links.forget(node_id)
 
 
 def _left(end: float, what: str) -> float:

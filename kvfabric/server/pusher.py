@@ -1,0 +1,216 @@
+"""Pushing chunks to a chosen node as their layers are committed (the ``push`` op).
+
+A prefill node pushes the chunks it is computing to the decode node a router picked, layer
+by layer, so the decode node's readers can start on layer 0 while later layers are still
+being computed or in flight. One push is:
+
+1. pin every chunk here (``store.get``: a chunk still being written is fine, its pin lasts
+   the whole push);
+2. ``peer_reserve`` every chunk on the target in one request, over its TCP control endpoint:
+   the target answers with the reservation's tier, pages, page size and lease; a chunk the
+   target already holds (or is receiving from elsewhere) counts as already there. From now
+   on the chunks exist on the target: its readers may ``get`` them and wait on layers;
+3. for each layer: wait until that layer is committed here, for every chunk; move the layer
+   of every chunk with one transport ``write`` into the target's pages (page sizes may
+   differ between the nodes); then one ``peer_commit`` with that layer's bit for all of
+   them, which wakes the target's readers waiting on that layer;
+4. give the local pins back.
+
+The target's reservations are leases of the push's control session. Nothing is written
+after the shortest of them could have expired (the target may have reused the pages): the
+push stops and fails instead. On any failure (target gone or frozen, deadline, a local
+chunk aborted) the push aborts its reservations (``peer_abort``; should that fail too, the
+cached connection is dropped, which ends the session and aborts them on the target's side)
+and reports the chunks as failed. A chunk whose own local wait fails is dropped alone.
+
+Thread-safe: pushes run on the daemon's worker threads, several at once, sharing the
+daemon's :class:`~kvfabric.server.peers.PeerLinks`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvfabric.client.requests import item_results
+from kvfabric.errors import AlreadyExistsError, KVFabricError, ProtocolError, UnavailableError
+from kvfabric.memory.arena import SharedArena
+from kvfabric.protocol.messages import Op, encode_namespace
+from kvfabric.server.peers import (PeerLink, PeerLinks, arena_views, pair_ranges,
+                                   placement_ranges, time_left)
+from kvfabric.spec import Namespace
+from kvfabric.store.handles import ObjectReader
+from kvfabric.transport import WritePiece
+
+log = logging.getLogger(__name__)
+
+# Time an abort may take after the push's deadline: it only frees the target's pages early
+# (dropping the connection frees them too), so it must not stretch the deadline much.
+ABORT_GRACE_S = 0.5
+# Share of the target's reservation lease a push uses: margin for the last write's transit.
+LEASE_SAFETY = 0.9
+# A local pin outlives the push by this much, so it cannot lapse while a write reads it.
+PIN_MARGIN_S = 5.0
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """Outcome of one push, in distinct chunks: fully committed on the target, held (or
+    being received) there already, and not pushed (not held here, refused, or failed)."""
+
+    pushed: int
+    already_there: int
+    failed: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pushed": self.pushed, "already_there": self.already_there,
+                "failed": self.failed}
+
+
+@dataclass
+class _Chunk:
+    """One chunk on its way: the local pin and the target's reservation."""
+
+    key: bytes
+    reader: ObjectReader
+    lease: int
+    region: int
+    placement: dict[str, Any]
+
+
+class Pusher:
+    """Pushes chunks of ``store`` to other nodes (see the module docstring).
+
+    ``links.transport`` must have every host arena of ``store`` registered under its tier
+    index. Closing ``links`` makes later pushes fail.
+    """
+
+    def __init__(self, store: Any, links: PeerLinks) -> None:
+        self._store = store
+        self._links = links
+        self._arenas: dict[int, SharedArena] = {i: a for i, _, a in store.host_arenas()}
+
+    def push(self, ns: Namespace, keys: Sequence[bytes], target: str, timeout: float
+             ) -> PushResult:
+        """Push ``keys`` to node ``target`` within ``timeout`` seconds, each layer as soon as
+        it is committed here.
+
+        ProtocolError if ``target`` is this node. Never raises for the target's failure, a
+        missing local chunk or the deadline: such chunks count as failed.
+        """
+        if target == self._links.cluster.node_id:
+            raise ProtocolError("push: the target is this node")
+        end = time.monotonic() + timeout
+        wanted = list(dict.fromkeys(keys))  # a key twice would be reserved twice
+        readers: dict[bytes, ObjectReader] = {}
+        try:
+            for key in wanted:
+                try:
+                    readers[key] = self._store.get(ns, key, timeout=time_left(end, "pin"),
+                                                   lease_s=timeout + PIN_MARGIN_S)
+                except KVFabricError as exc:
+                    log.info("push: chunk %s not pushed: %s", key.hex(), exc)
+            pushed = already = 0
+            if readers:
+                try:
+                    pushed, already = self._push(ns, readers, target, end)
+                except KVFabricError as exc:
+                    log.warning("pushing %d chunk(s) to %s failed: %s", len(readers), target,
+                                exc)
+            return PushResult(pushed, already, len(wanted) - pushed - already)
+        finally:
+            for reader in readers.values():
+                reader.release()
+
+    def _push(self, ns: Namespace, readers: dict[bytes, ObjectReader], target: str,
+              end: float) -> tuple[int, int]:
+        """(pushed, already there); raises KVFabricError when the push failed as a whole
+        (what it reserved is aborted by then)."""
+        epoch = next((n.epoch for n in self._links.nodes() if n.node_id == target), None)
+        if epoch is None:
+            raise UnavailableError(f"node {target} is not registered")
+        link = self._links.link(target, epoch, end)
+        items = [{"key": key, "parent": reader.parent, "num_tokens": reader.num_tokens}
+                 for key, reader in readers.items()]
+        reserved_at = time.monotonic()
+        try:
+            replies = item_results(link.connection.call(
+                Op.PEER_RESERVE, {"ns": encode_namespace(ns), "items": items},
+                timeout=time_left(end, "peer_reserve")))
+        except KVFabricError:
+            self._links.forget(target)  # the target may have reserved: its session aborts
+            raise
+        chunks: list[_Chunk] = []
+        already = 0
+        lease_end = end
+        for (key, reader), reply in zip(readers.items(), replies):
+            if isinstance(reply, AlreadyExistsError):
+                already += 1
+            elif isinstance(reply, KVFabricError):
+                log.info("push: %s refused %s: %s", target, key.hex(), reply)
+            else:
+                chunks.append(_Chunk(key, reader, int(reply["lease"]), int(reply["tier"]),
+                                     reply))
+                lease_end = min(lease_end,
+                                reserved_at + float(reply["lease_s"]) * LEASE_SAFETY)
+        try:
+            for layer in range(ns.spec.num_layers):
+                chunks = self._push_layer(link, chunks, layer, lease_end, target)
+        except BaseException:
+            self._abort(link, target, chunks, end)
+            raise
+        return len(chunks), already
+
+    def _push_layer(self, link: PeerLink, chunks: list[_Chunk], layer: int, end: float,
+                    target: str) -> list[_Chunk]:
+        """Move and commit one layer of every chunk; returns the chunks still going (a chunk
+        whose local layer never came, or whose commit the target refused, is dropped)."""
+        ready: list[_Chunk] = []
+        pieces: list[WritePiece] = []
+        for chunk in chunks:
+            try:
+                chunk.reader.wait_layer(layer, time_left(end, f"layer {layer}"))
+            except KVFabricError as exc:
+                log.info("push: layer %d of %s never came: %s", layer, chunk.key.hex(), exc)
+                self._abort(link, target, [chunk], end)
+                continue
+            offset, length = chunk.reader.layout.layer_range(layer)
+            region, remote = placement_ranges(chunk.placement, chunk.reader.nbytes, offset,
+                                              length, "peer_reserve")
+            local = arena_views(self._arenas[chunk.reader.tier_index], chunk.reader.pages,
+                                offset, length)
+            pieces += [WritePiece(view, region, remote_offset)
+                       for remote_offset, view in pair_ranges(remote, local)]
+            ready.append(chunk)
+        if not ready:
+            return ready
+        self._links.transport.write(link.peer, pieces, time_left(end, f"write of layer {layer}"))
+        try:
+            replies = item_results(link.connection.call(
+                Op.PEER_COMMIT, {"leases": [c.lease for c in ready], "layers": 1 << layer},
+                timeout=time_left(end, "peer_commit")))
+        except KVFabricError:
+            self._links.forget(target)  # the commit may or may not have landed: start over
+            raise
+        going = []
+        for chunk, reply in zip(ready, replies):
+            if isinstance(reply, KVFabricError):  # its lease expired on the target: gone
+                log.info("push: %s refused layer %d of %s: %s", target, layer,
+                         chunk.key.hex(), reply)
+            else:
+                going.append(chunk)
+        return going
+
+    def _abort(self, link: PeerLink, target: str, chunks: list[_Chunk], end: float) -> None:
+        if not chunks or link.connection.closed:
+            return  # a closed session has aborted its reservations already
+        try:
+            link.connection.call(Op.PEER_ABORT, {"leases": [c.lease for c in chunks]},
+                                 timeout=max(end - time.monotonic(), 0) + ABORT_GRACE_S)
+        except KVFabricError as exc:
+            # dropping the session aborts the reservations on the target's side
+            log.info("aborting on %s failed (%s); dropping the connection", target, exc)
+            self._links.forget(target)

@@ -1,0 +1,171 @@
+"""Push: a prefill node's daemon pushes chunks to the decode node a router chose, layer by
+layer as the layers are committed (separate processes on one real redis-server, over the
+socket and NIXL transports); the target's readers wait on layers still in flight, and a
+target that dies costs the pusher only its deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvfabric.client import Client
+from kvfabric.client.objects import RemoteReader
+from kvfabric.errors import NotFoundError
+from kvfabric.hashing import chunk_hashes
+from kvfabric.spec import KVSpec, Namespace
+from kvfabric.transport import nixl_unavailable_reason
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
+NS = Namespace("push-model", SPEC, tenant_salt="t1")
+SMALL = ["store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
+         "store.tiers.ssd.capacity=32MiB"]
+TRANSPORTS = ["socket", pytest.param("nixl", marks=pytest.mark.skipif(
+    nixl_unavailable_reason() is not None, reason=f"NIXL: {nixl_unavailable_reason()}"))]
+DEADLINE_S = 5.0
+# more layers than NS, so that streaming has several steps to order
+STREAM_SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16",
+                     chunk_tokens=16)
+STREAM_NS = Namespace("push-stream-model", STREAM_SPEC, tenant_salt="t1")
+LAYER_GAP_S = 0.3  # between the producer's layer commits
+
+
+def node_settings(redis_url: str, node_id: str, transport: str, *extra: str) -> list[str]:
+    return [*SMALL, f"node_id={node_id}", "cluster.index=redis",
+            f"cluster.redis_url={redis_url}", "cluster.lease_ttl_s=10",
+            "cluster.heartbeat_s=0.2", "tcp.port=0", f"cluster.transport={transport}", *extra]
+
+
+def put_chain(socket: str, n_chunks: int) -> tuple[list[bytes], list[bytes]]:
+    """A chain of random chunks; returns (keys, payloads)."""
+    refs = chunk_hashes(NS, list(range(n_chunks * SPEC.chunk_tokens)))
+    rng = np.random.default_rng(7)
+    payloads = [rng.integers(0, 256, SPEC.chunk_bytes, dtype=np.uint8).tobytes() for _ in refs]
+    with Client(socket) as client:
+        for ref, data in zip(refs, payloads):
+            assert client.put(NS, ref.key, data, parent=ref.parent)
+    return [r.key for r in refs], payloads
+
+
+def dram_used(client: Client) -> int:
+    return next(t["used_bytes"] for t in client.stats()["tiers"] if t["name"] == "dram")
+
+
+def get_when_there(client: Client, ns: Namespace, key: bytes) -> RemoteReader:
+    """Pin ``key`` on the client's node once a push has reserved it there."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            return client.get(ns, key)
+        except NotFoundError:
+            assert time.monotonic() < deadline, "the push never reserved the chunk"
+            time.sleep(0.01)
+
+
+def layer_payloads(seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    layer_bytes = STREAM_SPEC.layout().layer_range(0)[1]
+    return [rng.integers(0, 256, layer_bytes, dtype=np.uint8).tobytes()
+            for _ in range(STREAM_SPEC.num_layers)]
+
+
+def push_in_thread(socket: str, ns: Namespace, keys: list[bytes], target: str,
+                   results: list[dict[str, Any]]) -> threading.Thread:
+    def run() -> None:
+        with Client(socket) as client:
+            results.append(client.push(ns, keys, target, timeout=DEADLINE_S))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_push_copies_a_committed_chain_byte_exact_and_releases_the_pins(
+        redis_server, start_daemon, transport: str) -> None:
+    a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
+    # other page size on the target: local and remote page ranges must be sliced apart
+    b = start_daemon(*node_settings(redis_server.url, "node-b", transport,
+                                    "store.tiers.dram.page_size=4KiB"))
+    keys, payloads = put_chain(a.socket, 3)
+    with Client(a.socket) as producer:
+        assert producer.push(NS, keys, "node-b", timeout=DEADLINE_S) == {
+            "pushed": 3, "already_there": 0, "failed": 0}
+        with Client(b.socket) as decode:
+            hit = decode.lookup(NS, keys=keys)
+            assert (hit.matched_chunks, hit.tier_tokens) == (3, {"dram": 3 * SPEC.chunk_tokens})
+            for key, data in zip(keys, payloads):
+                with decode.get(NS, key) as reader:  # from B's own arena
+                    assert reader.complete
+                    assert reader.to_bytes() == data
+        assert producer.push(NS, keys, "node-b", timeout=DEADLINE_S) == {
+            "pushed": 0, "already_there": 3, "failed": 0}
+        # a pin left behind would keep its pages taken after the delete
+        for key in keys:
+            assert producer.delete(NS, key)
+        assert dram_used(producer) == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_target_reads_layer_0_while_later_layers_are_not_computed_yet(
+        redis_server, start_daemon, transport: str) -> None:
+    a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
+    b = start_daemon(*node_settings(redis_server.url, "node-b", transport))
+    key = b"\x07" * 16
+    layers = layer_payloads(11)
+    committed: list[float] = []  # when each layer was committed on A
+    results: list[dict[str, Any]] = []
+    with Client(a.socket) as producer, Client(b.socket) as decode:
+        writer = producer.reserve(STREAM_NS, key)
+        # started before any layer exists: it must wait for them on A
+        pusher = push_in_thread(a.socket, STREAM_NS, [key], "node-b", results)
+        with get_when_there(decode, STREAM_NS, key) as reader:
+            assert reader.ready_mask == 0  # reserved on B, nothing committed yet
+            for layer, data in enumerate(layers):
+                time.sleep(LAYER_GAP_S)
+                writer.write_layer(layer, data)
+                writer.commit_layer(layer)
+                committed.append(time.monotonic())
+                if layer == 0:
+                    reader.wait_layer(0, DEADLINE_S)
+                    arrived = time.monotonic()
+                    assert not reader.complete
+            pusher.join(DEADLINE_S + 5)
+            assert results == [{"pushed": 1, "already_there": 0, "failed": 0}]
+            reader.wait_complete(DEADLINE_S)
+            assert committed[0] <= arrived < committed[1]  # streamed, not sent at the end
+            assert reader.to_bytes() == b"".join(layers)
+
+
+def test_a_target_killed_mid_push_costs_only_the_deadline(redis_server,
+                                                         start_daemon) -> None:
+    a = start_daemon(*node_settings(redis_server.url, "node-a", "socket"))
+    b = start_daemon(*node_settings(redis_server.url, "node-b", "socket"))
+    key = b"\x09" * 16
+    layers = layer_payloads(13)
+    results: list[dict[str, Any]] = []
+    with Client(a.socket) as producer:
+        baseline = dram_used(producer)
+        writer = producer.reserve(STREAM_NS, key)
+        started = time.monotonic()
+        pusher = push_in_thread(a.socket, STREAM_NS, [key], "node-b", results)
+        with Client(b.socket) as decode:
+            reader = get_when_there(decode, STREAM_NS, key)
+            writer.write_layer(0, layers[0])
+            writer.commit_layer(0)
+            reader.wait_layer(0, DEADLINE_S)  # the push is under way
+        b.kill()
+        for layer in range(1, STREAM_SPEC.num_layers):
+            writer.write_layer(layer, layers[layer])
+            writer.commit_layer(layer)
+        pusher.join(DEADLINE_S + 5)
+        assert time.monotonic() - started < DEADLINE_S + 1
+        assert results == [{"pushed": 0, "already_there": 0, "failed": 1}]
+        # A serves on, and the push's pin is gone: deleting the chunk frees its pages
+        with producer.get(STREAM_NS, key) as local:
+            assert local.to_bytes() == b"".join(layers)
+        assert producer.delete(STREAM_NS, key)
+        assert dram_used(producer) == baseline
