@@ -108,6 +108,9 @@ class ClusterConfig:
     ``host:port``, where peers pull chunks from); ``hardware_class`` groups nodes for routing.
     ``transport`` is the peer transport pulled chunks travel on ("auto": NIXL when it works
     here, else the socket backend); every node of a cluster must end up on the same one.
+    ``secret_file`` holds the cluster secret: with it, transport descriptors are HMAC-signed
+    and the socket transport's handshake is a challenge-response, so only nodes holding the
+    same secret can move chunks between each other.
     """
 
     index: Literal["embedded", "redis"] = "embedded"
@@ -117,8 +120,23 @@ class ClusterConfig:
     hardware_class: str = "generic"
     advertise: str = ""
     transport: Literal["auto", "socket", "nixl"] = "auto"
+    secret_file: str | None = None
+
+    def secret(self) -> bytes | None:
+        """The cluster secret's bytes (None: no secret configured)."""
+        if self.secret_file is None:
+            return None
+        try:
+            secret = Path(self.secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"cluster.secret_file: {exc}") from None
+        if len(secret) < 16:
+            raise ConfigError("cluster.secret_file must hold at least 16 bytes of secret")
+        return secret
 
     def __post_init__(self) -> None:
+        if self.secret_file is not None and not isinstance(self.secret_file, str):
+            raise ConfigError("cluster.secret_file must be a path string")
         if self.index not in INDEX_BACKENDS:
             raise ConfigError(f"cluster.index must be one of {list(INDEX_BACKENDS)}, "
                               f"got {self.index!r}")

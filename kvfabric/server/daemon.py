@@ -156,11 +156,12 @@ class Daemon:
 def _open_transport(config: DaemonConfig, host: str, store: TieredStore) -> Transport:
     """The peer transport (``cluster.transport``) with every host arena registered."""
     backend = select_backend(config.cluster.transport)
+    secret = config.cluster.secret()
     if backend is SocketTransport:
-        transport: Transport = SocketTransport(config.node_id, host=config.tcp.host,
-                                               advertise_host=host)
+        transport: Transport = SocketTransport(config.node_id, secret=secret,
+                                               host=config.tcp.host, advertise_host=host)
     else:
-        transport = backend(config.node_id)
+        transport = backend(config.node_id, secret=secret)
     try:
         for index, _, arena in store.host_arenas():
             transport.register(index, arena.array)

@@ -17,14 +17,12 @@ from kvfabric.client.objects import RemoteReader
 from kvfabric.errors import NotFoundError
 from kvfabric.hashing import chunk_hashes
 from kvfabric.spec import KVSpec, Namespace
-from kvfabric.transport import nixl_unavailable_reason
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
 NS = Namespace("push-model", SPEC, tenant_salt="t1")
 SMALL = ["store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
          "store.tiers.ssd.capacity=32MiB"]
-TRANSPORTS = ["socket", pytest.param("nixl", marks=pytest.mark.skipif(
-    nixl_unavailable_reason() is not None, reason=f"NIXL: {nixl_unavailable_reason()}"))]
+TRANSPORTS = ["socket", "nixl"]  # both always: tests/run.sh installs NIXL
 DEADLINE_S = 5.0
 # more layers than NS, so that streaming has several steps to order
 STREAM_SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16",
