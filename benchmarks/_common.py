@@ -12,9 +12,12 @@ import gc
 import json
 import math
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Self, TextIO
 
 # Single-threaded numeric libraries: the benchmark machines have few, shared cores, and a
@@ -159,3 +162,30 @@ def touched(nbytes: int) -> np.ndarray:
     buf = np.empty(nbytes, dtype=np.uint8)
     buf.fill(0)
     return buf
+
+
+@contextmanager
+def daemon_process(data_dir: Path, *settings: str, ready_timeout_s: float = 60.0
+                   ) -> Iterator[dict[str, Any]]:
+    """A ``kvfabric serve`` child process on ``data_dir`` (HTTP on a free loopback port);
+    yields its ready file (socket, http_port, tcp_port, ...); killed when the block ends."""
+    data_dir.mkdir(parents=True)
+    ready = data_dir / "ready.json"
+    args = [sys.executable, "-m", "kvfabric.cli", "serve", "--ready-file", str(ready),
+            "--set", f"store.data_dir={data_dir}", "--set", "http.host=127.0.0.1",
+            "--set", "http.port=0"]
+    for item in settings:
+        args += ["--set", item]
+    log_path = data_dir / "daemon.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not come up:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.02)
+        yield json.loads(ready.read_text())
+    finally:
+        proc.kill()
+        proc.wait()

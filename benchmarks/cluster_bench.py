@@ -35,11 +35,11 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import limit_torch_threads, measure, median, percentile, report, tokens, touched
+from _common import (daemon_process, limit_torch_threads, measure, median, percentile, report,
+                     tokens, touched)
 # isort: on
 
 import argparse
-import json
 import multiprocessing
 import os
 import shutil
@@ -130,26 +130,8 @@ def redis_server(workdir: Path) -> Iterator[str]:
 @contextmanager
 def daemon(data_dir: Path, *settings: str) -> Iterator[str]:
     """A ``kvfabric serve`` child process; yields its socket path, killed when done."""
-    data_dir.mkdir(parents=True)
-    ready = data_dir / "ready.json"
-    args = [sys.executable, "-m", "kvfabric.cli", "serve", "--ready-file", str(ready),
-            "--set", f"store.data_dir={data_dir}", "--set", "http.host=127.0.0.1",
-            "--set", "http.port=0"]
-    for item in settings:
-        args += ["--set", item]
-    log_path = data_dir / "daemon.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not come up:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.02)
-        yield json.loads(ready.read_text())["socket"]
-    finally:
-        proc.kill()
-        proc.wait()
+    with daemon_process(data_dir, *settings, ready_timeout_s=READY_TIMEOUT_S) as info:
+        yield info["socket"]
 
 
 def node_settings(redis_url: str, node_id: str, transport: str) -> list[str]:

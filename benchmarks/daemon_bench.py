@@ -38,8 +38,8 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import (limit_torch_threads, measure, measure_pairs, median, percentile, report,
-                     tokens, touched)
+from _common import (daemon_process, limit_torch_threads, measure, measure_pairs, median,
+                     percentile, report, tokens, touched)
 # isort: on
 
 import argparse
@@ -47,7 +47,6 @@ import http.client
 import json
 import multiprocessing
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -135,27 +134,8 @@ class DaemonInfo:
 @contextmanager
 def daemon(data_dir: Path, *settings: str) -> Iterator[DaemonInfo]:
     """A ``kvfabric serve`` child process on ``data_dir``; killed when the block ends."""
-    data_dir.mkdir(parents=True)
-    ready = data_dir / "ready.json"
-    args = [sys.executable, "-m", "kvfabric.cli", "serve", "--ready-file", str(ready),
-            "--set", f"store.data_dir={data_dir}", "--set", "http.host=127.0.0.1",
-            "--set", "http.port=0"]
-    for item in settings:
-        args += ["--set", item]
-    log_path = data_dir / "daemon.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not come up:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.02)
-        info = json.loads(ready.read_text())
+    with daemon_process(data_dir, *settings, ready_timeout_s=READY_TIMEOUT_S) as info:
         yield DaemonInfo(info["socket"], info["http_port"])
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def dram_settings(capacity: int, page_size: int) -> list[str]:
