@@ -99,25 +99,26 @@ class Placement:
                                     f"incomplete objects")
 
     def demote(self, entry: Entry) -> None:
-        """Move a victim one tier down, or evict it from the last tier (lock held)."""
+        """Move a victim to the next lower tier that can take it (the SSD always can, by
+        evicting its own leaves), or evict it when none can (lock held)."""
         src_index = entry.tier
-        dst_index = src_index + 1
-        if dst_index >= len(self.tiers):
-            self.evict(entry)
-            return
         nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
-        if dst_index == self.disk_index:
-            self.demote_to_disk(entry, nbytes)
+        for dst_index in range(src_index + 1, len(self.tiers)):
+            if dst_index == self.disk_index:
+                self.demote_to_disk(entry, nbytes)
+                return
+            try:
+                pages = self.claim_pages(entry, dst_index, nbytes)
+            except CapacityError:
+                if entry.tier != src_index or entry.pins or entry.flags & REMOVED:
+                    self.free_if_dead(entry)
+                    return  # read, moved or deleted meanwhile: no longer this mover's
+                continue  # that tier is full of pinned or moving objects: try the next
+            if pages is not None:
+                self.move_in_memory(entry, dst_index, pages, nbytes)
+                self.counters[src_index].demotions += 1
             return
-        try:
-            pages = self.claim_pages(entry, dst_index, nbytes)
-        except CapacityError:
-            if self.index.find(entry.ns, entry.key) is entry and not entry.pins:
-                self.evict(entry)  # nowhere below has room: this is the one that goes
-            return
-        if pages is not None:
-            self.move_in_memory(entry, dst_index, pages, nbytes)
-            self.counters[src_index].demotions += 1
+        self.evict(entry)  # nowhere below has room: this is the one that goes
 
     def promote_in_memory(self, entry: Entry) -> None:
         nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes

@@ -256,6 +256,27 @@ def test_demotion_through_every_tier_and_promotion_on_hit(tmp_path: Path) -> Non
     store.close()
 
 
+def test_a_full_middle_tier_sends_victims_further_down_not_away(tmp_path: Path) -> None:
+    store = make_store(
+        tmp_path,
+        TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=PAGE),
+        TierConfig(TierKind.CXL, 2 * CHUNK, page_size=PAGE, numa_node=0),
+        TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20),
+        promote_on_hit=False)
+    first = [put_chain(store, NS, 1, start=100 * i)[0] for i in range(4)]
+    assert {store.tier_of(NS, k) for k in first[:2]} == {"cxl"}
+    readers = [store.get(NS, k) for k in first[:2]]  # cxl: nothing there can move
+    put_chain(store, NS, 1, start=1000)  # a dram victim cannot go to cxl: it goes to SSD
+    store.flush()
+    assert store.stats().evictions == 0
+    assert "ssd" in {store.tier_of(NS, k) for k in first[2:]}
+    for reader in readers:
+        reader.release()
+    for key in first:
+        assert read(store, NS, key) == payload(key).tobytes()
+    store.close()
+
+
 def test_ssd_contents_survive_a_restart(tmp_path: Path) -> None:
     tiers = (TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=PAGE),
              TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20))
