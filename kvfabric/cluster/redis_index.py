@@ -3,7 +3,9 @@
 Key layout (``P`` = ``prefix``; the ``{...}`` hash tag picks the Redis Cluster slot, so every
 multi-key script touches one slot only)::
 
-    P:{<seed hex>}:chunk:<key hex>  hash  'node|epoch|tier' -> '1', '@' -> parent || u32le tokens
+    P:{<seed hex>}:owners           hash  <key, 16 bytes> -> 'node|epoch|tier,node|epoch|tier...'
+                                          (and '' -> a long filler: see _UPDATE)
+    P:{<seed hex>}:meta             hash  <key, 16 bytes> -> parent || u32le tokens
     P:{<seed hex>}:live             hash  node -> '<epoch>:<lease deadline, server ms>'
     P:{reg}:live                    hash  node -> '<epoch>:<deadline>' (the registry's leases)
     P:{reg}:node:<node>             hash  the NodeInfo fields
@@ -11,17 +13,22 @@ multi-key script touches one slot only)::
     P:{reg}:seeds:<node>            set of namespaces the node ever published in
     P:{events}:stream               stream of KV events (XADD MAXLEN ~ max_events)
 
-Liveness is judged by the scripts against the server clock (no client clock skew): an entry
-counts only if its node's live field carries the same epoch and a deadline in the future.
+A chain lookup is one short script: one ``HMGET`` of the chain's owner lists (it stops at
+the first chunk nobody holds) plus the namespace's live hash and the server clock, answered as
+one string; the client drops entries of nodes that are not live, or live under another epoch,
+itself. Liveness is judged against the server clock (no client clock skew): an entry counts
+only if its node's live field carries the same epoch and a deadline in the future.
 ``register`` writes the new epoch into every namespace the node ever used before it returns,
-so a restarted node's old entries vanish at once; superseded entries are deleted lazily by
-lookups. Every call has socket timeouts and no retries: a dead server costs at most
+so a restarted node's old entries vanish at once; a lookup that meets superseded entries
+deletes them afterwards. Owner lists change only through a script, so nodes storing the same
+chunk at once never lose each other's entries. Every call has socket timeouts and no retries: a dead server costs at most
 ``socket_timeout`` and raises :class:`~kvfabric.errors.UnavailableError`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import threading
 import time
@@ -50,6 +57,7 @@ from kvfabric.cluster.index import (
 from kvfabric.errors import LeaseExpiredError, SpecError, UnavailableError
 from kvfabric.hashing import KEY_BYTES
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 _META = struct.Struct("<I")
 MAX_BLOCK_MS = 10_000
@@ -81,41 +89,63 @@ table.insert(out, 1, e)
 return out
 """
 
-# KEYS[1] live hash of the namespace, KEYS[2..] chunk hashes of a chain. Returns one row of
-# live 'node|epoch|tier' fields per chunk, stopping at the first chunk without any.
-_LOOKUP = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local live = {}
-local out = {}
-for i = 2, #KEYS do
-  local row = {}
-  for _, f in ipairs(redis.call('HKEYS', KEYS[i])) do
-    if f ~= '@' then
-      local node, e = string.match(f, '^([^|]+)|(%d+)|')
-      local st = live[node]
-      if st == nil then
-        st = {0, 0}
-        local v = redis.call('HGET', KEYS[1], node)
-        if v then
-          local le, ld = string.match(v, '^(%d+):(%d+)$')
-          st = {tonumber(le), tonumber(ld)}
-        end
-        live[node] = st
-      end
-      e = tonumber(e)
-      if e == st[1] and st[2] > now then
-        row[#row + 1] = f
-      elseif e < st[1] then
-        redis.call('HDEL', KEYS[i], f)
-        if redis.call('HLEN', KEYS[i]) <= 1 then redis.call('DEL', KEYS[i]) end
-      end
+# KEYS[1] owners hash, KEYS[2] meta hash of one namespace; ARGV (kind, key, owner, meta)
+# quadruples: kind 'S' adds owner 'node|epoch|tier' to the chunk's list (and sets its meta),
+# 'R' removes it (the chunk's fields go with its last owner). The owners hash also holds one
+# field '' with a value longer than any listpack value: Redis then keeps the hash in its
+# hashtable encoding even while it is small, where a listpack would make the lookup's HMGET
+# of a whole chain quadratic (up to hash-max-listpack-entries fields).
+_UPDATE = """
+redis.call('HSETNX', KEYS[1], '', string.rep('-', 1024))
+for i = 1, #ARGV, 4 do
+  local key, owner = ARGV[i + 1], ARGV[i + 2]
+  local cur = redis.call('HGET', KEYS[1], key)
+  if ARGV[i] == 'S' then
+    if not cur then
+      redis.call('HSET', KEYS[1], key, owner)
+    elseif not string.find(',' .. cur .. ',', ',' .. owner .. ',', 1, true) then
+      redis.call('HSET', KEYS[1], key, cur .. ',' .. owner)
+    end
+    redis.call('HSET', KEYS[2], key, ARGV[i + 3])
+  elseif cur then
+    local rest = {}
+    for o in string.gmatch(cur, '[^,]+') do
+      if o ~= owner then rest[#rest + 1] = o end
+    end
+    if #rest == 0 then
+      redis.call('HDEL', KEYS[1], key)
+      redis.call('HDEL', KEYS[2], key)
+    else
+      redis.call('HSET', KEYS[1], key, table.concat(rest, ','))
     end
   end
-  if #row == 0 then break end
-  out[#out + 1] = row
 end
-return out
+return 0
+"""
+
+# KEYS[1] owners hash, KEYS[2] live hash of one namespace; ARGV[1] the chain's keys, 16 bytes
+# each. Returns {seconds, microseconds, live hash as a flat list, owner lists of the chain's
+# leading chunks joined by '\n' (up to the first chunk nobody holds)}.
+_LOOKUP = """
+local t = redis.call('TIME')
+local function leading(chain)
+  local lists = {}
+  local step = 16 * 1000  -- keys per HMGET: Lua's unpack takes a few thousand values at most
+  for first = 1, #chain, step do
+    local keys = {}
+    for i = first, math.min(first + step - 1, #chain), 16 do
+      keys[#keys + 1] = string.sub(chain, i, i + 15)
+    end
+    local got = redis.call('HMGET', KEYS[1], unpack(keys))
+    for i = 1, #keys do
+      if not got[i] then return lists end
+      lists[#lists + 1] = got[i]
+    end
+  end
+  return lists
+end
+local lists = leading(ARGV[1])
+return {t[1], t[2], redis.call('HGETALL', KEYS[2]), table.concat(lists, '\\n')}
 """
 
 
@@ -147,6 +177,7 @@ class RedisGlobalIndex(BatchingIndex):
             url, socket_timeout=socket_timeout + MAX_BLOCK_MS / 1000, **common)
         self._hb = self._r.register_script(_HEARTBEAT)
         self._new_epoch = self._r.register_script(_NEW_EPOCH)
+        self._update = self._r.register_script(_UPDATE)
         self._lookup = self._r.register_script(_LOOKUP)
         self._send_lock = threading.RLock()  # one writer at a time: flusher vs. republish
         self._info: NodeInfo | None = None
@@ -156,8 +187,8 @@ class RedisGlobalIndex(BatchingIndex):
         super().__init__(flush_interval=flush_interval, max_batch=max_batch)
 
     # -- keys ---------------------------------------------------------------------------
-    def _chunk_key(self, seed: bytes, key: bytes) -> str:
-        return f"{self._p}:{{{seed.hex()}}}:chunk:{key.hex()}"
+    def _ns_key(self, seed: bytes, what: str) -> str:
+        return f"{self._p}:{{{seed.hex()}}}:{what}"
 
     def _live_key(self, seed: bytes | None) -> str:
         return f"{self._p}:{{{'reg' if seed is None else seed.hex()}}}:live"
@@ -226,12 +257,16 @@ class RedisGlobalIndex(BatchingIndex):
 
     def nodes(self) -> list[NodeInfo]:
         def run() -> list[NodeInfo]:
-            now_s, now_us = self._r.time()
-            now = now_s * 1000 + now_us // 1000
+            pipe = self._r.pipeline(transaction=False)
+            pipe.time()
+            pipe.hgetall(self._live_key(None))
+            (now_s, now_us), live = pipe.execute()
+            epochs = _live_epochs(live, now_s * 1000 + now_us // 1000)
+            for node in epochs:
+                pipe.hgetall(self._reg("node", node))
             out = []
-            for node, epoch in _live_epochs(self._r.hgetall(self._live_key(None)), now).items():
-                raw = {k.decode(): v.decode() for k, v in
-                       self._r.hgetall(self._reg("node", node)).items()}
+            for (node, epoch), fields in zip(epochs.items(), pipe.execute()):
+                raw = {k.decode(): v.decode() for k, v in fields.items()}
                 if int(raw.get("epoch", -1)) != epoch:
                     continue  # registered a newer epoch that has not taken its lease yet
                 out.append(NodeInfo(node, raw["address"],
@@ -260,13 +295,14 @@ class RedisGlobalIndex(BatchingIndex):
             for seed in new_seeds:  # announce first: readers must see our lease in that slot
                 pipe.sadd(self._reg("seeds", info.node_id), seed.hex())
             self._renew(pipe, info, new_seeds)
+            per_seed: dict[bytes, list[bytes | str]] = {}
             for kind, rec in batch:
-                key = self._chunk_key(rec.seed, rec.key)
-                if kind == "stored":
-                    pipe.hset(key, mapping={owner_prefix + rec.tier: b"1",
-                                            "@": rec.parent + _META.pack(rec.num_tokens)})
-                else:
-                    pipe.hdel(key, owner_prefix + rec.tier)
+                per_seed.setdefault(rec.seed, []).extend(
+                    ("S", rec.key, owner_prefix + rec.tier,
+                     rec.parent + _META.pack(rec.num_tokens)) if kind == "stored" else
+                    ("R", rec.key, owner_prefix + rec.tier, b""))
+            for seed, args in per_seed.items():
+                self._update_owners(seed, args, pipe)
             for event in codec.batch_events(batch, info.node_id, info.epoch):
                 pipe.xadd(self._stream, codec.encode(event), maxlen=self._max_events,
                           approximate=True)
@@ -274,6 +310,10 @@ class RedisGlobalIndex(BatchingIndex):
 
         self._call(run)
         self._seeds |= new_seeds
+
+    def _update_owners(self, seed: bytes, args: Sequence[bytes | str], client: Any) -> None:
+        self._update(keys=[self._ns_key(seed, "owners"), self._ns_key(seed, "meta")],
+                     args=args, client=client)
 
     def republish(self, inventory: Iterable[ChunkRecord]) -> None:
         """Pass a lazy iterable (or use the ``inventory`` callback): it is read after the
@@ -310,10 +350,30 @@ class RedisGlobalIndex(BatchingIndex):
             check_key("chunk key", key)
         if not keys:
             return GlobalLookup(0, (), self._stale)
-        rows = self._call(lambda: self._lookup(
-            keys=[self._live_key(seed), *(self._chunk_key(seed, k) for k in keys)]))
-        owners = tuple(tuple(_location(f) for f in row) for row in rows)
-        return GlobalLookup(len(keys), owners, self._stale)
+        now_s, now_us, live, lists = self._call(lambda: self._lookup(
+            keys=[self._ns_key(seed, "owners"), self._live_key(seed)], args=[b"".join(keys)]))
+        view = _LiveView(dict(zip(live[::2], live[1::2])),
+                         int(now_s) * 1000 + int(now_us) // 1000)
+        owners: list[tuple[Location, ...]] = []
+        superseded: list[bytes | str] = []
+        for key, raw in zip(keys, lists.split(b"\n") if lists else ()):
+            row, old = view.row(raw)
+            for owner in old:
+                superseded += ("R", key, owner, b"")
+            if not row:
+                break
+            owners.append(row)
+        if superseded:
+            self._clean(seed, superseded)
+        return GlobalLookup(len(keys), tuple(owners), self._stale)
+
+    def _clean(self, seed: bytes, removals: list[bytes | str]) -> None:
+        """Delete entries of superseded epochs a lookup met; best effort: the next lookup
+        that meets them tries again, and readers ignore them meanwhile."""
+        try:
+            self._update_owners(seed, removals, None)
+        except redis.exceptions.RedisError as exc:
+            log.info("could not delete superseded index entries: %s", exc)
 
     def events(self, after_id: str = "0-0", block_ms: int = 0,
                count: int = 1000) -> list[KVEvent]:
@@ -338,26 +398,22 @@ class RedisGlobalIndex(BatchingIndex):
         stream_id = last[0][0].decode() if last else "0-0"
         now_s, now_us = self._r.time()
         now = now_s * 1000 + now_us // 1000
-        live: dict[bytes, dict[str, int]] = {}
         out: list[KVEvent] = []
-        for names in _batches(self._r.scan_iter(match=f"{self._p}:{{*}}:chunk:*", count=1000)):
-            pipe = self._r.pipeline(transaction=False)
-            for name in names:
-                pipe.hgetall(name)
-            for name, fields in zip(names, pipe.execute()):
-                _, tag, _, key_hex = name.decode().split(":")
-                seed = bytes.fromhex(tag[1:-1])
-                if seed not in live:
-                    live[seed] = _live_epochs(self._r.hgetall(self._live_key(seed)), now)
-                meta = fields.pop(b"@", None)
-                if meta is None or len(meta) != KEY_BYTES + _META.size:
-                    continue
-                parent, (tokens,) = meta[:KEY_BYTES], _META.unpack(meta[KEY_BYTES:])
-                for field in fields:
-                    loc = _location(field)
-                    if live[seed].get(loc.node_id) == loc.epoch:
-                        out.append(KVEvent("stored", (bytes.fromhex(key_hex),), loc.tier,
-                                           loc.node_id, loc.epoch, seed.hex(), parent, tokens))
+        for name in self._r.scan_iter(match=f"{self._p}:{{*}}:owners", count=1000):
+            seed = bytes.fromhex(name.decode().split(":")[-2][1:-1])
+            live = _live_epochs(self._r.hgetall(self._live_key(seed)), now)
+            entries = self._r.hscan_iter(name, count=1000)
+            for batch in _batches(entries):
+                metas = self._r.hmget(self._ns_key(seed, "meta"), [key for key, _ in batch])
+                for (key, raw), meta in zip(batch, metas):
+                    if meta is None or len(meta) != KEY_BYTES + _META.size:
+                        continue  # the filler field, or a chunk removed meanwhile
+                    parent, (tokens,) = meta[:KEY_BYTES], _META.unpack(meta[KEY_BYTES:])
+                    for field in raw.split(b","):
+                        loc = _location(field)
+                        if live.get(loc.node_id) == loc.epoch:
+                            out.append(KVEvent("stored", (key,), loc.tier, loc.node_id,
+                                               loc.epoch, seed.hex(), parent, tokens))
         return IndexSnapshot(stream_id, tuple(out))
 
     def close(self) -> None:
@@ -385,8 +441,35 @@ def _live_epochs(raw: dict[bytes, bytes], now_ms: int) -> dict[str, int]:
     return out
 
 
-def _batches(items: Iterable[bytes], size: int = 500) -> Iterator[list[bytes]]:
-    batch: list[bytes] = []
+class _LiveView:
+    """Which owner entries of a lookup count, given the namespace's live hash at ``now_ms``
+    (server clock). Chains repeat the same owner lists, so each distinct list is parsed once."""
+
+    def __init__(self, live: dict[bytes, bytes], now_ms: int) -> None:
+        self._epochs: dict[str, tuple[int, bool]] = {}  # node -> (epoch, lease still running)
+        for node, value in live.items():
+            epoch, deadline = (int(x) for x in value.split(b":"))
+            self._epochs[node.decode()] = (epoch, deadline > now_ms)
+        self._rows: dict[bytes, tuple[tuple[Location, ...], tuple[str, ...]]] = {}
+
+    def row(self, raw: bytes) -> tuple[tuple[Location, ...], tuple[str, ...]]:
+        """(live copies, entries of superseded epochs) of one owner list."""
+        known = self._rows.get(raw)
+        if known is None:
+            live, old = [], []
+            for field in raw.split(b","):
+                loc = _location(field)
+                epoch, running = self._epochs.get(loc.node_id, (0, False))
+                if loc.epoch == epoch and running:
+                    live.append(loc)
+                elif loc.epoch < epoch:
+                    old.append(field.decode())
+            known = self._rows[raw] = (tuple(live), tuple(old))
+        return known
+
+
+def _batches(items: Iterable[T], size: int = 500) -> Iterator[list[T]]:
+    batch: list[T] = []
     for item in items:
         batch.append(item)
         if len(batch) >= size:
