@@ -125,6 +125,21 @@ class Client:
         if writers:
             requests.raise_first(_batch(writers, Op.COMMIT_BATCH))
 
+    def commit_layer_many(self, writers: Sequence[RemoteWriter], layer: int) -> list[bool]:
+        """Commit one layer of every writer in one round trip (readers of those chunks may
+        read it now); True for each object that is now complete, whose handle closes.
+        Raises the first failure."""
+        if not writers:
+            return []
+        session = requests.lease_session(writers)
+        items = session.call(Op.COMMIT_BATCH, requests.layer_commit_args(writers, layer))
+        results = requests.item_results(items)
+        requests.raise_first(results)
+        done = [bool(r["done"]) for r in results]
+        for writer, complete in zip(writers, done):
+            writer.closed = complete
+        return done
+
     def put_many(self, ns: Namespace, chunks: Sequence[ChunkRef],
                  payloads: Sequence[Any]) -> list[bool]:
         """Store many chunks (e.g. a prompt's :func:`~kvfabric.hashing.chunk_hashes`) with

@@ -101,6 +101,12 @@ def leases_args(leases: Sequence[Any]) -> dict[str, Any]:
     return args
 
 
+def layer_commit_args(writers: Sequence[Any], layer: int) -> dict[str, Any]:
+    for writer in writers:
+        writer.layout.layer_range(layer)  # validate before asking
+    return {"leases": [writer.lease for writer in writers], "layers": 1 << layer}
+
+
 def raise_first(results: Sequence[Any]) -> None:
     for result in results:
         if isinstance(result, BaseException):

@@ -168,12 +168,15 @@ def _commit_one(session: Session, lease_id: int, layers: Any) -> bool:
 
 
 def commit_batch(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
-    return [_item(_commit_all, ctx, session, None, lease)
+    """Commit many writers: every layer, or the layers in mask ``layers`` of each (a batch
+    of chunks streamed layer by layer costs one round trip per layer)."""
+    layers = args.get("layers")
+    return [_item(_commit_item, ctx, session, layers, lease)
             for lease in arg_list(args, "leases")]
 
 
-def _commit_all(ctx: Context, session: Session, _: Any, raw_id: Any) -> None:
-    commit(ctx, session, {"lease": raw_id})
+def _commit_item(ctx: Context, session: Session, layers: Any, raw_id: Any) -> dict[str, Any]:
+    return commit(ctx, session, {"lease": raw_id, "layers": layers})
 
 
 def abort(ctx: Context, session: Session, args: dict[str, Any]) -> None:

@@ -198,6 +198,25 @@ def test_batches_store_and_read_many_chunks_in_two_round_trips(daemon) -> None:
         assert client.contains(NS, [chunk_keys(NS, [1] * SPEC.chunk_tokens)[0]]) == [True]
 
 
+def test_a_batch_of_chunks_streams_layer_by_layer_one_round_trip_per_layer(daemon) -> None:
+    refs = chunk_hashes(NS, list(range(80_000, 80_000 + 3 * SPEC.chunk_tokens)))
+    with Client(daemon.socket) as producer, Client(daemon.socket) as consumer:
+        writers = producer.reserve_many(NS, refs)
+        readers = consumer.get_many(NS, [r.key for r in refs])
+        for layer in range(SPEC.num_layers):
+            for ref, writer in zip(refs, writers):
+                writer.write_layer(layer, payload(ref.key).reshape(SPEC.num_layers, -1)[layer])
+            done = producer.commit_layer_many(writers, layer)
+            assert done == [layer == SPEC.num_layers - 1] * len(refs)
+            for reader in readers:
+                reader.wait_layer(layer, timeout=5)  # answered at once: the layer is there
+                assert reader.ready(layer) and (layer + 1 == SPEC.num_layers or
+                                                not reader.ready(layer + 1))
+        assert all(w.closed for w in writers)
+        assert [r.to_bytes() for r in readers] == [payload(r.key).tobytes() for r in refs]
+        consumer.release_many(readers)
+
+
 def test_tcp_serves_remote_tooling_but_no_shared_memory(start_daemon) -> None:
     daemon = start_daemon(*SMALL, "tcp.port=0")
     with Client(daemon.socket) as local:
