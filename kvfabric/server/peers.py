@@ -24,7 +24,7 @@ from kvfabric.errors import DeadlineExceededError, ProtocolError, UnavailableErr
 from kvfabric.memory.arena import SharedArena
 from kvfabric.memory.pages import slice_pages
 from kvfabric.server.cluster_link import ClusterLink
-from kvfabric.transport import Peer, Transport
+from kvfabric.transport import Peer, ReadPiece, Transport, WritePiece
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,12 @@ class PeerLink:
     epoch: int
     connection: Connection
     peer: Peer
+
+
+# How long a node list may be reused. Registrations change only when nodes join, leave or
+# restart; a link to an incarnation the cached list lacks is looked up afresh, and a failed
+# link drops the list.
+NODES_CACHE_S = 1.0
 
 
 class PeerLinks:
@@ -48,15 +54,28 @@ class PeerLinks:
         self.transport = transport
         self._token = token
         self._links: dict[str, PeerLink] = {}
+        self._nodes: tuple[float, list[NodeInfo]] | None = None  # (good until, nodes)
         self._lock = threading.Lock()
         self._closed = False
 
     def nodes(self) -> list[NodeInfo]:
-        """Registered nodes; none while the index is down (no peer can be found then)."""
+        """Registered nodes, as the index listed them at most :data:`NODES_CACHE_S` ago;
+        none while the index is down (no peer can be found then)."""
+        now = time.monotonic()
+        with self._lock:
+            cached = self._nodes
+        if cached is not None and now < cached[0]:
+            return cached[1]
+        return self._fresh_nodes()
+
+    def _fresh_nodes(self) -> list[NodeInfo]:
         try:
-            return self.cluster.index.nodes()
+            nodes = self.cluster.index.nodes()
         except UnavailableError:
             return []
+        with self._lock:
+            self._nodes = (time.monotonic() + NODES_CACHE_S, nodes)
+        return nodes
 
     def link(self, node_id: str, epoch: int, end: float) -> PeerLink:
         """The link to incarnation ``epoch`` of ``node_id``, connecting before ``end``
@@ -80,8 +99,7 @@ class PeerLinks:
         return link
 
     def _connect(self, node_id: str, epoch: int, end: float) -> PeerLink:
-        info = next((n for n in self.nodes() if n.node_id == node_id and n.epoch == epoch),
-                    None)
+        info = _find(self.nodes(), node_id, epoch) or _find(self._fresh_nodes(), node_id, epoch)
         if info is None:
             raise UnavailableError(f"node {node_id} (epoch {epoch}) is no longer registered")
         descriptor = info.transports.get(self.transport.backend)
@@ -108,9 +126,11 @@ class PeerLinks:
         return PeerLink(info.epoch, connection, peer)
 
     def forget(self, node_id: str) -> None:
-        """Drop the cached link to ``node_id``: the peer gives back its leases."""
+        """Drop the cached link to ``node_id`` (the peer gives back its leases) and the cached
+        node list (the node may have restarted or left)."""
         with self._lock:
             link = self._links.pop(node_id, None)
+            self._nodes = None
         if link is not None:
             link.connection.close()
 
@@ -123,22 +143,8 @@ class PeerLinks:
             link.connection.close()
 
 
-def pair_ranges(remote: Sequence[tuple[int, int]], local: Sequence[Any]
-                ) -> list[tuple[int, Any]]:
-    """Pair byte ranges ``(offset, length)`` of a peer's region with local views covering
-    as many bytes, split at both sides' page boundaries (page sizes may differ between
-    nodes): ``[(remote_offset, local_view), ...]``."""
-    out: list[tuple[int, Any]] = []
-    views = iter(local)
-    view = next(views)
-    for offset, length in remote:
-        while length:
-            if not len(view):
-                view = next(views)
-            n = min(length, len(view))
-            out.append((offset, view[:n]))
-            view, offset, length = view[n:], offset + n, length - n
-    return out
+def _find(nodes: list[NodeInfo], node_id: str, epoch: int) -> NodeInfo | None:
+    return next((n for n in nodes if n.node_id == node_id and n.epoch == epoch), None)
 
 
 def time_left(end: float, what: str) -> float:
@@ -149,8 +155,26 @@ def time_left(end: float, what: str) -> float:
     return left
 
 
+Range = tuple[int, int]  # (byte offset in a region, length)
+
+
+def page_ranges(pages: Sequence[int], page_size: int, offset: int, length: int
+                ) -> list[Range]:
+    """Byte ranges of bytes ``[offset, offset + length)`` of a chunk stored in ``pages`` of a
+    region with pages of ``page_size``, adjacent pages merged: a fresh arena hands out runs
+    of consecutive pages, and a transport moves one long range much faster than many."""
+    out: list[list[int]] = []
+    for start, n in slice_pages(lambda p, s, e: (int(p) * page_size + s, e - s), pages,
+                                page_size, offset, length):
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1][1] += n
+        else:
+            out.append([start, n])
+    return [(start, n) for start, n in out]
+
+
 def placement_ranges(item: dict[str, Any], nbytes: int, offset: int, length: int,
-                     what: str) -> tuple[int, list[tuple[int, int]]]:
+                     what: str) -> tuple[int, list[Range]]:
     """A peer's placement reply for a chunk (``tier``, ``pages``, ``page_size``, ``nbytes``)
     as (region id, byte ranges of bytes ``[offset, offset + length)`` of the chunk in that
     region). ProtocolError when the reply is malformed or the chunk is not ``nbytes`` long
@@ -161,16 +185,55 @@ def placement_ranges(item: dict[str, Any], nbytes: int, offset: int, length: int
             raise ValueError(f"{item['nbytes']} bytes in pages of {page_size}, this node "
                              f"expects {nbytes}")
         pages = np.frombuffer(item["pages"], dtype="<u4").tolist()
-        return region, slice_pages(lambda p, s, e: (p * page_size + s, e - s), pages,
-                                   page_size, offset, length)
+        return region, page_ranges(pages, page_size, offset, length)
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed {what} item: {exc}") from None
 
 
-def arena_views(arena: SharedArena, pages: Sequence[int], offset: int, length: int
-                ) -> list[Any]:
-    """Views of bytes ``[offset, offset + length)`` of a chunk in ``pages`` of ``arena``:
-    slices of the registered arena array, so a transport can move them."""
-    array, size = arena.array, arena.page_size
-    return slice_pages(lambda p, s, e: array[p * size + s:p * size + e], pages, size, offset,
-                       length)
+class Spans:
+    """The pieces of one transfer between a peer's regions and this node's arenas, built
+    chunk by chunk. A span that continues the previous one on both sides extends it, so the
+    chunks of a chain that sit in consecutive pages on both nodes move as one piece."""
+
+    def __init__(self, arenas: dict[int, SharedArena]) -> None:
+        self._arenas = arenas
+        # [remote region, remote offset, local region, local offset, length]
+        self._spans: list[list[int]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._spans)
+
+    def add(self, remote_region: int, remote: Sequence[Range], local_region: int,
+            pages: Sequence[int], offset: int, length: int) -> None:
+        """Pair ``remote`` (ranges of the peer's ``remote_region``) with bytes ``[offset,
+        offset + length)`` of a local chunk in ``pages`` of arena ``local_region``; split
+        where either side's range ends (page sizes may differ between nodes)."""
+        local = iter(page_ranges(pages, self._arenas[local_region].page_size, offset, length))
+        local_offset, local_left = 0, 0
+        for remote_offset, remote_left in remote:
+            while remote_left:
+                if not local_left:
+                    local_offset, local_left = next(local)
+                n = min(remote_left, local_left)
+                self._append(remote_region, remote_offset, local_region, local_offset, n)
+                remote_offset, remote_left = remote_offset + n, remote_left - n
+                local_offset, local_left = local_offset + n, local_left - n
+
+    def _append(self, remote_region: int, remote_offset: int, local_region: int,
+                local_offset: int, n: int) -> None:
+        last = self._spans[-1] if self._spans else None
+        if (last is not None and last[0] == remote_region and last[2] == local_region
+                and last[1] + last[4] == remote_offset and last[3] + last[4] == local_offset):
+            last[4] += n
+        else:
+            self._spans.append([remote_region, remote_offset, local_region, local_offset, n])
+
+    def reads(self) -> list[ReadPiece]:
+        return [ReadPiece(r, ro, self._view(lr, lo, n)) for r, ro, lr, lo, n in self._spans]
+
+    def writes(self) -> list[WritePiece]:
+        return [WritePiece(self._view(lr, lo, n), r, ro) for r, ro, lr, lo, n in self._spans]
+
+    def _view(self, region: int, offset: int, length: int) -> Any:
+        # a slice of the registered arena array, so a transport can move it
+        return self._arenas[region].array[offset:offset + length]

@@ -8,8 +8,8 @@ left, so a frozen one leaves time for the next. One pull from one owner is:
 1. ``peer_pin`` over the owner's TCP control endpoint: the owner pins the chunks (reading
    SSD copies back into memory first) and answers with their tier, page ids and page size;
 2. reserve each chunk in this node's store, map every remote page range onto the local
-   pages (page sizes may differ between the nodes) and move everything with one transport
-   ``read`` into this node's arena;
+   pages (page sizes may differ between the nodes; ranges adjacent on both sides merge into
+   one piece) and move everything with one transport ``read`` into this node's arena;
 3. commit the local copies, but only if the read finished before the owner's pins could
    expire (after that the owner may have reused the pages: the copy could be torn);
 4. ``peer_release`` the pins.
@@ -38,10 +38,9 @@ from kvfabric.errors import (AlreadyExistsError, DeadlineExceededError, KVFabric
                              LeaseExpiredError)
 from kvfabric.memory.arena import SharedArena
 from kvfabric.protocol.messages import Op, encode_namespace
-from kvfabric.server.peers import PeerLink, PeerLinks, arena_views, pair_ranges, placement_ranges
+from kvfabric.server.peers import PeerLink, PeerLinks, Spans, placement_ranges
 from kvfabric.spec import Namespace
 from kvfabric.store.handles import ObjectWriter
-from kvfabric.transport import ReadPiece
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +157,7 @@ class Puller:
         writers: list[tuple[bytes, ObjectWriter]] = []
         raced: set[bytes] = set()
         try:
-            pieces: list[ReadPiece] = []
+            spans = Spans(self._arenas)
             lease_s = float("inf")
             for key, item in zip(keys, items):
                 if isinstance(item, KVFabricError):
@@ -170,10 +169,12 @@ class Puller:
                     raced.add(key)  # stored here since the check
                     continue
                 writers.append((key, writer))
-                pieces += self._pieces(item, writer)
+                region, remote = placement_ranges(item, writer.nbytes, 0, writer.nbytes,
+                                                  "peer_pin")
+                spans.add(region, remote, writer.tier_index, writer.pages, 0, writer.nbytes)
                 lease_s = min(lease_s, float(item["lease_s"]))
-            if pieces:
-                self._transport.read(owner.peer, pieces, _left(end, "transfer"))
+            if spans:  # every chunk from this owner in one transfer
+                self._transport.read(owner.peer, spans.reads(), _left(end, "transfer"))
                 if time.monotonic() >= pinned_at + lease_s:
                     raise LeaseExpiredError("the owner's pins expired during the transfer")
             for _, writer in writers:
@@ -184,12 +185,6 @@ class Puller:
             raise  # the caller drops the connection, which gives the owner's pins back
         self._release(candidate.node_id, owner, leases, end)
         return {key for key, _ in writers}, raced
-
-    def _pieces(self, item: dict[str, Any], writer: ObjectWriter) -> list[ReadPiece]:
-        """Read pieces moving the owner's pages of one chunk into ``writer``'s pages."""
-        region, remote = placement_ranges(item, writer.nbytes, 0, writer.nbytes, "peer_pin")
-        local = arena_views(self._arenas[writer.tier_index], writer.pages, 0, writer.nbytes)
-        return [ReadPiece(region, offset, view) for offset, view in pair_ranges(remote, local)]
 
     def _release(self, node_id: str, owner: PeerLink, leases: list[int], end: float) -> None:
         if not leases:

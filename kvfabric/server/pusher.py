@@ -10,10 +10,12 @@ being computed or in flight. One push is:
    the target answers with the reservation's tier, pages, page size and lease; a chunk the
    target already holds (or is receiving from elsewhere) counts as already there. From now
    on the chunks exist on the target: its readers may ``get`` them and wait on layers;
-3. for each layer: wait until that layer is committed here, for every chunk; move the layer
-   of every chunk with one transport ``write`` into the target's pages (page sizes may
-   differ between the nodes); then one ``peer_commit`` with that layer's bit for all of
-   them, which wakes the target's readers waiting on that layer;
+3. layer by layer: wait until the next layer is committed here, for every chunk; move it,
+   together with every later layer all of them have committed already, with one transport
+   ``write`` into the target's pages (adjacent pages merged; page sizes may differ between
+   the nodes); then one ``peer_commit`` with those layers' bits for all of them, which wakes
+   the target's readers waiting on them. A chunk computed already thus moves in one
+   transfer and one commit, one being computed as each layer comes;
 4. give the local pins back.
 
 The target's reservations are leases of the push's control session. Nothing is written
@@ -39,11 +41,9 @@ from kvfabric.client.requests import item_results
 from kvfabric.errors import AlreadyExistsError, KVFabricError, ProtocolError, UnavailableError
 from kvfabric.memory.arena import SharedArena
 from kvfabric.protocol.messages import Op, encode_namespace
-from kvfabric.server.peers import (PeerLink, PeerLinks, arena_views, pair_ranges,
-                                   placement_ranges, time_left)
+from kvfabric.server.peers import PeerLink, PeerLinks, Spans, placement_ranges, time_left
 from kvfabric.spec import Namespace
 from kvfabric.store.handles import ObjectReader
-from kvfabric.transport import WritePiece
 
 log = logging.getLogger(__name__)
 
@@ -157,40 +157,55 @@ class Pusher:
                 lease_end = min(lease_end,
                                 reserved_at + float(reply["lease_s"]) * LEASE_SAFETY)
         try:
-            for layer in range(ns.spec.num_layers):
-                chunks = self._push_layer(link, chunks, layer, lease_end, target)
+            layer = 0
+            while layer < ns.spec.num_layers and chunks:
+                chunks, layer = self._push_layers(link, chunks, layer, lease_end, target)
         except BaseException:
             self._abort(link, target, chunks, end)
             raise
         return len(chunks), already
 
-    def _push_layer(self, link: PeerLink, chunks: list[_Chunk], layer: int, end: float,
-                    target: str) -> list[_Chunk]:
-        """Move and commit one layer of every chunk; returns the chunks still going (a chunk
-        whose local layer never came, or whose commit the target refused, is dropped)."""
+    def _push_layers(self, link: PeerLink, chunks: list[_Chunk], first: int, end: float,
+                     target: str) -> tuple[list[_Chunk], int]:
+        """Wait for layer ``first`` of every chunk, then move and commit it together with
+        every later layer that all of them have committed already: one transfer and one
+        commit however many layers are ready, yet layer by layer while they are being
+        computed. Returns the chunks still going (a chunk whose local layer never came, or
+        whose commit the target refused, is dropped) and the next layer to push."""
         ready: list[_Chunk] = []
-        pieces: list[WritePiece] = []
+        common = -1
         for chunk in chunks:
             try:
-                chunk.reader.wait_layer(layer, time_left(end, f"layer {layer}"))
+                chunk.reader.wait_layer(first, time_left(end, f"layer {first}"))
             except KVFabricError as exc:
-                log.info("push: layer %d of %s never came: %s", layer, chunk.key.hex(), exc)
+                log.info("push: layer %d of %s never came: %s", first, chunk.key.hex(), exc)
                 self._abort(link, target, [chunk], end)
                 continue
-            offset, length = chunk.reader.layout.layer_range(layer)
+            ready.append(chunk)
+            common &= chunk.reader.ready_mask
+        if not ready:
+            return ready, first
+        num_layers = ready[0].reader.layout.spec.num_layers
+        stop = first + 1
+        while stop < num_layers and common >> stop & 1:
+            stop += 1
+        spans = Spans(self._arenas)
+        for chunk in ready:
+            layout = chunk.reader.layout
+            offset = layout.layer_range(first)[0]
+            last_offset, last_length = layout.layer_range(stop - 1)
+            length = last_offset + last_length - offset  # layers lie one after the other
             region, remote = placement_ranges(chunk.placement, chunk.reader.nbytes, offset,
                                               length, "peer_reserve")
-            local = arena_views(self._arenas[chunk.reader.tier_index], chunk.reader.pages,
-                                offset, length)
-            pieces += [WritePiece(view, region, remote_offset)
-                       for remote_offset, view in pair_ranges(remote, local)]
-            ready.append(chunk)
-        if not ready:
-            return ready
-        self._links.transport.write(link.peer, pieces, time_left(end, f"write of layer {layer}"))
+            spans.add(region, remote, chunk.reader.tier_index, chunk.reader.pages, offset,
+                      length)
+        layers = f"layers {first}-{stop - 1}"
+        self._links.transport.write(link.peer, spans.writes(),
+                                    time_left(end, f"write of {layers}"))
         try:
             replies = item_results(link.connection.call(
-                Op.PEER_COMMIT, {"leases": [c.lease for c in ready], "layers": 1 << layer},
+                Op.PEER_COMMIT, {"leases": [c.lease for c in ready],
+                                 "layers": (1 << stop) - (1 << first)},
                 timeout=time_left(end, "peer_commit")))
         except KVFabricError:
             self._links.forget(target)  # the commit may or may not have landed: start over
@@ -198,11 +213,11 @@ class Pusher:
         going = []
         for chunk, reply in zip(ready, replies):
             if isinstance(reply, KVFabricError):  # its lease expired on the target: gone
-                log.info("push: %s refused layer %d of %s: %s", target, layer,
-                         chunk.key.hex(), reply)
+                log.info("push: %s refused %s of %s: %s", target, layers, chunk.key.hex(),
+                         reply)
             else:
                 going.append(chunk)
-        return going
+        return going, stop
 
     def _abort(self, link: PeerLink, target: str, chunks: list[_Chunk], end: float) -> None:
         if not chunks or link.connection.closed:
