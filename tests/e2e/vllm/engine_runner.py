@@ -1,0 +1,256 @@
+"""Run real vLLM engines on a local model, driven by a JSON job; write a JSON result.
+
+    python tests/e2e/vllm/engine_runner.py JOB.json RESULT.json
+
+Meant to run as a subprocess of the tests (vLLM leaves threads, sockets and global state behind,
+and its multiprocessing switch is read at import time). The engines of a job run one after
+another in this process: each gets a fresh `vllm.LLM`, runs its prompts, and is shut down and
+deleted before the next one is built.
+
+Job (JSON object; only `model`, `scratch_dir` and `engines[].prompts` are required):
+
+    model            str   model directory (tests/models/build_tiny_llama.py)
+    scratch_dir      str   TMPDIR, VLLM_RPC_BASE_PATH and VLLM_CACHE_ROOT go under it
+    multiprocessing  bool  VLLM_ENABLE_V1_MULTIPROCESSING (default false: in-process engine)
+    env              {str: str}  extra environment (e.g. a daemon socket), set before vllm import;
+                           it may override the defaults below
+    engines          list of:
+      name                    str   (default "engine<i>")
+      kv_transfer_config      dict | null  keyword arguments of vllm.config.KVTransferConfig
+      block_size              int   (default 128; a multiple of 32 on the CPU)
+      max_num_batched_tokens  int | null  (set it below the prompt length for chunked prefill)
+      enable_prefix_caching   bool  (default true)
+      max_model_len           int   (default 4096)
+      max_num_seqs            int | null
+      dtype                   str   (default "bfloat16")
+      seed                    int   (default 0)
+      enforce_eager           bool  (default true)
+      llm_kwargs              dict  further keyword arguments of vllm.LLM
+      prompts                 list[list[int]]  token ids
+      max_tokens              int | list[int]  (default 8; a list gives one value per prompt)
+      ignore_eos              bool  (default true: every output has max_tokens tokens)
+      kv_transfer_params      list[dict | null]  one per prompt (SamplingParams.extra_args
+                              ["kv_transfer_params"], what vLLM 0.32 reads it from)
+      batch                   bool  (default false: one generate() call per prompt, in order,
+                              so a later prompt sees the KV of earlier ones; true: one call for
+                              all prompts)
+      reset_prefix_cache_after  list[int]  prompt indexes after whose generate() the engine's
+                              local prefix cache is reset (sequential mode only)
+
+Result (JSON object):
+
+    ok               bool  false if an exception ended the job (then `error`, `traceback`)
+    vllm_version     str
+    multiprocessing  bool
+    import_s         float  time to import vllm
+    engines          list of:
+      name, build_s (LLM constructor), shutdown_s, generate_s (sum of the generate() walls)
+      outputs        list, one per prompt, in prompt order:
+        token_ids           list[int]  generated ids
+        text                str
+        finish_reason       str
+        num_cached_tokens   int   prompt tokens not computed by this engine (local prefix cache
+                                  plus tokens loaded by a KV connector)
+        num_prompt_tokens   int
+        kv_transfer_params  dict | null  as returned by the connector's request_finished
+        generate_s          float  wall of the generate() call that ran this prompt (the whole
+                                   batch's wall with batch=true)
+        ttft_s              float | null  frontend: arrival -> first token processed
+                                   (RequestOutput.metrics.first_token_latency)
+        engine_ttft_s       float | null  engine core: queued -> first token (monotonic clock,
+                                   includes the connector's get_num_new_matched_tokens and
+                                   loads, excludes the frontend)
+        queued_s            float | null  engine core: queued -> first scheduled
+        prefill_s           float | null  engine core: first scheduled -> first token
+        decode_s            float | null  engine core: first token -> last token
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def _setup_env(job: dict) -> None:
+    scratch = Path(job["scratch_dir"]).resolve()
+    dirs = {"TMPDIR": scratch / "tmp", "VLLM_RPC_BASE_PATH": scratch / "rpc",
+            "VLLM_CACHE_ROOT": scratch / "cache", "VLLM_CONFIG_ROOT": scratch / "config"}
+    for path in dirs.values():
+        path.mkdir(parents=True, exist_ok=True)
+    multiprocessing = bool(job.get("multiprocessing", False))
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "LMCACHE_TRACK_USAGE": "false",
+        "TOKENIZERS_PARALLELISM": "false",
+        **{name: str(path) for name, path in dirs.items()},
+    }
+    if not multiprocessing:
+        env["OMP_NUM_THREADS"] = "1"
+    env.update({str(k): str(v) for k, v in (job.get("env") or {}).items()})
+    os.environ.update(env)
+    # Connector modules (connectors.*, kvfabric.*) must import here and in vLLM's child
+    # processes, whatever the start method.
+    paths = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+
+
+def _per_prompt(value, count: int, default):
+    if value is None:
+        return [default] * count
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ValueError(f"{len(value)} values for {count} prompts")
+        return value
+    return [value] * count
+
+
+def _timing(metrics) -> dict:
+    """Per-request latencies from RequestOutput.metrics (RequestStateStats in vLLM 0.32)."""
+    empty = {"ttft_s": None, "engine_ttft_s": None, "queued_s": None, "prefill_s": None,
+             "decode_s": None}
+    if metrics is None:
+        return empty
+
+    def interval(start: str, end: str) -> float | None:
+        a, b = getattr(metrics, start, 0.0), getattr(metrics, end, 0.0)
+        return b - a if a and b else None
+
+    latency = getattr(metrics, "first_token_latency", 0.0)
+    return {"ttft_s": latency or None,
+            "engine_ttft_s": interval("queued_ts", "first_token_ts"),
+            "queued_s": interval("queued_ts", "scheduled_ts"),
+            "prefill_s": interval("scheduled_ts", "first_token_ts"),
+            "decode_s": interval("first_token_ts", "last_token_ts")}
+
+
+def _output_record(output, generate_s: float) -> dict:
+    completion = output.outputs[0]
+    return {
+        "token_ids": list(completion.token_ids),
+        "text": completion.text,
+        "finish_reason": completion.finish_reason,
+        "num_cached_tokens": int(output.num_cached_tokens or 0),
+        "num_prompt_tokens": len(output.prompt_token_ids or []),
+        "kv_transfer_params": output.kv_transfer_params,
+        "generate_s": generate_s,
+        **_timing(output.metrics),
+    }
+
+
+def _run_engine(spec: dict, index: int, model: str) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    name = spec.get("name") or f"engine{index}"
+    prompts = [list(map(int, p)) for p in spec["prompts"]]
+    max_tokens = _per_prompt(spec.get("max_tokens"), len(prompts), 8)
+    params = _per_prompt(spec.get("kv_transfer_params"), len(prompts), None)
+    ignore_eos = bool(spec.get("ignore_eos", True))
+    sampling = []
+    for count, kv_params in zip(max_tokens, params):
+        extra = {"kv_transfer_params": dict(kv_params)} if kv_params is not None else None
+        sampling.append(SamplingParams(temperature=0.0, max_tokens=int(count),
+                                       ignore_eos=ignore_eos, extra_args=extra))
+
+    kwargs = {"model": model, "dtype": spec.get("dtype", "bfloat16"),
+              "max_model_len": int(spec.get("max_model_len", 4096)),
+              "block_size": int(spec.get("block_size", 128)),
+              "enable_prefix_caching": bool(spec.get("enable_prefix_caching", True)),
+              "enforce_eager": bool(spec.get("enforce_eager", True)),
+              "seed": int(spec.get("seed", 0)),
+              "disable_log_stats": False}  # RequestOutput.metrics is None otherwise
+    if spec.get("max_num_batched_tokens") is not None:
+        kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+        kwargs["enable_chunked_prefill"] = True
+    if spec.get("max_num_seqs") is not None:
+        kwargs["max_num_seqs"] = int(spec["max_num_seqs"])
+    if spec.get("kv_transfer_config") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    kwargs.update(spec.get("llm_kwargs") or {})
+
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    record: dict = {"name": name, "build_s": time.perf_counter() - started}
+    try:
+        outputs: list[dict] = []
+        if spec.get("batch", False):
+            started = time.perf_counter()
+            results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                   sampling, use_tqdm=False)
+            record["generate_s"] = time.perf_counter() - started
+            outputs = [_output_record(r, record["generate_s"]) for r in results]
+        else:
+            reset_after = set(spec.get("reset_prefix_cache_after") or [])
+            for i, (prompt, params_i) in enumerate(zip(prompts, sampling)):
+                started = time.perf_counter()
+                (result,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], [params_i],
+                                         use_tqdm=False)
+                outputs.append(_output_record(result, time.perf_counter() - started))
+                if i in reset_after and not llm.reset_prefix_cache():
+                    raise RuntimeError(f"reset_prefix_cache failed after prompt {i}")
+            record["generate_s"] = sum(o["generate_s"] for o in outputs)
+        record["outputs"] = outputs
+    finally:
+        started = time.perf_counter()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        record["shutdown_s"] = time.perf_counter() - started
+    return record
+
+
+def run_job(job: dict) -> dict:
+    _setup_env(job)
+    result: dict = {"ok": False, "multiprocessing": bool(job.get("multiprocessing", False)),
+                    "engines": []}
+    try:
+        started = time.perf_counter()
+        import vllm
+
+        result["import_s"] = time.perf_counter() - started
+        result["vllm_version"] = vllm.__version__
+        for index, spec in enumerate(job["engines"]):
+            result["engines"].append(_run_engine(spec, index, str(job["model"])))
+        result["ok"] = True
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent test
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+        print(result["traceback"], file=sys.stderr, flush=True)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
+    job = json.loads(Path(argv[0]).read_text())
+    result = run_job(job)
+    tmp = Path(argv[1]).with_suffix(".partial")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # vLLM can leave non-daemon threads behind; do not let them hold the exit.
+    os._exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
