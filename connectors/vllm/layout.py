@@ -77,10 +77,6 @@ class _TokenSlots:
     blocks: torch.Tensor
     offsets: torch.Tensor
 
-    @property
-    def num_tokens(self) -> int:
-        return self.blocks.numel()
-
 
 class PagedLayout(ABC):
     """One layer's paged KV cache of one engine; see the module docstring for the contract."""
