@@ -99,11 +99,12 @@ def test_prefetch_pulls_a_chain_byte_exact_and_releases_the_owners_pins(
         assert dram_used(owner) == 0
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("when", ["before", "while"])
 def test_an_owner_killed_before_or_during_the_pull_costs_only_the_deadline(
-        redis_server, start_daemon, when: str) -> None:
-    a = start_daemon(*node_settings(redis_server.url, "node-a", "socket"))
-    b = start_daemon(*node_settings(redis_server.url, "node-b", "socket"))
+        redis_server, start_daemon, when: str, transport: str) -> None:
+    a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
+    b = start_daemon(*node_settings(redis_server.url, "node-b", transport))
     keys, _ = put_chain(a.socket, 4)
     wait_until_held(b, keys, {"node-a"})
     with Client(b.socket) as client:
@@ -135,12 +136,13 @@ def test_an_owner_killed_before_or_during_the_pull_costs_only_the_deadline(
             assert reader.to_bytes() == data
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_frozen_first_owner_falls_back_to_the_second_within_the_deadline(
-        redis_server, start_daemon) -> None:
+        redis_server, start_daemon, transport: str) -> None:
     # equal prefixes and tiers: node ids break the tie, so the frozen node-a is tried first
-    a = start_daemon(*node_settings(redis_server.url, "node-a", "socket"))
-    c = start_daemon(*node_settings(redis_server.url, "node-c", "socket"))
-    b = start_daemon(*node_settings(redis_server.url, "node-b", "socket"))
+    a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
+    c = start_daemon(*node_settings(redis_server.url, "node-c", transport))
+    b = start_daemon(*node_settings(redis_server.url, "node-b", transport))
     keys, payloads = put_chain(a.socket, 4)
     put_chain(c.socket, 4)
     wait_until_held(b, keys, {"node-a", "node-c"})
@@ -158,6 +160,40 @@ def test_a_frozen_first_owner_falls_back_to_the_second_within_the_deadline(
                     assert reader.to_bytes() == data
     finally:
         a.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_frozen_only_owner_is_a_miss_within_the_deadline_and_keeps_no_pins(
+        redis_server, start_daemon, transport: str) -> None:
+    a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
+    b = start_daemon(*node_settings(redis_server.url, "node-b", transport))
+    keys, payloads = put_chain(a.socket, 4)
+    wait_until_held(b, keys, {"node-a"})
+    assert a.proc is not None
+    with Client(b.socket) as client:
+        baseline = dram_used(client)
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            result = client.prefetch(NS, keys=keys, timeout=DEADLINE_S)
+            assert time.monotonic() - started < DEADLINE_S + 1
+            assert result == {"pulled": 0, "already_local": 0, "missing": 4, "source": None}
+            assert dram_used(client) == baseline  # every local reservation was aborted
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        # a retry once the owner runs again pulls the chain (a fresh connection)
+        assert client.prefetch(NS, keys=keys, timeout=DEADLINE_S)["pulled"] == 4
+        for key, data in zip(keys, payloads):
+            with client.get(NS, key) as reader:
+                assert reader.to_bytes() == data
+    with Client(a.socket) as owner:
+        # the dropped session gave the frozen pull's pins back: deletes free every page
+        for key in keys:
+            assert owner.delete(NS, key)
+        deadline = time.monotonic() + DEADLINE_S
+        while dram_used(owner) != 0:
+            assert time.monotonic() < deadline, "the owner kept pages pinned"
+            time.sleep(0.05)
 
 
 def test_a_copy_that_outlived_the_owners_pins_is_discarded(redis_server,

@@ -5,6 +5,7 @@ target that dies costs the pusher only its deadline."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 
 from kvfabric.client import Client
 from kvfabric.client.objects import RemoteReader
-from kvfabric.errors import NotFoundError
+from kvfabric.errors import KVFabricError, NotFoundError
 from kvfabric.hashing import chunk_hashes
 from kvfabric.spec import KVSpec, Namespace
 
@@ -167,3 +168,65 @@ def test_a_target_killed_mid_push_costs_only_the_deadline(redis_server,
             assert local.to_bytes() == b"".join(layers)
         assert producer.delete(STREAM_NS, key)
         assert dram_used(producer) == baseline
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("when", ["before", "mid"])
+def test_a_frozen_target_costs_the_pusher_only_the_deadline_and_its_pins(
+        redis_server, start_daemon, transport: str, when: str) -> None:
+    a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
+    b = start_daemon(*node_settings(redis_server.url, "node-b", transport))
+    assert b.proc is not None
+    key = b"\x0b" * 16
+    layers = layer_payloads(17)
+    results: list[dict[str, Any]] = []
+    with Client(b.socket) as decode:
+        target_baseline = dram_used(decode)
+    with Client(a.socket) as producer:
+        baseline = dram_used(producer)
+        writer = producer.reserve(STREAM_NS, key)
+        if when == "before":
+            for layer, data in enumerate(layers):
+                writer.write_layer(layer, data)
+                writer.commit_layer(layer)
+            b.proc.send_signal(signal.SIGSTOP)
+            started = time.monotonic()
+            pusher = push_in_thread(a.socket, STREAM_NS, [key], "node-b", results)
+        else:
+            started = time.monotonic()
+            pusher = push_in_thread(a.socket, STREAM_NS, [key], "node-b", results)
+            with Client(b.socket) as decode, get_when_there(decode, STREAM_NS, key) as reader:
+                writer.write_layer(0, layers[0])
+                writer.commit_layer(0)
+                reader.wait_layer(0, DEADLINE_S)  # the push is under way
+            b.proc.send_signal(signal.SIGSTOP)
+            for layer in range(1, STREAM_SPEC.num_layers):  # these go to a frozen target
+                writer.write_layer(layer, layers[layer])
+                writer.commit_layer(layer)
+        try:
+            pusher.join(DEADLINE_S + 5)
+            # the deadline, plus the short grace an abort of the target's reservations gets
+            assert time.monotonic() - started < DEADLINE_S + 2
+            assert results == [{"pushed": 0, "already_there": 0, "failed": 1}]
+            # the push's pin is gone: deleting the chunk frees its pages
+            with producer.get(STREAM_NS, key) as local:
+                assert local.to_bytes() == b"".join(layers)
+            assert producer.delete(STREAM_NS, key)
+            assert dram_used(producer) == baseline
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+    # Thawed, the target finds the pusher's session gone and drops what it had reserved, or
+    # first runs a commit that reached it before the freeze: that one follows a finished
+    # write, so the chunk is then whole and byte-exact. Nothing stays half there.
+    with Client(b.socket) as decode:
+        deadline = time.monotonic() + DEADLINE_S
+        while dram_used(decode) != target_baseline:
+            try:
+                with decode.get(STREAM_NS, key) as copy:
+                    if copy.complete:
+                        assert copy.to_bytes() == b"".join(layers)
+                        break
+            except KVFabricError:
+                pass  # not there (any more): the reservation is being dropped
+            assert time.monotonic() < deadline, "the target kept a partial chunk"
+            time.sleep(0.05)

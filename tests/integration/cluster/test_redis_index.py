@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from kvfabric.cluster import ChunkRecord, NodeInfo
 from kvfabric.cluster.redis_index import RedisGlobalIndex
@@ -121,3 +122,30 @@ def test_router_consumer_restarts_and_resumes(redis_server, tmp_path: Path) -> N
     finally:
         producer.close()
         router_index.close()
+
+
+def test_lookups_delete_superseded_entries_and_keep_the_other_owners(redis_server) -> None:
+    first, other = RedisGlobalIndex(redis_server.url), RedisGlobalIndex(redis_server.url)
+    restarted = RedisGlobalIndex(redis_server.url)
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        old = first.register(NodeInfo("n1", "10.0.0.1:7000", ("dram",)))
+        n2 = other.register(NodeInfo("n2", "10.0.0.2:7000", ("dram",)))
+        for index in (first, other):  # both store the same chunks at once
+            index.publish(stored=INVENTORY[:4])
+        first.flush(), other.flush()
+        assert {loc.node_id for loc in other.lookup(NS.seed, CHAIN).owners[3]} == {"n1", "n2"}
+        new = restarted.register(NodeInfo("n1", "10.0.0.1:7000", ("dram",)))
+        result = other.lookup(NS.seed, CHAIN)  # meets n1's superseded entries: deletes them
+        assert [{loc.node_id for loc in row} for row in result.owners] == [{"n2"}] * 4
+        lists = raw.hgetall(f"kvf:{{{NS.seed.hex()}}}:owners")
+        stored = b",".join(v for k, v in lists.items() if len(k) == len(CHAIN[0]))
+        assert f"n1|{old.epoch}|".encode() not in stored and stored.count(b"n2|") == 4
+        restarted.publish(stored=INVENTORY[:2])
+        restarted.flush()
+        assert {(loc.node_id, loc.epoch) for loc in other.lookup(NS.seed, CHAIN).owners[0]} \
+            == {("n1", new.epoch), ("n2", n2.epoch)}
+    finally:
+        raw.close()
+        for index in (first, other, restarted):
+            index.close()
