@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraint
 from starlette.exceptions import HTTPException
 
 from kvfabric import __version__
+from kvfabric.api.body_limit import BodyLimit
 from kvfabric.api.metrics import Metrics, error_kind
 from kvfabric.config import DaemonConfig
 from kvfabric.errors import (AuthError, ConfigError, DeadlineExceededError, ForbiddenError,
@@ -501,9 +502,10 @@ def admin_flush(daemon: Daemon, _: Admin) -> FlushResponse:
 
 def create_app(daemon: DaemonView, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The HTTP API of ``daemon`` (see the module docstring)."""
-    app = FastAPI(title="kvfabric", version=__version__, max_body_size=max_body_bytes,
+    app = FastAPI(title="kvfabric", version=__version__,
                   description="KV-hit lookups, stats, admin and Prometheus metrics of one "
                               "kvfabric node.")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.state.daemon = daemon
     for router in (_probes, _scrape, _api):
         app.include_router(router)

@@ -407,6 +407,20 @@ def test_oversized_body_is_413_before_parsing(daemon: FakeDaemon) -> None:
     assert daemon.store.stats().lookups == 0
 
 
+def test_a_streamed_body_is_cut_off_at_the_limit(daemon: FakeDaemon) -> None:
+    client = TestClient(create_app(daemon, max_body_bytes=4096))
+
+    def body():  # no Content-Length: the limit applies to the bytes as they arrive
+        yield b'{"token_ids": ['
+        for _ in range(100):
+            yield b"1, " * 100
+
+    response = client.post("/v1/lookup", content=body(),
+                           headers={**TENANT, "Content-Type": "application/json"})
+    assert response.status_code == 413
+    assert daemon.store.stats().lookups == 0
+
+
 # ---------------------------------------------------------------------- schema and threads
 
 def test_openapi_schema_documents_bodies_bounds_and_bearer_auth(client: TestClient) -> None:
