@@ -1,0 +1,354 @@
+"""vLLM TTFT benchmark: a fabric hit (DRAM and SSD) against recompute and vLLM's prefix cache.
+
+Real vLLM (CPU) engines on a random-weight Llama built locally (tests/models/
+build_tiny_llama.py: 8 layers, hidden 1024, 16 heads, 4 KV heads of 64, bf16), sized so that
+recomputing a 4096-token prompt takes seconds on this CPU. Every figure comes from one run:
+one daemon (``kvfabric serve`` on a temporary data dir) and two engine jobs run one after
+the other by tests/e2e/vllm/engine_runner.py in subprocesses:
+
+* job 1 (daemon up):
+  ``plain`` (no connector) runs each prompt twice: the first is a **recompute**, the second a
+  hit in vLLM's own **local prefix cache** (same engine, same prompt; vLLM reuses whole
+  blocks only, so it recomputes the last 128-token block);
+  ``store`` (connector, ``kv_both``) computes every prompt and saves its KV to the daemon;
+  ``hit-dram`` (a fresh engine, connector, ``kv_both``) runs the same prompts: every prompt
+  token but the last is loaded from the daemon's DRAM tier.
+* the daemon is stopped with SIGTERM (it writes its memory-resident chunks to its SSD tier)
+  and restarted on the same data dir: its memory tiers are empty;
+* job 2: ``hit-ssd`` (a fresh engine, connector) runs the same prompts again: the chunks are
+  read back from the SSD tier, which the daemon's ``/v1/stats`` must confirm (SSD hit
+  tokens up by at least the loaded tokens, DRAM hit tokens unchanged).
+
+Each engine first runs one warm-up prompt of the same kind (not counted): an engine's first
+request pays one-off costs. The prompts are distinct random token sequences, so only the
+intended cache can hit; every hit must report ``num_cached_tokens`` as expected and produce
+the recompute's first token.
+
+TTFT is the runner's per-request ``engine_ttft_s``: vLLM's engine-core interval from the
+request being queued to its first token (monotonic clock). It includes the connector's
+lookup (``get_num_new_matched_tokens``, run while scheduling) and its loads, which
+``prefill_s`` (first scheduled -> first token) would split off, and it leaves out the
+frontend's input processing, which is the same in every case. Figures are medians over the
+prompts. ``load_share_of_hit_ttft`` is the in-process connector's ``load_seconds`` (its
+load thread: pin, wait, copy into the paged cache) summed over the hit engine's requests,
+warm-up included, divided by the sum of those requests' TTFTs.
+
+Run (``--quick``: 2 prompts per case, about two minutes; without it: 5)::
+
+    python benchmarks/vllm_ttft.py --quick --json
+
+``--json`` prints exactly one JSON object on stdout (the table goes to stderr).
+``--model-dir`` keeps the built model there (reused by later runs) instead of the temp dir.
+"""
+
+from __future__ import annotations
+
+# isort: off
+# _common goes first: it caps the numeric libraries' thread pools before numpy loads.
+from _common import median, report
+# isort: on
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RUNNER = REPO_ROOT / "tests" / "e2e" / "vllm" / "engine_runner.py"
+BUILDER = REPO_ROOT / "tests" / "models" / "build_tiny_llama.py"
+
+MODEL = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64,
+         "intermediate": 2816, "vocab": 2048}
+PROMPT_TOKENS = 4096
+MAX_MODEL_LEN = PROMPT_TOKENS + 256
+BLOCK_SIZE = 128  # vLLM's CPU default
+DAEMON = ["store.tiers.dram.capacity=1GiB", "store.tiers.ssd.capacity=2GiB"]
+READY_TIMEOUT_S = 60.0
+JOB_TIMEOUT_S = 900.0
+
+TARGETS: dict[str, tuple[str, float]] = {
+    "ttft_hit_dram_vs_recompute": ("<=", 0.2),
+    "ttft_hit_ssd_vs_recompute": ("<=", 0.3),
+    "ttft_hit_dram_vs_local_prefix_cache": ("<=", 1.5),
+    "load_share_of_hit_ttft": ("<=", 0.1),
+}
+
+FIGURES: list[tuple[str, str]] = [
+    ("ttft_hit_dram_vs_recompute", "fabric hit from DRAM, fresh engine / recompute"),
+    ("ttft_hit_ssd_vs_recompute", "fabric hit from SSD (restarted daemon) / recompute"),
+    ("ttft_hit_dram_vs_local_prefix_cache", "fabric hit from DRAM / vLLM local prefix-cache hit"),
+    ("load_share_of_hit_ttft", "connector load_seconds / TTFT, DRAM-hit engine"),
+    ("load_share_of_hit_ttft_ssd", "connector load_seconds / TTFT, SSD-hit engine"),
+    ("ttft_recompute_s", "median engine TTFT, no connector, prompt not cached"),
+    ("ttft_hit_dram_s", "median engine TTFT, fabric hit from DRAM"),
+    ("ttft_hit_ssd_s", "median engine TTFT, fabric hit from SSD"),
+    ("ttft_local_prefix_cache_s", "median engine TTFT, same prompt again, same engine"),
+    ("load_ms_per_hit_dram", "connector load_seconds per DRAM-hit request, ms"),
+    ("load_ms_per_hit_ssd", "connector load_seconds per SSD-hit request, ms"),
+    ("ssd_hit_tokens", "SSD-tier hit tokens in /v1/stats during the SSD-hit job"),
+    ("prompt_tokens", "tokens per prompt"),
+    ("prompts", "measured prompts per case (plus one warm-up)"),
+    ("model_layers", "random-weight Llama: layers"),
+    ("model_hidden", "hidden size (16 heads, 4 KV heads, head_dim 64, bf16)"),
+    ("kv_mib_per_prompt", "KV cache of one prompt, MiB"),
+]
+
+
+@dataclass(frozen=True)
+class Settings:
+    prompts: int  # measured prompts per case, each its own random sequence
+
+
+QUICK = Settings(prompts=2)
+FULL = Settings(prompts=5)
+
+
+def build_model(model_dir: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("kvfabric_bench_build_tiny_llama", BUILDER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_tiny_llama(model_dir, **MODEL)  # no-op when already built
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, MODEL["vocab"]) for _ in range(PROMPT_TOKENS)]
+
+
+class Daemon:
+    """``kvfabric serve`` on ``data_dir`` as benchmarks/_common.daemon_process starts it, but
+    stoppable with SIGTERM (it then persists its memory tiers) and restartable on the same
+    data dir."""
+
+    def __init__(self, data_dir: Path, settings: list[str]) -> None:
+        self.data_dir = data_dir
+        self.settings = settings
+        self.proc: subprocess.Popen | None = None
+        self.info: dict[str, Any] = {}
+        data_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        ready = self.data_dir / "ready.json"
+        ready.unlink(missing_ok=True)
+        args = [sys.executable, "-m", "kvfabric.cli", "serve", "--ready-file", str(ready),
+                "--set", f"store.data_dir={self.data_dir}", "--set", "http.host=127.0.0.1",
+                "--set", "http.port=0"]
+        for item in self.settings:
+            args += ["--set", item]
+        log_path = self.data_dir / "daemon.log"
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the daemon did not come up:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.02)
+        self.info = json.loads(ready.read_text())
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM: the daemon writes memory-resident chunks to its SSD tier, then exits."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout)
+        if rc != 0:
+            raise RuntimeError(f"the daemon exited {rc} on SIGTERM")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stats(self) -> dict[str, Any]:
+        url = f"http://127.0.0.1:{self.info['http_port']}/v1/stats"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.loads(response.read())
+
+    def tier_hit_tokens(self) -> dict[str, int]:
+        return {t["kind"]: int(t["hit_tokens"]) for t in self.stats()["tiers"]}
+
+
+def run_job(workdir: Path, model: Path, engines: list[dict]) -> dict:
+    """One engine_runner job in a subprocess (own session: vLLM children die with it)."""
+    workdir.mkdir(parents=True)
+    job = {"model": str(model), "scratch_dir": str(workdir / "scratch"), "engines": engines}
+    job_file, result_file, log_file = (workdir / "job.json", workdir / "result.json",
+                                       workdir / "log")
+    job_file.write_text(json.dumps(job))
+    with open(log_file, "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(RUNNER), str(job_file), str(result_file)],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    tail = log_file.read_text(errors="replace")[-6000:]
+    if rc is None or not result_file.exists():
+        raise RuntimeError(f"engine_runner {'timed out' if rc is None else f'exited {rc}'}:\n"
+                           f"{tail}")
+    result = json.loads(result_file.read_text())
+    if rc != 0 or not result.get("ok"):
+        raise RuntimeError(f"engine_runner failed: {result.get('error')}\n"
+                           f"{result.get('traceback', '')}\n{tail}")
+    return {e["name"]: e for e in result["engines"]}
+
+
+def connector(socket: str) -> dict:
+    return {"kv_connector": "KVFabricConnector",
+            "kv_connector_module_path": "kvfabric_connectors.vllm", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"socket_path": socket}}
+
+
+def engine(name: str, prompts: list[list[int]], kv: dict | None = None) -> dict:
+    return {"name": name, "prompts": prompts, "max_tokens": 1, "max_model_len": MAX_MODEL_LEN,
+            "block_size": BLOCK_SIZE, "kv_transfer_config": kv}
+
+
+def ttfts(record: dict, indexes: list[int]) -> list[float]:
+    return [float(record["outputs"][i]["engine_ttft_s"]) for i in indexes]
+
+
+def check_cached(record: dict, indexes: list[int], expected: int) -> None:
+    got = [record["outputs"][i]["num_cached_tokens"] for i in indexes]
+    if any(g != expected for g in got):
+        raise RuntimeError(f"{record['name']}: cached tokens {got}, expected {expected} each: "
+                           "the case did not hit as intended")
+
+
+def first_tokens(record: dict, indexes: list[int]) -> list[list[int]]:
+    return [record["outputs"][i]["token_ids"] for i in indexes]
+
+
+def load_share(record: dict) -> tuple[float, float]:
+    """(connector load seconds / sum of TTFTs, load seconds per request) over all requests."""
+    totals = record.get("connector_totals")
+    if not totals or "load_seconds" not in totals:
+        raise RuntimeError(f"{record['name']}: no connector_totals.load_seconds (in-process "
+                           "engine with the kvfabric connector expected)")
+    count = len(record["outputs"])
+    seconds = float(totals["load_seconds"])
+    return seconds / sum(ttfts(record, list(range(count)))), seconds / count
+
+
+def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
+    n = cfg.prompts
+    warm, measured = prompt(1000), [prompt(i) for i in range(n)]
+    hit_prompts = [warm, *measured]  # index 0: warm-up
+    hits = list(range(1, n + 1))
+    # plain: warm-up, then each prompt twice (recompute, then local prefix-cache hit)
+    plain_prompts = [prompt(2000)] + [p for p in measured for _ in range(2)]
+    recompute_at, local_at = list(range(1, 2 * n, 2)), list(range(2, 2 * n + 1, 2))
+
+    daemon = Daemon(root / "daemon", DAEMON)
+    daemon.start()
+    try:
+        kv = connector(daemon.info["socket"])
+        job1 = run_job(root / "job1", model, [
+            engine("plain", plain_prompts),
+            engine("store", hit_prompts, kv),
+            engine("hit-dram", hit_prompts, kv),
+        ])
+        daemon.stop()  # memory-resident chunks go to the SSD tier
+        daemon.start()
+        before = daemon.tier_hit_tokens()
+        job2 = run_job(root / "job2", model, [engine("hit-ssd", hit_prompts, kv)])
+        after = daemon.tier_hit_tokens()
+    finally:
+        daemon.kill()
+
+    plain, store, dram, ssd = job1["plain"], job1["store"], job1["hit-dram"], job2["hit-ssd"]
+    full_blocks = (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
+    check_cached(plain, recompute_at, 0)
+    check_cached(plain, local_at, full_blocks)
+    check_cached(store, hits, 0)
+    check_cached(dram, hits, PROMPT_TOKENS - 1)
+    check_cached(ssd, hits, PROMPT_TOKENS - 1)
+    reference = first_tokens(plain, recompute_at)
+    for record in (plain, dram, ssd):
+        at = local_at if record is plain else hits
+        if first_tokens(record, at) != reference:
+            raise RuntimeError(f"{record['name']}: first tokens differ from the recompute's")
+    ssd_hits = after.get("ssd", 0) - before.get("ssd", 0)
+    dram_hits = after.get("dram", 0) - before.get("dram", 0)
+    loaded = (n + 1) * (PROMPT_TOKENS - 1)
+    if ssd_hits < loaded or dram_hits != 0:
+        raise RuntimeError(f"the SSD-hit job did not read from SSD: tier hit tokens {before} "
+                           f"-> {after}, {loaded} tokens loaded")
+
+    recompute = median(ttfts(plain, recompute_at))
+    local = median(ttfts(plain, local_at))
+    hit_dram = median(ttfts(dram, hits))
+    hit_ssd = median(ttfts(ssd, hits))
+    share_dram, per_req_dram = load_share(dram)
+    share_ssd, per_req_ssd = load_share(ssd)
+    kv_bytes = (2 * MODEL["layers"] * MODEL["kv_heads"] * MODEL["head_dim"] * 2
+                * PROMPT_TOKENS)
+    return {
+        "ttft_hit_dram_vs_recompute": hit_dram / recompute,
+        "ttft_hit_ssd_vs_recompute": hit_ssd / recompute,
+        "ttft_hit_dram_vs_local_prefix_cache": hit_dram / local,
+        "load_share_of_hit_ttft": share_dram,
+        "load_share_of_hit_ttft_ssd": share_ssd,
+        "ttft_recompute_s": recompute,
+        "ttft_hit_dram_s": hit_dram,
+        "ttft_hit_ssd_s": hit_ssd,
+        "ttft_local_prefix_cache_s": local,
+        "load_ms_per_hit_dram": per_req_dram * 1e3,
+        "load_ms_per_hit_ssd": per_req_ssd * 1e3,
+        "ssd_hit_tokens": ssd_hits,
+        "prompt_tokens": PROMPT_TOKENS,
+        "prompts": n,
+        "model_layers": MODEL["layers"],
+        "model_hidden": MODEL["hidden"],
+        "kv_mib_per_prompt": kv_bytes / (1 << 20),
+        "ttft_measure": "engine_ttft_s",
+        "ttfts_s": {"recompute": ttfts(plain, recompute_at),
+                    "local_prefix_cache": ttfts(plain, local_at),
+                    "hit_dram": ttfts(dram, hits), "hit_ssd": ttfts(ssd, hits)},
+        "connector_totals": {"hit_dram": dram["connector_totals"],
+                             "hit_ssd": ssd["connector_totals"]},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK.prompts} prompts per case instead of {FULL.prompts}")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object on stdout; the table goes to stderr")
+    parser.add_argument("--model-dir", type=Path,
+                        help="build (or reuse) the model here instead of in the temp dir")
+    args = parser.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    root = Path(tempfile.mkdtemp(prefix="kvfabric-vllm-ttft-"))
+    try:
+        model = build_model(args.model_dir or root / "model")
+        figures = run(root, model, cfg)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
