@@ -15,6 +15,10 @@ class LookupResult:
     matched_tokens: int
     tier_tokens: dict[str, int] = field(default_factory=dict)  # matched tokens per tier name
     requested_tokens: int = 0  # matched + unmatched chunks at chunk_tokens each
+    # cluster scope only: the longest prefix (chunks) any live node holds, and whether the
+    # global index may lag (unreachable, or updates still queued)
+    cluster_chunks: int | None = None
+    stale: bool = False
 
     @property
     def miss_tokens(self) -> int:
@@ -27,6 +31,9 @@ class LookupResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LookupResult":
+        nodes = data.get("nodes")
         return cls(int(data["requested_chunks"]), int(data["chunks"]), int(data["tokens"]),
                    {str(k): int(v) for k, v in data["tier_tokens"].items()},
-                   int(data.get("requested_tokens", 0)))
+                   int(data.get("requested_tokens", 0)),
+                   None if nodes is None else max((int(n["chunks"]) for n in nodes), default=0),
+                   bool(data.get("stale", False)))

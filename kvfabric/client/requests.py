@@ -12,14 +12,19 @@ from kvfabric.protocol.messages import encode_namespace
 from kvfabric.spec import Namespace
 
 
-def lookup_args(ns: Namespace, tokens: Any = None, keys: Sequence[bytes] | None = None
-                ) -> dict[str, Any]:
+def lookup_args(ns: Namespace, tokens: Any = None, keys: Sequence[bytes] | None = None,
+                scope: str = "local") -> dict[str, Any]:
     """Either token ids (hashed by the daemon, full chunks only) or chunk keys."""
     if (tokens is None) == (keys is None):
         raise SpecError("lookup takes either tokens or keys")
+    args: dict[str, Any] = {"ns": encode_namespace(ns)}
+    if scope != "local":
+        args["scope"] = scope
     if keys is not None:
-        return {"ns": encode_namespace(ns), "keys": list(keys)}
-    return {"ns": encode_namespace(ns), "tokens": as_token_array(tokens).astype("<i4").tobytes()}
+        args["keys"] = list(keys)
+    else:
+        args["tokens"] = as_token_array(tokens).astype("<i4").tobytes()
+    return args
 
 
 def prefetch_args(ns: Namespace, tokens: Any, keys: Sequence[bytes] | None, timeout: float

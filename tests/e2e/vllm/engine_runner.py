@@ -31,6 +31,10 @@ Job (JSON object; only `model`, `scratch_dir` and `engines[].prompts` are requir
       ignore_eos              bool  (default true: every output has max_tokens tokens)
       kv_transfer_params      list[dict | null]  one per prompt (SamplingParams.extra_args
                               ["kv_transfer_params"], what vLLM 0.32 reads it from)
+      kv_transfer_params_from str  name of an earlier engine of the job: each prompt also gets
+                              the kv_transfer_params that engine returned for it (prefill ->
+                              decode); keys given in kv_transfer_params win
+      cache_salt              str | list[str | null]  per prompt (tenant isolation)
       batch                   bool  (default false: one generate() call per prompt, in order,
                               so a later prompt sees the KV of earlier ones; true: one call for
                               all prompts)
@@ -45,6 +49,8 @@ Result (JSON object):
     import_s         float  time to import vllm
     engines          list of:
       name, build_s (LLM constructor), shutdown_s, generate_s (sum of the generate() walls)
+      connector_totals  dict | null  in-process engines with a connector that reports them
+                        (KVFabricConnector.transfer_totals): loaded/saved chunks, errors, ...
       outputs        list, one per prompt, in prompt order:
         token_ids           list[int]  generated ids
         text                str
@@ -67,10 +73,13 @@ Result (JSON object):
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -78,12 +87,18 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
+_CLEANUP: list[Path] = []  # removed before exiting (os._exit skips atexit)
+
+
 def _setup_env(job: dict) -> None:
     scratch = Path(job["scratch_dir"]).resolve()
-    dirs = {"TMPDIR": scratch / "tmp", "VLLM_RPC_BASE_PATH": scratch / "rpc",
-            "VLLM_CACHE_ROOT": scratch / "cache", "VLLM_CONFIG_ROOT": scratch / "config"}
+    dirs = {"TMPDIR": scratch / "tmp", "VLLM_CACHE_ROOT": scratch / "cache",
+            "VLLM_CONFIG_ROOT": scratch / "config"}
     for path in dirs.values():
         path.mkdir(parents=True, exist_ok=True)
+    # zmq's ipc:// sockets live here: a Unix socket path must stay under 108 bytes
+    dirs["VLLM_RPC_BASE_PATH"] = Path(tempfile.mkdtemp(prefix="vrpc-", dir="/tmp"))
+    _CLEANUP.append(dirs["VLLM_RPC_BASE_PATH"])
     multiprocessing = bool(job.get("multiprocessing", False))
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
@@ -97,6 +112,7 @@ def _setup_env(job: dict) -> None:
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "LMCACHE_TRACK_USAGE": "false",
         "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONFAULTHANDLER": "1",  # and in vLLM's child processes
         **{name: str(path) for name, path in dirs.items()},
     }
     if not multiprocessing:
@@ -154,7 +170,29 @@ def _output_record(output, generate_s: float) -> dict:
     }
 
 
-def _run_engine(spec: dict, index: int, model: str) -> dict:
+def _connector_totals() -> dict | None:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():  # two-process engine: the worker is elsewhere
+        return None
+    totals = getattr(get_kv_transfer_group(), "transfer_totals", None)
+    return None if totals is None else totals()
+
+
+def _kv_params(spec: dict, count: int, previous: dict[str, dict]) -> list:
+    own = _per_prompt(spec.get("kv_transfer_params"), count, None)
+    source = spec.get("kv_transfer_params_from")
+    if source is None:
+        return own
+    if source not in previous:
+        raise ValueError(f"kv_transfer_params_from: no earlier engine named {source!r}")
+    earlier = [o["kv_transfer_params"] for o in previous[source]["outputs"]]
+    if len(earlier) != count:
+        raise ValueError(f"{source!r} ran {len(earlier)} prompts, this engine {count}")
+    return [{**(e or {}), **(o or {})} or None for e, o in zip(earlier, own)]
+
+
+def _run_engine(spec: dict, index: int, model: str, previous: dict[str, dict]) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -162,7 +200,10 @@ def _run_engine(spec: dict, index: int, model: str) -> dict:
     name = spec.get("name") or f"engine{index}"
     prompts = [list(map(int, p)) for p in spec["prompts"]]
     max_tokens = _per_prompt(spec.get("max_tokens"), len(prompts), 8)
-    params = _per_prompt(spec.get("kv_transfer_params"), len(prompts), None)
+    params = _kv_params(spec, len(prompts), previous)
+    salts = _per_prompt(spec.get("cache_salt"), len(prompts), None)
+    inputs = [TokensPrompt(prompt_token_ids=p, cache_salt=salt) if salt else
+              TokensPrompt(prompt_token_ids=p) for p, salt in zip(prompts, salts)]
     ignore_eos = bool(spec.get("ignore_eos", True))
     sampling = []
     for count, kv_params in zip(max_tokens, params):
@@ -193,21 +234,20 @@ def _run_engine(spec: dict, index: int, model: str) -> dict:
         outputs: list[dict] = []
         if spec.get("batch", False):
             started = time.perf_counter()
-            results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                   sampling, use_tqdm=False)
+            results = llm.generate(inputs, sampling, use_tqdm=False)
             record["generate_s"] = time.perf_counter() - started
             outputs = [_output_record(r, record["generate_s"]) for r in results]
         else:
             reset_after = set(spec.get("reset_prefix_cache_after") or [])
-            for i, (prompt, params_i) in enumerate(zip(prompts, sampling)):
+            for i, (prompt, params_i) in enumerate(zip(inputs, sampling)):
                 started = time.perf_counter()
-                (result,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], [params_i],
-                                         use_tqdm=False)
+                (result,) = llm.generate([prompt], [params_i], use_tqdm=False)
                 outputs.append(_output_record(result, time.perf_counter() - started))
                 if i in reset_after and not llm.reset_prefix_cache():
                     raise RuntimeError(f"reset_prefix_cache failed after prompt {i}")
             record["generate_s"] = sum(o["generate_s"] for o in outputs)
         record["outputs"] = outputs
+        record["connector_totals"] = _connector_totals()
     finally:
         started = time.perf_counter()
         llm.llm_engine.engine_core.shutdown()
@@ -227,8 +267,11 @@ def run_job(job: dict) -> dict:
 
         result["import_s"] = time.perf_counter() - started
         result["vllm_version"] = vllm.__version__
+        previous: dict[str, dict] = {}
         for index, spec in enumerate(job["engines"]):
-            result["engines"].append(_run_engine(spec, index, str(job["model"])))
+            record = _run_engine(spec, index, str(job["model"]), previous)
+            previous[record["name"]] = record
+            result["engines"].append(record)
         result["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the parent test
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -238,6 +281,7 @@ def run_job(job: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    faulthandler.enable()  # a crash in native code still shows where
     if len(argv) != 2:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
@@ -249,6 +293,8 @@ def main(argv: list[str]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     # vLLM can leave non-daemon threads behind; do not let them hold the exit.
+    for path in _CLEANUP:
+        shutil.rmtree(path, ignore_errors=True)
     os._exit(0 if result["ok"] else 1)
 
 

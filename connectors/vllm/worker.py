@@ -1,0 +1,365 @@
+"""Worker side of the connector: moves KV between vLLM's paged cache and the node daemon.
+
+Runs in each model worker. Per step, with the metadata the scheduler side built:
+
+* ``start_load`` pins the chunks to load (pulling the ones only another node holds) and
+  starts a thread that copies them into the request's blocks one layer at a time;
+  ``wait_for_layer`` lets attention of layer i run as soon as layer i is in place (a chunk
+  still arriving by push is read layer by layer as its layers land);
+* ``save_layer`` copies layer i of every chunk completed this step into shared memory
+  reserved on the daemon and commits that layer for all of them in one round trip, so
+  readers (and a push to another node) can start on it while later layers compute;
+* ``finish_step`` joins the loads and completes the saves; failures never reach the
+  engine: the blocks of a failed load are reported (vLLM recomputes them) and a failed save
+  is dropped (a future miss).
+
+Conversion between the engine's block layout and kvfabric's canonical one happens here, at
+the edge (:mod:`.layout`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvfabric.client import RemoteReader, RemoteWriter
+from kvfabric.errors import AlreadyExistsError, KVFabricError
+from kvfabric.hashing import ChunkRef
+from kvfabric.memory.copy import copy_pieces
+
+from .layout import PagedLayout, layout_for_vllm_cache
+from .link import DaemonLink
+from .metadata import ChunkSlice, KVFabricMetadata, RequestTransfer
+from .namespace import Namespaces
+from .settings import ConnectorSettings
+from .stats import TransferCounters
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Item:
+    """One chunk of one request in flight this step."""
+
+    transfer: RequestTransfer
+    chunk: ChunkSlice
+    blocks: torch.Tensor
+    handle: RemoteReader | RemoteWriter | None = None
+
+
+class WorkerSide:
+    def __init__(self, settings: ConnectorSettings, namespaces: Namespaces,
+                 block_size: int) -> None:
+        self.settings = settings
+        self.namespaces = namespaces
+        self.block_size = block_size  # the scheduler's: block_ids index tokens by it
+        spec = namespaces.spec
+        self._dtype = getattr(torch, spec.dtype.value)
+        self.link = DaemonLink(settings.socket_path, settings.token,
+                               timeout=settings.load_timeout_s)
+        # a push holds its connection until the target has every layer: its own link
+        self._push_link = DaemonLink(settings.socket_path, settings.token,
+                                     timeout=settings.save_timeout_s)
+        self._pushes = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-push")
+        self.counters = TransferCounters()
+        self._caches: dict[str, torch.Tensor] = {}
+        self._layer_of: dict[str, int] = {}
+        self._layout: PagedLayout | None = None
+        self._load: _LayerLoad | None = None
+        self._saving: list[_Item] | None = None
+        self._failed_blocks: set[int] = set()
+
+    # -- setup -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        if len(names) != self.namespaces.spec.num_layers:
+            raise ValueError(f"the engine has {len(names)} KV cache layers, the spec "
+                             f"{self.namespaces.spec.num_layers}")
+        self._caches = {name: kv_caches[name] for name in names}
+        self._layer_of = {name: i for i, name in enumerate(names)}
+        first = kv_caches[names[0]]
+        spec = self.namespaces.spec
+        cpu = first.device.type == "cpu"
+        if cpu and torch.cpu._is_amx_tile_supported():
+            # Linux grants AMX per process on first request; asked for while the load
+            # thread exists, the engine's first AMX attention kernel died with SIGILL
+            torch.cpu._init_amx()
+        self._layout = layout_for_vllm_cache(
+            first, block_size=self.block_size, num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, device_type=first.device.type,
+            isa=_cpu_isa(self._dtype, self.block_size, spec.head_dim) if cpu else None)
+
+    # -- loads -------------------------------------------------------------------------
+
+    def start_load(self, meta: KVFabricMetadata) -> None:
+        if not meta.loads:
+            return
+        assert self._layout is not None, "register_kv_caches first"
+        items = [_Item(t, c, _blocks(t)) for t in meta.loads for c in t.chunks]
+        self._load = _LayerLoad(self, items)
+        self._load.start()
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        if self._load is not None:
+            self._load.wait(self._layer_of[layer_name])
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # -- saves -------------------------------------------------------------------------
+
+    def save_layer(self, meta: KVFabricMetadata, layer_name: str, kv_layer: torch.Tensor
+                   ) -> None:
+        if not meta.saves:
+            return
+        if self._saving is None:
+            self._saving = self._reserve(meta.saves)
+        layer = self._layer_of[layer_name]
+        live = [item for item in self._saving if item.handle is not None]
+        if not live:
+            return
+        assert self._layout is not None
+        try:
+            for item in live:
+                chunk = item.chunk
+                canonical = self._layout.gather(kv_layer, item.blocks, chunk.start,
+                                                chunk.num_tokens)
+                item.handle.write_layer(layer, canonical)  # type: ignore[union-attr]
+            self.link.client().commit_layer_many([i.handle for i in live], layer)  # type: ignore[misc]
+        except (KVFabricError, OSError, ValueError) as exc:
+            self._abandon_saves(exc)
+
+    def finish_step(self) -> None:
+        """End of a step: loads are in place (or reported failed), saves complete."""
+        if self._load is not None:
+            self._load.join()
+            self._load = None
+        saving, self._saving = self._saving, None
+        if not saving:
+            return
+        writers = [i.handle for i in saving if i.handle is not None and not i.handle.closed]
+        try:
+            if writers:  # layers save_kv_layer did not see (none, normally)
+                self.link.client().commit_many(writers)  # type: ignore[arg-type]
+        except (KVFabricError, OSError) as exc:
+            self._saving = saving
+            self._abandon_saves(exc)
+            self._saving = None
+            return
+        stored = [i for i in saving if i.handle is not None]
+        self.counters.add(saved_chunks=len(stored),
+                          saved_tokens=sum(i.chunk.num_tokens for i in stored))
+
+    def _reserve(self, transfers: tuple[RequestTransfer, ...]) -> list[_Item]:
+        items: list[_Item] = []
+        for transfer in transfers:
+            ns = self.namespaces.get(transfer.tenant_salt, transfer.lora_id)
+            refs = [ChunkRef(c.key, c.parent, c.num_tokens) for c in transfer.chunks]
+            try:
+                results = self.link.client().reserve_many(ns, refs)
+            except (KVFabricError, OSError) as exc:
+                self.link.failed(exc)
+                self.counters.add(save_errors=len(refs))
+                log.warning("kvfabric: cannot save %d chunks of %s: %s", len(refs),
+                            transfer.req_id, exc)
+                continue
+            blocks = _blocks(transfer)
+            for chunk, result in zip(transfer.chunks, results):
+                if isinstance(result, RemoteWriter):
+                    items.append(_Item(transfer, chunk, blocks, result))
+                elif not isinstance(result, AlreadyExistsError):
+                    self.counters.add(save_errors=1)
+                    log.warning("kvfabric: cannot save a chunk of %s: %s", transfer.req_id,
+                                result)
+            if transfer.push_to:
+                self._pushes.submit(self._push, transfer)
+        return items
+
+    def _abandon_saves(self, exc: BaseException) -> None:
+        self.link.failed(exc)
+        saving, self._saving = self._saving or [], []
+        log.warning("kvfabric: dropping this step's saves (%d chunks): %s", len(saving), exc)
+        self.counters.add(save_errors=len(saving))
+        for item in saving:
+            if item.handle is not None:
+                try:
+                    item.handle.abort()  # type: ignore[union-attr]
+                except (KVFabricError, OSError):
+                    pass  # the daemon reclaims the lease by its deadline anyway
+                item.handle = None
+
+    def _push(self, transfer: RequestTransfer) -> None:
+        ns = self.namespaces.get(transfer.tenant_salt, transfer.lora_id)
+        keys = [c.key for c in transfer.chunks]
+        try:
+            result = self._push_link.client().push(ns, keys, transfer.push_to,  # type: ignore[arg-type]
+                                                   timeout=self.settings.save_timeout_s)
+        except (KVFabricError, OSError) as exc:
+            self._push_link.failed(exc)
+            self.counters.add(push_errors=len(keys))
+            log.warning("kvfabric: push of %s to %s failed: %s", transfer.req_id,
+                        transfer.push_to, exc)
+            return
+        self.counters.add(pushed_chunks=int(result.get("pushed", 0)) +
+                          int(result.get("already_there", 0)),
+                          push_errors=int(result.get("failed", 0)))
+
+    def canonical_layer(self, reader: RemoteReader, layer: int) -> torch.Tensor:
+        """A chunk's layer as a [2, heads, tokens, head_dim] tensor: a view of the shared
+        pages when they are contiguous, a copy otherwise."""
+        spec = self.namespaces.spec
+        pieces = reader.layer_pieces(layer)
+        if len(pieces) == 1:
+            flat = torch.from_numpy(pieces[0])
+        else:
+            flat = torch.empty(sum(p.nbytes for p in pieces), dtype=torch.uint8)
+            copy_pieces([flat], pieces)
+        return flat.view(self._dtype).view(2, spec.num_kv_heads, reader.num_tokens,
+                                            spec.head_dim)
+
+    def close(self) -> None:
+        if self._load is not None:
+            self._load.join()
+        self._pushes.shutdown(wait=True)
+        self.link.close()
+        self._push_link.close()
+
+
+class _LayerLoad:
+    """One step's loads, copied into the engine's blocks layer by layer on a thread."""
+
+    def __init__(self, worker: WorkerSide, items: list[_Item]) -> None:
+        self.worker = worker
+        self.items = items
+        self.layers = list(worker._caches.items())
+        self.events = [threading.Event() for _ in self.layers]
+        self.failed: set[str] = set()  # request ids
+        self.deadline = time.monotonic() + worker.settings.load_timeout_s
+        self.thread = threading.Thread(target=self._run, name="kvfabric-load", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def wait(self, layer: int) -> None:
+        self.events[layer].wait(max(0.0, self.deadline - time.monotonic()) + 1.0)
+
+    def join(self) -> None:
+        self.thread.join()
+        for item in self.items:
+            if item.transfer.req_id in self.failed:
+                self.worker._failed_blocks.update(_loaded_blocks(item,
+                                                                 self.worker.block_size))
+
+    def _run(self) -> None:
+        worker = self.worker
+        started = time.perf_counter()
+        try:
+            self._pin()
+            layout = worker._layout
+            assert layout is not None
+            for layer, (_, cache) in enumerate(self.layers):
+                for item in self.items:
+                    if item.transfer.req_id not in self.failed:
+                        self._copy(layout, cache, layer, item)
+                self.events[layer].set()
+        except (KVFabricError, OSError) as exc:
+            worker.link.failed(exc)
+            log.warning("kvfabric: load failed, recomputing: %s", exc)
+            self.failed.update(item.transfer.req_id for item in self.items)
+        finally:
+            for event in self.events:
+                event.set()
+            self._release()
+        loaded = [i for i in self.items if i.transfer.req_id not in self.failed]
+        worker.counters.add(loaded_chunks=len(loaded),
+                            loaded_tokens=sum(i.chunk.stop - i.chunk.begin for i in loaded),
+                            load_errors=len(self.items) - len(loaded),
+                            load_seconds=time.perf_counter() - started)
+
+    def _pin(self) -> None:
+        """Pin every chunk; pull the ones this node lacks first."""
+        client = self.worker.link.client()
+        by_request: dict[str, list[_Item]] = {}
+        for item in self.items:
+            by_request.setdefault(item.transfer.req_id, []).append(item)
+        for req_items in by_request.values():
+            transfer = req_items[0].transfer
+            ns = self.worker.namespaces.get(transfer.tenant_salt, transfer.lora_id)
+            keys = [i.chunk.key for i in req_items]
+            readers = client.get_many(ns, keys, timeout=self._left())
+            missing = [k for k, r in zip(keys, readers) if r is None]
+            if missing and self._pull(client, ns, missing, transfer.req_id):
+                again = iter(client.get_many(ns, missing, timeout=self._left()))
+                readers = [r if r is not None else next(again) for r in readers]
+            for item, reader in zip(req_items, readers):
+                item.handle = reader
+            if any(r is None for r in readers):
+                log.warning("kvfabric: %s lost %d chunks before they could be loaded",
+                            transfer.req_id, sum(r is None for r in readers))
+                self.failed.add(transfer.req_id)
+
+    def _pull(self, client: Any, ns: Any, keys: list[bytes], req_id: str) -> bool:
+        """Have the daemon pull chunks only other nodes hold; False if it cannot."""
+        try:
+            client.prefetch(ns, keys=keys, timeout=self._left())
+        except (KVFabricError, OSError) as exc:  # a lost daemon shows on the next call
+            log.warning("kvfabric: %s: %d chunks are not on this node and cannot be pulled "
+                        "(%s)", req_id, len(keys), exc)
+            return False
+        return True
+
+    def _copy(self, layout: PagedLayout, cache: torch.Tensor, layer: int, item: _Item) -> None:
+        reader = item.handle
+        assert isinstance(reader, RemoteReader)
+        try:
+            reader.wait_layer(layer, timeout=self._left())
+            canonical = self.worker.canonical_layer(reader, layer)
+            chunk = item.chunk
+            layout.scatter(cache, item.blocks, chunk.start + chunk.begin,
+                           canonical[:, :, chunk.begin:chunk.stop])
+        except (KVFabricError, OSError, ValueError) as exc:
+            log.warning("kvfabric: loading %s failed, recomputing it: %s",
+                        item.transfer.req_id, exc)
+            self.failed.add(item.transfer.req_id)
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise KVFabricError("kvfabric load deadline passed")
+        return left
+
+    def _release(self) -> None:
+        readers = [i.handle for i in self.items if isinstance(i.handle, RemoteReader)]
+        try:
+            self.worker.link.client().release_many(readers)
+        except (KVFabricError, OSError):
+            pass  # the pins expire with their leases
+
+
+def _blocks(transfer: RequestTransfer) -> torch.Tensor:
+    return torch.tensor(transfer.block_ids, dtype=torch.int64)
+
+
+def _loaded_blocks(item: _Item, block_size: int) -> set[int]:
+    """The blocks holding the tokens a chunk slice loads."""
+    first = item.chunk.start + item.chunk.begin
+    last = item.chunk.start + item.chunk.stop - 1
+    return set(item.transfer.block_ids[first // block_size:last // block_size + 1])
+
+
+def _cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    return str(_get_attn_isa(dtype, block_size, head_dim))

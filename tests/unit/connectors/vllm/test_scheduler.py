@@ -1,0 +1,165 @@
+"""Scheduler side of the vLLM connector: lookups, load slices and save planning, against a
+real daemon with vLLM's own Request and SchedulerOutput objects."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from vllm import SamplingParams
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.request import Request
+
+from kvfabric.client import Client
+from kvfabric.hashing import chunk_hashes
+from kvfabric.spec import KVSpec
+from kvfabric_connectors.vllm.metadata import ChunkSlice
+from kvfabric_connectors.vllm.namespace import Namespaces
+from kvfabric_connectors.vllm.scheduler import SchedulerSide
+from kvfabric_connectors.vllm.settings import ConnectorSettings
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", chunk_tokens=16)
+NAMESPACES = Namespaces("sched-model", SPEC)
+PROMPT = list(range(1000, 1040))  # chunks of 16, 16 and a partial 8
+
+
+@pytest.fixture(scope="module")
+def daemon(start_module_daemon):
+    return start_module_daemon("sched", "store.tiers.dram.capacity=64MiB")
+
+
+def side(socket: str, *, loads: bool = True, saves: bool = True, **extra) -> SchedulerSide:
+    settings = ConnectorSettings.from_extra_config({"socket_path": socket, **extra})
+    return SchedulerSide(settings, NAMESPACES, loads=loads, saves=saves)
+
+
+def request(rid: str, tokens: list[int], *, salt: str | None = None,
+            params: dict | None = None) -> Request:
+    extra = {"kv_transfer_params": params} if params else None
+    return Request(rid, tokens, SamplingParams(max_tokens=1, extra_args=extra), None,
+                   cache_salt=salt)
+
+
+def store(socket: str, tokens: list[int], salt: str = "", chunks: int | None = None) -> None:
+    refs = chunk_hashes(NAMESPACES.get(salt, ""), tokens)[:chunks]
+    with Client(socket) as client:
+        client.put_many(NAMESPACES.get(salt, ""), refs,
+                        [np.zeros(SPEC.layout(r.num_tokens).nbytes, np.uint8) for r in refs])
+
+
+def step(new: list[tuple[str, list[int], list[int], int, int]] = (),
+         cached: list[tuple[str, list[int] | None, int, int]] = ()) -> SchedulerOutput:
+    """new: (id, prompt, block ids, computed, scheduled); cached: (id, new block ids,
+    computed, scheduled)."""
+    news = [NewRequestData(rid, tokens, [], None, None, (list(blocks),), computed, None)
+            for rid, tokens, blocks, computed, _ in new]
+    cached_data = CachedRequestData.make_empty()
+    for rid, blocks, computed, _ in cached:
+        cached_data.req_ids.append(rid)
+        cached_data.new_block_ids.append(None if blocks is None else (list(blocks),))
+        cached_data.num_computed_tokens.append(computed)
+    scheduled = {r[0]: r[4] for r in new} | {r[0]: r[3] for r in cached}
+    return SchedulerOutput(news, cached_data, scheduled, sum(scheduled.values()), {}, {},
+                           set(), [])
+
+
+def test_a_miss_is_zero_and_a_hit_counts_chunks_capped_one_short(daemon) -> None:
+    sched = side(daemon.socket)
+    prompt = [t + 1 for t in PROMPT]
+    assert sched.get_num_new_matched_tokens(request("miss", prompt), 0) == (0, False)
+    store(daemon.socket, prompt)
+    assert sched.get_num_new_matched_tokens(request("hit", prompt), 0) == (39, False)
+    # vLLM's own prefix hit comes first: only the rest is loaded
+    assert sched.get_num_new_matched_tokens(request("hit2", prompt), 16) == (23, False)
+    sched.close()
+
+
+def test_load_slices_cover_exactly_the_tokens_to_load(daemon) -> None:
+    prompt = [t + 2 for t in PROMPT]
+    store(daemon.socket, prompt, chunks=2)  # two full chunks: 32 tokens
+    sched = side(daemon.socket, saves=False)
+    req = request("load", prompt)
+    assert sched.get_num_new_matched_tokens(req, 16) == (16, False)
+    sched.update_state_after_alloc(req, None, 16)
+    meta = sched.build_connector_meta(step(new=[("load", prompt, [7, 8, 9], 32, 8)]))
+    (load,) = meta.loads
+    refs = chunk_hashes(NAMESPACES.get("", ""), prompt)
+    assert load.block_ids == (7, 8, 9)
+    assert load.chunks == (ChunkSlice(refs[1].key, refs[1].parent, 16, 16, 0, 16),)
+    assert meta.saves == ()
+    sched.close()
+
+
+def test_saves_follow_chunked_prefill_and_include_the_partial_last_chunk(daemon) -> None:
+    prompt = [t + 3 for t in PROMPT]
+    sched = side(daemon.socket, loads=False)
+    req = request("save", prompt)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    refs = chunk_hashes(NAMESPACES.get("", ""), prompt)
+    first = sched.build_connector_meta(step(new=[("save", prompt, [1, 2], 0, 20)]))
+    assert [c.key for c in first.saves[0].chunks] == [refs[0].key]  # 16 of 20 done
+    second = sched.build_connector_meta(step(cached=[("save", [3], 20, 20)]))
+    (save,) = second.saves
+    assert save.block_ids == (1, 2, 3)
+    assert [(c.key, c.start, c.num_tokens) for c in save.chunks] == \
+        [(refs[1].key, 16, 16), (refs[2].key, 32, 8)]
+    assert sched.build_connector_meta(step(cached=[("save", None, 40, 1)])).saves == ()
+    finished, params = sched.request_finished(req)
+    assert not finished and params == {"kvfabric": {"tokens": 40}}
+    sched.close()
+
+
+def test_chunks_the_fabric_already_holds_are_not_saved_again(daemon) -> None:
+    prompt = [t + 4 for t in PROMPT]
+    store(daemon.socket, prompt, chunks=1)
+    sched = side(daemon.socket)
+    req = request("both", prompt)
+    assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
+    sched.update_state_after_alloc(req, None, 16)
+    meta = sched.build_connector_meta(step(new=[("both", prompt, [1, 2, 3], 16, 24)]))
+    assert len(meta.loads[0].chunks) == 1
+    assert [c.start for c in meta.saves[0].chunks] == [16, 32]
+    sched.close()
+
+
+def test_tenants_do_not_share_hits(daemon) -> None:
+    prompt = [t + 5 for t in PROMPT]
+    store(daemon.socket, prompt, salt="tenant-a")
+    sched = side(daemon.socket)
+    assert sched.get_num_new_matched_tokens(request("a", prompt, salt="tenant-a"), 0)[0] == 39
+    assert sched.get_num_new_matched_tokens(request("b", prompt, salt="tenant-b"), 0)[0] == 0
+    assert sched.get_num_new_matched_tokens(request("none", prompt), 0)[0] == 0
+    sched.close()
+
+
+def test_a_consumer_waits_for_announced_kv_then_gives_up(daemon) -> None:
+    prompt = [t + 6 for t in PROMPT]
+    sched = side(daemon.socket, saves=False, expect_timeout_s=0.5)
+    req = request("wait", prompt, params={"kvfabric": {"tokens": 40}})
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # not there yet
+    store(daemon.socket, prompt)
+    assert sched.get_num_new_matched_tokens(req, 0) == (39, False)
+    late = request("late", [t + 7 for t in PROMPT], params={"kvfabric": {"tokens": 40}})
+    assert sched.get_num_new_matched_tokens(late, 0) == (None, False)
+    time.sleep(0.6)
+    assert sched.get_num_new_matched_tokens(late, 0) == (0, False)  # compute it instead
+    sched.close()
+
+
+def test_without_a_daemon_every_request_is_a_quick_miss(tmp_path) -> None:
+    sched = side(str(tmp_path / "absent.sock"))
+    started = time.monotonic()
+    for i in range(20):
+        assert sched.get_num_new_matched_tokens(request(f"r{i}", PROMPT), 0) == (0, False)
+    assert time.monotonic() - started < 5  # no per-request reconnect storm
+    sched.close()
+
+
+def test_settings_refuse_unknown_keys_and_bad_values() -> None:
+    with pytest.raises(ValueError, match="unknown kvfabric connector setting"):
+        ConnectorSettings.from_extra_config({"socket": "/tmp/x"})
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        ConnectorSettings.from_extra_config({"chunk_tokens": 0})
+    with pytest.raises(ValueError, match="load_timeout_s"):
+        ConnectorSettings.from_extra_config({"load_timeout_s": -1})
