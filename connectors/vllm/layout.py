@@ -18,7 +18,10 @@ Layouts:
 - :class:`CpuBlockLayout`: vLLM's CPU attention cache ``[num_blocks, num_kv_heads, block_size,
   2 * head_dim]``, contiguous, whose arrangement inside a block depends on the kernel ISA. It is
   a per-block permutation of the canonical elements, derived exactly by
-  :func:`probe_cpu_layout` from the engine's own cache-write kernel.
+  :func:`probe_cpu_layout` from the engine's own cache-write kernel. Scatter calls that kernel
+  itself when the probe finds it places strided (non-contiguous) input exactly as the
+  permutation says: on ISAs without a strided closed form (``amx`` packs K and V in pairs) it
+  is an order of magnitude faster than a per-element index.
 """
 
 from __future__ import annotations
@@ -279,6 +282,11 @@ class CpuBlockLayout(PagedLayout):
     ``perm[c]`` is the element index, within one block's memory, of canonical element ``c`` of
     that block in ``[2][H][bs][D]`` order. When ``perm`` is :meth:`transposed_k`'s closed form,
     gather and scatter index strided K and V views instead of per-element positions.
+
+    ``write_kernel``, when given, is the engine's cache-write kernel, which must place every
+    element where ``perm`` says, for key and value views with any token and head strides
+    (:func:`probe_cpu_layout` checks that before passing it); scatter then writes through it
+    instead of a per-element index (the transposed-K views stay as fast, and are kept).
     """
 
     def __init__(
@@ -289,6 +297,7 @@ class CpuBlockLayout(PagedLayout):
         dtype: torch.dtype,
         *,
         perm: torch.Tensor,
+        write_kernel: WriteKernel | None = None,
     ):
         super().__init__(num_kv_heads, block_size, head_dim, dtype)
         n = self._geometry.block_numel
@@ -299,6 +308,7 @@ class CpuBlockLayout(PagedLayout):
         self.perm = perm.cpu()
         self.is_transposed_k = torch.equal(self.perm, _transposed_k_perm(self._geometry))
         self._perm_canonical = self.perm.view(self._geometry.canonical_shape(block_size))
+        self.write_kernel = None if self.is_transposed_k else write_kernel
 
     @classmethod
     def transposed_k(
@@ -335,6 +345,9 @@ class CpuBlockLayout(PagedLayout):
         if self.is_transposed_k:
             for half, blocked in enumerate(self._transposed_k_views(kv_layer)):
                 _scatter_tokens(blocked, slots, canonical[half])
+        elif self.write_kernel is not None and canonical.stride(-1) == 1:
+            if slots.blocks.numel():
+                _kernel_write(self.write_kernel, kv_layer, slots, canonical)
         else:
             kv_layer.view(-1).index_put_((self._element_indices(slots),), canonical)
 
@@ -385,7 +398,50 @@ def probe_cpu_layout(
         raise ValueError("write kernel does not place each element of a block exactly once")
     perm = torch.empty(n, dtype=torch.int64)
     perm[source] = torch.arange(n)
-    return CpuBlockLayout(num_kv_heads, block_size, head_dim, dtype, perm=perm)
+    probed = CpuBlockLayout(num_kv_heads, block_size, head_dim, dtype, perm=perm)
+    if probed.is_transposed_k or not _writes_strided_input_like(write_kernel, probed):
+        return probed
+    return CpuBlockLayout(num_kv_heads, block_size, head_dim, dtype, perm=perm,
+                          write_kernel=write_kernel)
+
+
+def _kernel_write(
+    write_kernel: WriteKernel, kv_layer: torch.Tensor, slots: _TokenSlots, canonical: torch.Tensor
+) -> None:
+    """Write canonical [2, H, T, D] (any strides, contiguous last dim) through the kernel."""
+    num_blocks, heads, block_size, width = kv_layer.shape
+    # Exactly how vLLM's do_kv_cache_update presents the cache to the kernel.
+    key_cache, value_cache = kv_layer.view(num_blocks, heads, 2 * block_size, width // 2).chunk(
+        2, dim=2
+    )
+    key, value = canonical[0].transpose(0, 1), canonical[1].transpose(0, 1)  # [T, H, D] views
+    write_kernel(key, value, key_cache, value_cache, slots.blocks * block_size + slots.offsets)
+
+
+def _writes_strided_input_like(write_kernel: WriteKernel, probed: CpuBlockLayout) -> bool:
+    """Whether the kernel, given [T, H, D] views of a token slice of a canonical tensor (as
+    scatter passes them), writes exactly the bytes the probed permutation's index scatter
+    writes, and nothing else: an unaligned range over out-of-order blocks, into random data."""
+    g = probed._geometry
+    generator = torch.Generator().manual_seed(0)
+    num_blocks = 4
+
+    def random(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(shape, generator=generator).to(g.dtype)
+
+    by_index = random((num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_dim))
+    by_kernel = by_index.clone()
+    block_ids = torch.tensor([2, 0, 3], dtype=torch.int64)
+    start, num_tokens = g.block_size // 2 + 1, g.block_size + 3
+    canonical = random(g.canonical_shape(num_tokens + 5))[:, :, 2 : 2 + num_tokens]
+    slots = probed._token_slots(block_ids, start, num_tokens, num_blocks, by_index.device)
+    by_index.view(-1).index_put_((probed._element_indices(slots),), canonical)
+    try:
+        _kernel_write(write_kernel, by_kernel, slots, canonical)
+    except (RuntimeError, ValueError):
+        return False
+    bits = {2: torch.int16, 4: torch.int32}[g.dtype.itemsize]
+    return torch.equal(by_kernel.view(bits), by_index.view(bits))
 
 
 def _probe_write(

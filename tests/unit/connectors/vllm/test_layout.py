@@ -459,3 +459,66 @@ def test_scatter_is_what_the_real_kernel_would_write(vllm_cpu_attn: ModuleType) 
     written = _write_with_real_kernel(isa, by_kernel, BLOCK_IDS, 45, 90)
     paged.scatter(by_scatter, BLOCK_IDS, 45, written)
     assert torch.equal(by_scatter.view(torch.int16), by_kernel.view(torch.int16))
+
+
+def _sliced_canonical(num_tokens: int, seed: int) -> torch.Tensor:
+    """Canonical K/V as the worker passes them: a token slice of a larger chunk (strided)."""
+    return _random((2, H, num_tokens + 9, D), seed)[:, :, 4 : 4 + num_tokens]
+
+
+def test_probe_attaches_a_kernel_that_writes_strided_input_where_perm_says() -> None:
+    perm = torch.randperm(2 * H * BS * D, generator=torch.Generator().manual_seed(5))
+    probed = layout.probe_cpu_layout(_permutation_kernel(perm), H, BS, D, DTYPE)
+    assert probed.write_kernel is not None
+    generic = layout.CpuBlockLayout(H, BS, D, DTYPE, perm=perm)
+    for start, num_tokens in RANGES:
+        by_kernel, by_index = _cpu_cache(seed=3), _cpu_cache(seed=3)
+        canonical = _sliced_canonical(num_tokens, start)
+        probed.scatter(by_kernel, BLOCK_IDS, start, canonical)
+        generic.scatter(by_index, BLOCK_IDS, start, canonical)
+        assert torch.equal(by_kernel.view(torch.int16), by_index.view(torch.int16))
+
+
+def test_probe_does_not_attach_a_kernel_that_ignores_strides() -> None:
+    perm = torch.randperm(2 * H * BS * D, generator=torch.Generator().manual_seed(6))
+    placing = _permutation_kernel(perm)
+
+    def contiguous_only(key, value, key_cache, value_cache, slot_mapping) -> None:
+        # reads its input as if it were contiguous, as a kernel ignoring strides would
+        flat_k = key.as_strided(key.shape, (key.shape[1] * key.shape[2], key.shape[2], 1))
+        flat_v = value.as_strided(value.shape, (value.shape[1] * value.shape[2], value.shape[2], 1))
+        placing(flat_k, flat_v, key_cache, value_cache, slot_mapping)
+
+    probed = layout.probe_cpu_layout(contiguous_only, H, BS, D, DTYPE)
+    assert torch.equal(probed.perm, perm)  # the probe's own input is contiguous
+    assert probed.write_kernel is None
+
+
+def test_transposed_k_layout_keeps_its_strided_views() -> None:
+    closed_form = layout.CpuBlockLayout.transposed_k(H, BS, D, DTYPE)
+    probed = layout.probe_cpu_layout(_permutation_kernel(closed_form.perm), H, BS, D, DTYPE)
+    assert probed.is_transposed_k and probed.write_kernel is None
+
+
+@pytest.mark.parametrize("block_size", [BS, 128])
+def test_scatter_of_a_token_slice_is_byte_exact_against_the_real_kernel(
+    vllm_cpu_attn: ModuleType, block_size: int
+) -> None:
+    """The scatter the worker's load path makes (token slices of a chunk, unaligned ranges,
+    out-of-order blocks) writes exactly what vLLM's own kernel writes for those tokens, both
+    when scatter goes through the kernel (this machine's ISA unless it is "vec") and not."""
+    isa = vllm_cpu_attn._get_attn_isa(DTYPE, block_size, D)
+    probed = layout.probe_cpu_layout(layout.vllm_cpu_write_kernel(isa), H, block_size, D, DTYPE)
+    assert (probed.write_kernel is None) == probed.is_transposed_k
+    generic = layout.CpuBlockLayout(H, block_size, D, DTYPE, perm=probed.perm)
+    ids = torch.tensor([3, 1, 0, 2])
+    for start, num_tokens in [(block_size // 2 + 3, 2 * block_size), (0, 4 * block_size),
+                              (block_size - 1, 2), (5, 1)]:
+        reference = torch.zeros((4, H, block_size, 2 * D), dtype=DTYPE)
+        canonical = _write_with_real_kernel(isa, reference, ids, start, num_tokens)
+        strided = torch.zeros((2, H, num_tokens + 7, D), dtype=DTYPE)
+        strided[:, :, 3 : 3 + num_tokens] = canonical
+        for paged in (probed, generic):
+            written = torch.zeros_like(reference)
+            paged.scatter(written, ids, start, strided[:, :, 3 : 3 + num_tokens])
+            assert torch.equal(written.view(torch.int16), reference.view(torch.int16))
