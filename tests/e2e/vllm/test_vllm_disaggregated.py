@@ -1,0 +1,90 @@
+"""Prefill -> decode across two nodes: a producer engine on node A computes the prompt
+(``max_tokens=1``), a consumer engine on node B continues from the fabric's KV, by pull (B's
+daemon fetches the chunks from A) and by push (A's daemon sends them to B as the layers are
+computed). Two real daemons as separate processes and a real redis-server; greedy outputs of
+the decode must equal a monolithic run, with only the last prompt token computed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvfabric.client import Client
+
+PROMPT_LEN = 700
+TRANSPORTS = ["socket", "nixl"]
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(PROMPT_LEN)]
+
+
+def node(start_daemon, redis_url: str, name: str, transport: str):
+    return start_daemon("store.tiers.dram.capacity=256MiB", "store.tiers.ssd.capacity=1GiB",
+                        f"node_id={name}", "cluster.index=redis",
+                        f"cluster.redis_url={redis_url}", "cluster.heartbeat_s=0.2",
+                        "tcp.port=0", f"cluster.transport={transport}")
+
+
+def connector(role: str, socket: str) -> dict:
+    return {"kv_connector": "KVFabricConnector",
+            "kv_connector_module_path": "kvfabric_connectors.vllm", "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"socket_path": socket}}
+
+
+def outputs(result: dict, engine: str) -> list[dict]:
+    return next(e for e in result["engines"] if e["name"] == engine)["outputs"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prefill_then_decode_by_pull(start_daemon, redis_server, job_runner, tmp_path,
+                                     transport: str) -> None:
+    prefill = node(start_daemon, redis_server.url, "prefill-a", transport)
+    decode = node(start_daemon, redis_server.url, "decode-b", transport)
+    tokens = prompt(11)
+    result = job_runner(tmp_path, {"engines": [
+        {"name": "monolithic", "prompts": [tokens], "max_tokens": 8},
+        {"name": "prefill", "kv_transfer_config": connector("kv_producer", prefill.socket),
+         "prompts": [tokens], "max_tokens": 1},
+        {"name": "decode", "kv_transfer_config": connector("kv_consumer", decode.socket),
+         "prompts": [tokens], "max_tokens": 8, "kv_transfer_params_from": "prefill"},
+    ]})
+    (monolithic,) = outputs(result, "monolithic")
+    (first,) = outputs(result, "prefill")
+    (decoded,) = outputs(result, "decode")
+    assert first["kv_transfer_params"] == {"kvfabric": {"tokens": PROMPT_LEN}}
+    assert first["token_ids"] == monolithic["token_ids"][:1]
+    assert decoded["token_ids"] == monolithic["token_ids"]
+    assert decoded["num_cached_tokens"] == PROMPT_LEN - 1  # only the last token computed
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prefill_then_decode_by_push(start_daemon, redis_server, job_runner, tmp_path,
+                                     transport: str) -> None:
+    """The prefill node is gone before the decode starts: the KV can only have come by
+    push (a producer's engine shuts down only once its pushes have ended)."""
+    prefill = node(start_daemon, redis_server.url, "prefill-a", transport)
+    decode = node(start_daemon, redis_server.url, "decode-b", transport)
+    tokens = prompt(12)
+    first = job_runner(tmp_path / "prefill", {"engines": [
+        {"name": "monolithic", "prompts": [tokens], "max_tokens": 8},
+        {"name": "prefill", "kv_transfer_config": connector("kv_producer", prefill.socket),
+         "prompts": [tokens], "max_tokens": 1,
+         "kv_transfer_params": [{"kvfabric": {"push_to": "decode-b"}}]},
+    ]})
+    prefill.kill()
+    (monolithic,) = outputs(first, "monolithic")
+    (handoff,) = outputs(first, "prefill")
+    second = job_runner(tmp_path / "decode", {"engines": [
+        {"name": "decode", "kv_transfer_config": connector("kv_consumer", decode.socket),
+         "prompts": [tokens], "max_tokens": 8,
+         "kv_transfer_params": [handoff["kv_transfer_params"]]},
+    ]})
+    (decoded,) = outputs(second, "decode")
+    assert decoded["token_ids"] == monolithic["token_ids"]
+    assert decoded["num_cached_tokens"] == PROMPT_LEN - 1
+    with Client(decode.socket) as client:
+        assert client.stats()["objects"] == 3  # the prompt's chunks, partial one included
