@@ -220,3 +220,13 @@ def test_cluster_example_uses_the_redis_index() -> None:
     cluster = load_config(CONFIGS / "cluster-redis.yaml", env={}).cluster
     assert cluster.index == "redis" and cluster.redis_url.startswith("redis://")
     assert cluster.heartbeat_s < cluster.lease_ttl_s
+
+
+def test_prefill_and_decode_examples_share_one_cluster_with_distinct_roles() -> None:
+    prefill = load_config(CONFIGS / "prefill-node.yaml", env={})
+    decode = load_config(CONFIGS / "decode-node.yaml", env={})
+    assert prefill.cluster.redis_url == decode.cluster.redis_url
+    assert prefill.cluster.secret_file == decode.cluster.secret_file is not None
+    assert prefill.node_id != decode.node_id
+    assert prefill.cluster.hardware_class != decode.cluster.hardware_class
+    assert prefill.tcp.port and decode.tcp.port  # peers reach both
