@@ -163,3 +163,14 @@ def test_settings_refuse_unknown_keys_and_bad_values() -> None:
         ConnectorSettings.from_extra_config({"chunk_tokens": 0})
     with pytest.raises(ValueError, match="load_timeout_s"):
         ConnectorSettings.from_extra_config({"load_timeout_s": -1})
+
+
+def test_hit_sources_split_a_hit_by_the_tier_that_held_it(daemon) -> None:
+    prompt = [t + 8 for t in PROMPT]
+    store(daemon.socket, prompt)
+    sched = side(daemon.socket)
+    req = request("sources", prompt)
+    assert sched.get_num_new_matched_tokens(req, 0) == (39, False)
+    assert sched.hit_sources(req, 39) == {"host": 39}  # the daemon's DRAM tier
+    assert sched.hit_sources(req, 0) == {}
+    sched.close()
