@@ -9,14 +9,17 @@ hook                                caller     what kvfabric does
                                                daemon (the cluster's, where there is one)
 ``update_state_after_alloc``        scheduler  remember which tokens to load into the blocks
 ``build_connector_meta``            scheduler  this step's loads and completed chunks to save
-``request_finished``                scheduler  frees blocks at once; tells a consumer what
-                                               to expect (``kv_transfer_params``)
+``update_connector_output``         scheduler  background loads that ended
+``request_finished``                scheduler  frees blocks unless a background load still
+                                               writes them; tells a consumer what to expect
+                                               (``kv_transfer_params``)
 ``get_external_cache_hit_sources``  scheduler  the hit split by tier (host, disk, p2p)
 ``register_kv_caches``              worker     detect the engine's block layout
 ``start_load_kv``                   worker     pin (pull if remote) and copy in, per layer
 ``wait_for_layer_load``             worker     layer i is in place before attention i
 ``save_kv_layer``                   worker     layer i of completed chunks -> shared memory
 ``wait_for_save``                   worker     loads joined, saves committed
+``get_finished``                    worker     background loads (pulls) that ended
 ``get_block_ids_with_load_errors``  worker     blocks to recompute after a failed load
 ``get_kv_connector_stats``          worker     transfer counters for vLLM's metrics
 ==================================  =========  ==============================================
@@ -83,6 +86,10 @@ class KVFabricConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
@@ -116,6 +123,11 @@ class KVFabricConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         assert self._worker is not None
         self._worker.finish_step()
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return None, self._worker.take_finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

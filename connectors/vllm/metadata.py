@@ -40,6 +40,7 @@ class RequestTransfer:
     block_ids: tuple[int, ...]
     chunks: tuple[ChunkSlice, ...]
     push_to: str | None = None  # saves: also push the chunks to this node
+    background: bool = False  # loads: between steps, reported by get_finished (a pull)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,10 @@ block size), asks the local daemon how long a prefix the fabric holds, and turns
 scheduler's decisions into :class:`~.metadata.KVFabricMetadata` for the workers:
 
 * loads: the tokens past vLLM's own prefix hit that the fabric holds, capped one short of
-  the prompt so the engine computes at least one token;
+  the prompt so the engine computes at least one token. Chunks this node holds load within
+  the step, layer by layer; a hit that needs chunks from another node loads in the
+  background (vLLM's asynchronous load: the request waits, other requests run) while the
+  daemon pulls them;
 * saves: every chunk of the prompt once all its tokens are computed (chunked prefill spreads
   them over steps), the partial last chunk included, except chunks the fabric already had.
 
@@ -53,6 +56,8 @@ class _Request:
     waiting_since: float | None = None
     local_tokens: int = 0  # vLLM's own prefix hit, as last offered to the connector
     load: tuple[int, int] | None = None  # request tokens to load next step
+    remote: bool = False  # the hit needs chunks only other nodes hold: load in background
+    loading: bool = False  # a background load is in flight (its blocks must stay)
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0  # first chunk not yet saved or known to be in the fabric
 
@@ -82,7 +87,8 @@ class SchedulerSide:
         if state.hit_tokens < state.expect_tokens and self._still_expecting(state):
             return None, False  # ask again next step: the producer's KV is on its way
         usable = min(state.hit_tokens, state.prompt_tokens - 1)
-        return max(0, usable - num_computed_tokens), False
+        tokens = max(0, usable - num_computed_tokens)
+        return tokens, state.remote and tokens > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -90,10 +96,17 @@ class SchedulerSide:
         if state is None or num_external_tokens <= 0:
             return
         state.load = (state.local_tokens, state.local_tokens + num_external_tokens)
+        if state.remote:  # not scheduled until loaded: plan it with the blocks it got
+            state.block_ids = list(blocks.get_block_ids()[0])
 
     def build_connector_meta(self, scheduler_output: Any) -> KVFabricMetadata:
         loads: list[RequestTransfer] = []
         saves: list[RequestTransfer] = []
+        for state in self._requests.values():
+            if state.load is not None and state.remote:
+                loads.append(self._transfer(state, self._slices(state, *state.load),
+                                            background=True))
+                state.load, state.loading = None, True
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
@@ -114,13 +127,21 @@ class SchedulerSide:
                        scheduler_output.num_scheduled_tokens[req_id], loads, saves)
         return KVFabricMetadata(loads=tuple(loads), saves=tuple(saves))
 
+    def update_connector_output(self, output: Any) -> None:
+        for req_id in output.finished_recving or ():
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.loading = False
+
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        """Saves finish within the step that computed them, so blocks can always be freed
-        at once; a producer's params tell the consumer how many prompt tokens to expect."""
+        """Saves finish within the step that computed them, so blocks are freed at once
+        unless a background load still writes into them (vLLM frees them when the worker
+        reports it done); a producer's params tell the consumer what to expect."""
         state = self._requests.pop(request.request_id, None)
-        if state is None or not self.saves:
+        if state is None:
             return False, None
-        return False, {PARAMS_KEY: {"tokens": state.prompt_tokens}}
+        params = {PARAMS_KEY: {"tokens": state.prompt_tokens}} if self.saves else None
+        return state.loading, params
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Split a hit by where the fabric held it (vLLM's CacheHitSource values)."""
@@ -173,6 +194,7 @@ class SchedulerSide:
                 log.warning("kvfabric lookup failed: %s", exc)
             return
         chunks = max(result.matched_chunks, result.cluster_chunks or 0)
+        state.remote = chunks > result.matched_chunks
         state.lookup = result
         state.hit_tokens = sum(ref.num_tokens for ref in state.refs[:chunks])
         state.next_save = max(state.next_save, chunks)
@@ -201,7 +223,7 @@ class SchedulerSide:
 
     def _plan(self, state: _Request, computed: int, scheduled: int,
               loads: list[RequestTransfer], saves: list[RequestTransfer]) -> None:
-        if state.load is not None:
+        if state.load is not None and not state.remote:
             loads.append(self._transfer(state, self._slices(state, *state.load)))
             state.load = None
         if not self.saves:
@@ -231,6 +253,8 @@ class SchedulerSide:
                                   end=min(ref.num_tokens, last - start)))
         return out
 
-    def _transfer(self, state: _Request, chunks: list[ChunkSlice]) -> RequestTransfer:
+    def _transfer(self, state: _Request, chunks: list[ChunkSlice], *,
+                  background: bool = False) -> RequestTransfer:
         return RequestTransfer(state.req_id, state.tenant_salt, state.lora_id,
-                               tuple(state.block_ids), tuple(chunks), state.push_to)
+                               tuple(state.block_ids), tuple(chunks), state.push_to,
+                               background)

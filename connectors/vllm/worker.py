@@ -2,10 +2,12 @@
 
 Runs in each model worker. Per step, with the metadata the scheduler side built:
 
-* ``start_load`` pins the chunks to load (pulling the ones only another node holds) and
-  starts a thread that copies them into the request's blocks one layer at a time;
-  ``wait_for_layer`` lets attention of layer i run as soon as layer i is in place (a chunk
-  still arriving by push is read layer by layer as its layers land);
+* ``start_load`` pins the chunks to load and starts a thread that copies them into the
+  request's blocks one layer at a time; ``wait_for_layer`` lets attention of layer i run as
+  soon as layer i is in place (a chunk still arriving by push is read layer by layer as its
+  layers land). A background load (chunks only another node holds) first has the daemon
+  pull them, on a connection of its own, and is reported done by ``take_finished_loads``
+  while the engine runs other requests;
 * ``save_layer`` copies layer i of every chunk completed this step into shared memory
   reserved on the daemon and commits that layer for all of them in one round trip, so
   readers (and a push to another node) can start on it while later layers compute;
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +70,12 @@ class WorkerSide:
         self._push_link = DaemonLink(settings.socket_path, settings.token,
                                      timeout=settings.save_timeout_s)
         self._pushes = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-push")
+        # a pull holds its connection until the chunks are here: background loads get theirs
+        self._background_link = DaemonLink(settings.socket_path, settings.token,
+                                           timeout=settings.load_timeout_s)
+        self._lock = threading.Lock()  # background loads report from their threads
+        self._background: list[_LayerLoad] = []
+        self._finished_loads: set[str] = set()
         self.counters = TransferCounters()
         self._caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
@@ -104,17 +113,47 @@ class WorkerSide:
         if not meta.loads:
             return
         assert self._layout is not None, "register_kv_caches first"
-        items = [_Item(t, c, _blocks(t)) for t in meta.loads for c in t.chunks]
-        self._load = _LayerLoad(self, items)
-        self._load.start()
+        now = [_Item(t, c, _blocks(t)) for t in meta.loads if not t.background
+               for c in t.chunks]
+        if now:
+            self._load = _LayerLoad(self, now, self.link)
+            self._load.start()
+        for transfer in (t for t in meta.loads if t.background):
+            load = _LayerLoad(self, [_Item(transfer, c, _blocks(transfer))
+                                     for c in transfer.chunks],
+                              self._background_link, on_done=self._background_done)
+            with self._lock:
+                self._background.append(load)
+            load.start()
 
     def wait_for_layer(self, layer_name: str) -> None:
         if self._load is not None:
             self._load.wait(self._layer_of[layer_name])
 
     def take_failed_blocks(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose background load ended (their failed blocks, if any, are in
+        :meth:`take_failed_blocks` by now)."""
+        with self._lock:
+            done, self._finished_loads = self._finished_loads, set()
+        return done
+
+    def _record_failures(self, load: "_LayerLoad") -> None:
+        blocks = {b for item in load.items if item.transfer.req_id in load.failed
+                  for b in _loaded_blocks(item, self.block_size)}
+        with self._lock:
+            self._failed_blocks |= blocks
+
+    def _background_done(self, load: "_LayerLoad") -> None:
+        self._record_failures(load)
+        self.counters.add(background_loads=1)
+        with self._lock:
+            self._finished_loads.update(item.transfer.req_id for item in load.items)
+            self._background.remove(load)
 
     # -- saves -------------------------------------------------------------------------
 
@@ -230,17 +269,24 @@ class WorkerSide:
     def close(self) -> None:
         if self._load is not None:
             self._load.join()
+        with self._lock:
+            background = list(self._background)
+        for load in background:
+            load.thread.join()
         self._pushes.shutdown(wait=True)
-        self.link.close()
-        self._push_link.close()
+        for link in (self.link, self._push_link, self._background_link):
+            link.close()
 
 
 class _LayerLoad:
     """One step's loads, copied into the engine's blocks layer by layer on a thread."""
 
-    def __init__(self, worker: WorkerSide, items: list[_Item]) -> None:
+    def __init__(self, worker: WorkerSide, items: list[_Item], link: DaemonLink, *,
+                 on_done: Callable[["_LayerLoad"], None] | None = None) -> None:
         self.worker = worker
         self.items = items
+        self.link = link
+        self.on_done = on_done
         self.layers = list(worker._caches.items())
         self.events = [threading.Event() for _ in self.layers]
         self.failed: set[str] = set()  # request ids
@@ -255,12 +301,19 @@ class _LayerLoad:
 
     def join(self) -> None:
         self.thread.join()
-        for item in self.items:
-            if item.transfer.req_id in self.failed:
-                self.worker._failed_blocks.update(_loaded_blocks(item,
-                                                                 self.worker.block_size))
+        self.worker._record_failures(self)
 
     def _run(self) -> None:
+        try:
+            self._load()
+        except Exception:  # noqa: BLE001 - a bug here must cost a recompute, not a hang
+            log.exception("kvfabric: load failed unexpectedly, recomputing")
+            self.failed.update(item.transfer.req_id for item in self.items)
+        finally:
+            if self.on_done is not None:
+                self.on_done(self)  # else vLLM would wait for this request forever
+
+    def _load(self) -> None:
         worker = self.worker
         started = time.perf_counter()
         try:
@@ -273,7 +326,7 @@ class _LayerLoad:
                         self._copy(layout, cache, layer, item)
                 self.events[layer].set()
         except (KVFabricError, OSError) as exc:
-            worker.link.failed(exc)
+            self.link.failed(exc)
             log.warning("kvfabric: load failed, recomputing: %s", exc)
             self.failed.update(item.transfer.req_id for item in self.items)
         finally:
@@ -288,7 +341,7 @@ class _LayerLoad:
 
     def _pin(self) -> None:
         """Pin every chunk; pull the ones this node lacks first."""
-        client = self.worker.link.client()
+        client = self.link.client()
         by_request: dict[str, list[_Item]] = {}
         for item in self.items:
             by_request.setdefault(item.transfer.req_id, []).append(item)
@@ -341,7 +394,7 @@ class _LayerLoad:
     def _release(self) -> None:
         readers = [i.handle for i in self.items if isinstance(i.handle, RemoteReader)]
         try:
-            self.worker.link.client().release_many(readers)
+            self.link.client().release_many(readers)
         except (KVFabricError, OSError):
             pass  # the pins expire with their leases
 

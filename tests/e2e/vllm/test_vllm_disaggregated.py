@@ -59,6 +59,9 @@ def test_prefill_then_decode_by_pull(start_daemon, redis_server, job_runner, tmp
     assert first["token_ids"] == monolithic["token_ids"][:1]
     assert decoded["token_ids"] == monolithic["token_ids"]
     assert decoded["num_cached_tokens"] == PROMPT_LEN - 1  # only the last token computed
+    # the chunks were on the other node: pulled while the engine could run other requests
+    decode_totals = next(e for e in result["engines"] if e["name"] == "decode")
+    assert decode_totals["connector_totals"]["background_loads"] == 1
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
