@@ -1,0 +1,74 @@
+"""The plugin's link to its node daemon: one LMCache can live without.
+
+A remote backend is an optimisation: when the daemon is missing, restarting or broken,
+LMCache must keep serving (every lookup a miss, every put dropped). :class:`DaemonLink`
+connects lazily and, after a connection-level failure, stays away for ``retry_after_s`` so
+an absent daemon costs each call nothing. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kvfabric.client import Client
+from kvfabric.errors import UnavailableError
+
+log = logging.getLogger(__name__)
+
+
+class DaemonLink:
+    def __init__(self, socket_path: str, token: str | None, *, timeout: float,
+                 retry_after_s: float = 2.0) -> None:
+        self.socket_path = socket_path
+        self._token = token
+        self._timeout = timeout
+        self._retry_after_s = retry_after_s
+        self._lock = threading.Lock()
+        self._client: Client | None = None
+        self._down_until = 0.0
+        self._down = False
+        self.failures = 0
+
+    def client(self) -> Client:
+        """The connected client; UnavailableError at once while the daemon is down."""
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            if time.monotonic() < self._down_until:
+                raise UnavailableError(f"kvfabric daemon at {self.socket_path} is unavailable")
+            try:
+                # reconnects within one call's own deadline only: the engine must not stall
+                self._client = Client(self.socket_path, token=self._token,
+                                      timeout=self._timeout, reconnect_timeout=1.0)
+            except (OSError, UnavailableError) as exc:
+                self._mark_down(exc)
+                raise UnavailableError(f"kvfabric daemon at {self.socket_path}: {exc}") from exc
+            if self._down:
+                log.warning("kvfabric daemon at %s is back", self.socket_path)
+                self._down = False
+            return self._client
+
+    def failed(self, exc: BaseException) -> None:
+        """Report a failed call: a connection-level failure drops the client."""
+        if isinstance(exc, (OSError, UnavailableError)):
+            with self._lock:
+                client, self._client = self._client, None
+                self._mark_down(exc)
+            if client is not None:
+                client.close()
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self.failures += 1
+        self._down_until = time.monotonic() + self._retry_after_s
+        if not self._down:
+            log.warning("kvfabric daemon at %s unavailable (%s); LMCache goes on without it",
+                        self.socket_path, exc)
+            self._down = True
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
