@@ -27,7 +27,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from kvfabric.client import Client
 from kvfabric.client.objects import RemoteReader, RemoteWriter
 from kvfabric.client.requests import prefetch_args
-from kvfabric.errors import AlreadyExistsError, KVFabricError, UnavailableError
+from kvfabric.errors import AlreadyExistsError, KVFabricError, NotFoundError, UnavailableError
 from kvfabric.hashing import ROOT, ChunkRef
 from kvfabric.protocol.messages import Op
 
@@ -279,7 +279,16 @@ class KVFabricRemoteConnector(RemoteConnector):
         out: list[Optional[MemoryObj]] = [None] * len(keys)
 
         def read(client: Client) -> None:
-            readers = client.get_many(self.namespace, fkeys)
+            try:
+                readers = client.get_many(self.namespace, fkeys)
+            except UnavailableError:
+                raise
+            except KVFabricError as exc:  # e.g. no room to bring them all up at once
+                log.info("kvfabric plugin %s: batch get failed (%s); one by one",
+                         self.plugin_name, exc)
+                for i, fkey in enumerate(fkeys):
+                    out[i] = self._get_one(client, fkey)
+                return
             missing = [i for i, r in enumerate(readers) if r is None]
             if missing and self._pull and self._pull_missing(client, [fkeys[i] for i in
                                                                       missing]):
@@ -305,6 +314,19 @@ class KVFabricRemoteConnector(RemoteConnector):
         self._stats.add(gets=len(keys), get_hits=hits, get_misses=len(keys) - hits,
                         bytes_read=sum(obj.get_size() for obj in out if obj is not None))
         return out
+
+    def _get_one(self, client: Client, fkey: bytes) -> Optional[MemoryObj]:
+        try:
+            with client.get(self.namespace, fkey) as reader:
+                return self._read_into_new_obj(reader)
+        except NotFoundError:
+            return None
+        except UnavailableError:
+            raise
+        except KVFabricError as exc:
+            self._stats.add(errors=1)
+            log.warning("kvfabric plugin %s: get failed: %s", self.plugin_name, exc)
+            return None
 
     def _read_into_new_obj(self, reader: RemoteReader) -> Optional[MemoryObj]:
         """Copy a pinned chunk straight into a memory object from LMCache's allocator."""
