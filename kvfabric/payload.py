@@ -51,19 +51,35 @@ class PayloadAccess(ABC):
 
 
 class PayloadWriter(PayloadAccess):
-    """Write side: views to fill, or copies from caller buffers of the exact size."""
+    """Write side: views to fill, or copies from caller buffers of the exact size.
+
+    A writer with ``heads`` set (one tensor-parallel rank's KV-head range) reaches only those
+    heads: a layer means its heads of the layer."""
+
+    heads: HeadRange | None = None
 
     def layer_pieces(self, layer: int, heads: HeadRange | None = None) -> list[Piece]:
         """Views of one layer (or of one head range per K/V plane) to write into."""
-        return self._pieces(layer, heads)
+        return self._pieces(layer, self._own(heads))
 
     def write_layer(self, layer: int, data: Any, heads: HeadRange | None = None) -> None:
         """Copy ``data`` (bytes-like, numpy array or tensor) into a layer or head range."""
-        _copy_exact(self._pieces(layer, heads), data, f"layer {layer}")
+        _copy_exact(self._pieces(layer, self._own(heads)), data, f"layer {layer}")
 
     def write(self, data: Any) -> None:
         """Copy a whole payload in canonical layout (all layers)."""
+        if self.heads is not None:
+            raise ValueError("a head-range writer writes layer by layer (write_layer)")
         _copy_exact(self._pieces(None, None), data, "payload")
+
+    def _own(self, heads: HeadRange | None) -> HeadRange | None:
+        if self.heads is None:
+            return heads
+        if heads is None:
+            return self.heads
+        if not self.heads[0] <= heads[0] < heads[1] <= self.heads[1]:
+            raise ValueError(f"heads {heads} are outside this writer's range {self.heads}")
+        return heads
 
 
 class PayloadReader(PayloadAccess):

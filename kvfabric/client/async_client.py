@@ -26,6 +26,7 @@ from kvfabric.errors import (AlreadyExistsError, DeadlineExceededError, KVFabric
                              NotFoundError, ProtocolError, UnavailableError)
 from kvfabric.hashing import ROOT, ChunkRef
 from kvfabric.lookup import LookupResult
+from kvfabric.payload import HeadRange
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
 from kvfabric.protocol.messages import Op, request
 
@@ -149,10 +150,11 @@ class AsyncClient:
                                      timeout + PREFETCH_REPLY_MARGIN_S))
 
     async def reserve(self, ns: Any, key: bytes, *, parent: bytes = ROOT,
-                      num_tokens: int | None = None) -> AsyncRemoteWriter:
+                      num_tokens: int | None = None, heads: HeadRange | None = None
+                      ) -> AsyncRemoteWriter:
         session, reply = await self._call_on_session(
-            Op.RESERVE, requests.reserve_args(ns, key, parent, num_tokens))
-        return AsyncRemoteWriter(session, ns, key, reply)
+            Op.RESERVE, requests.reserve_args(ns, key, parent, num_tokens, heads))
+        return AsyncRemoteWriter(session, ns, key, reply, heads=heads)
 
     async def put(self, ns: Any, key: bytes, data: Any, *, parent: bytes = ROOT,
                   num_tokens: int | None = None) -> bool:
@@ -165,11 +167,13 @@ class AsyncClient:
             await writer.commit()
         return True
 
-    async def reserve_many(self, ns: Any, chunks: Sequence[ChunkRef]
+    async def reserve_many(self, ns: Any, chunks: Sequence[ChunkRef], *,
+                           heads: HeadRange | None = None
                            ) -> list[AsyncRemoteWriter | KVFabricError]:
-        session, items = await self._call_on_session(Op.RESERVE_BATCH,
-                                                     requests.reserve_batch_args(ns, chunks))
-        return [r if isinstance(r, KVFabricError) else AsyncRemoteWriter(session, ns, c.key, r)
+        session, items = await self._call_on_session(
+            Op.RESERVE_BATCH, requests.reserve_batch_args(ns, chunks, heads))
+        return [r if isinstance(r, KVFabricError) else
+                AsyncRemoteWriter(session, ns, c.key, r, heads=heads)
                 for c, r in zip(chunks, requests.item_results(items))]
 
     async def commit_many(self, writers: Sequence[AsyncRemoteWriter]) -> None:

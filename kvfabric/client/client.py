@@ -32,6 +32,7 @@ from kvfabric.client.retry import Backoff, ExponentialBackoff
 from kvfabric.errors import AlreadyExistsError, KVFabricError, NotFoundError, UnavailableError
 from kvfabric.hashing import ROOT, ChunkRef
 from kvfabric.lookup import LookupResult
+from kvfabric.payload import HeadRange
 from kvfabric.protocol.messages import Op
 from kvfabric.spec import Namespace
 
@@ -96,10 +97,12 @@ class Client:
                                timeout=timeout + PREFETCH_REPLY_MARGIN_S))
 
     def reserve(self, ns: Namespace, key: bytes, *, parent: bytes = ROOT,
-                num_tokens: int | None = None) -> RemoteWriter:
-        args = requests.reserve_args(ns, key, parent, num_tokens)
+                num_tokens: int | None = None, heads: HeadRange | None = None) -> RemoteWriter:
+        """Reserve a chunk to write; with ``heads``, only that KV-head range (one
+        tensor-parallel rank: the other ranks reserve the same key with theirs)."""
+        args = requests.reserve_args(ns, key, parent, num_tokens, heads)
         session, reply = self._call_on_session(Op.RESERVE, args)
-        return RemoteWriter(session, ns, key, reply)
+        return RemoteWriter(session, ns, key, reply, heads=heads)
 
     def put(self, ns: Namespace, key: bytes, data: Any, *, parent: bytes = ROOT,
             num_tokens: int | None = None) -> bool:
@@ -113,12 +116,13 @@ class Client:
             writer.commit()
         return True
 
-    def reserve_many(self, ns: Namespace, chunks: Sequence[ChunkRef]
-                     ) -> list[RemoteWriter | KVFabricError]:
+    def reserve_many(self, ns: Namespace, chunks: Sequence[ChunkRef], *,
+                     heads: HeadRange | None = None) -> list[RemoteWriter | KVFabricError]:
         """Reserve many chunks in one round trip; each item is a writer or its own error."""
         session, items = self._call_on_session(Op.RESERVE_BATCH,
-                                               requests.reserve_batch_args(ns, chunks))
-        return [r if isinstance(r, KVFabricError) else RemoteWriter(session, ns, c.key, r)
+                                               requests.reserve_batch_args(ns, chunks, heads))
+        return [r if isinstance(r, KVFabricError) else
+                RemoteWriter(session, ns, c.key, r, heads=heads)
                 for c, r in zip(chunks, requests.item_results(items))]
 
     def commit_many(self, writers: Sequence[RemoteWriter]) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from kvfabric.client.arenas import PageViewer
 from kvfabric.errors import LeaseExpiredError, UnavailableError
-from kvfabric.payload import PayloadAccess, PayloadReader, PayloadWriter
+from kvfabric.payload import HeadRange, PayloadAccess, PayloadReader, PayloadWriter
 from kvfabric.protocol.messages import Op
 from kvfabric.spec import Namespace
 
@@ -61,6 +61,11 @@ class _RemoteLease(PayloadAccess):
 
 
 class _WriterBase(_RemoteLease, PayloadWriter):
+    def __init__(self, session: Any, ns: Namespace, key: bytes, reply: dict[str, Any], *,
+                 heads: HeadRange | None = None) -> None:
+        super().__init__(session, ns, key, reply)
+        self.heads = heads
+
     def _commit_args(self, layer: int | None) -> dict[str, Any]:
         if layer is None:
             return {"lease": self.lease}

@@ -8,6 +8,7 @@ from typing import Any
 from kvfabric.errors import SpecError, UnavailableError, error_for_kind
 from kvfabric.hashing import ROOT, ChunkRef, as_token_array
 from kvfabric.lookup import LookupResult
+from kvfabric.payload import HeadRange
 from kvfabric.protocol.messages import encode_namespace
 from kvfabric.spec import Namespace
 
@@ -42,17 +43,25 @@ def lookup_result(result: dict[str, Any]) -> LookupResult:
 
 
 def reserve_args(ns: Namespace, key: bytes, parent: bytes = ROOT,
-                 num_tokens: int | None = None) -> dict[str, Any]:
-    args: dict[str, Any] = {"ns": encode_namespace(ns), "key": key, "parent": parent}
-    if num_tokens is not None:
-        args["num_tokens"] = num_tokens
-    return args
+                 num_tokens: int | None = None, heads: HeadRange | None = None
+                 ) -> dict[str, Any]:
+    return {"ns": encode_namespace(ns), **_reserve_item(key, parent, num_tokens, heads)}
 
 
-def reserve_batch_args(ns: Namespace, chunks: Sequence[ChunkRef]) -> dict[str, Any]:
+def reserve_batch_args(ns: Namespace, chunks: Sequence[ChunkRef],
+                       heads: HeadRange | None = None) -> dict[str, Any]:
     return {"ns": encode_namespace(ns),
-            "items": [{"key": c.key, "parent": c.parent, "num_tokens": c.num_tokens}
-                      for c in chunks]}
+            "items": [_reserve_item(c.key, c.parent, c.num_tokens, heads) for c in chunks]}
+
+
+def _reserve_item(key: bytes, parent: bytes, num_tokens: int | None,
+                  heads: HeadRange | None) -> dict[str, Any]:
+    item: dict[str, Any] = {"key": key, "parent": parent}
+    if num_tokens is not None:
+        item["num_tokens"] = num_tokens
+    if heads is not None:  # one tensor-parallel rank's KV heads
+        item["heads"] = list(heads)
+    return item
 
 
 def get_batch_args(ns: Namespace, keys: Sequence[bytes], timeout: float | None

@@ -153,6 +153,16 @@ def arg_int(args: dict[str, Any], name: str, *, low: int = 0, high: int = (1 << 
     return value
 
 
+def arg_head_range(args: dict[str, Any], num_heads: int) -> tuple[int, int]:
+    """``heads``: [start, end) of KV heads (one tensor-parallel rank's range)."""
+    value = args.get("heads")
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ProtocolError("heads must be a [start, end) pair")
+    start = arg_int({"start": value[0]}, "start", high=num_heads - 1)
+    end = arg_int({"end": value[1]}, "end", low=start + 1, high=num_heads)
+    return start, end
+
+
 def arg_float(args: dict[str, Any], name: str, *, default: float | None = None,
               high: float = MAX_TIMEOUT_S) -> float | None:
     value = args.get(name, default)

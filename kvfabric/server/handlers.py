@@ -26,8 +26,8 @@ from kvfabric.errors import (AuthError, ForbiddenError, KVFabricError, LeaseExpi
                              WouldBlockError)
 from kvfabric.hashing import ROOT, chunk_keys
 from kvfabric.protocol.messages import (MAX_KEYS, MAX_TOKENS, PROTOCOL_VERSION, Op, arg_float,
-                                        arg_int, arg_key, arg_keys, arg_list, arg_str,
-                                        arg_tokens, item_error, item_ok)
+                                        arg_head_range, arg_int, arg_key, arg_keys, arg_list,
+                                        arg_str, arg_tokens, item_error, item_ok)
 from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.puller import Puller
 from kvfabric.server.pusher import Pusher
@@ -139,7 +139,9 @@ def _reserve_one(ctx: Context, session: Session, ns: Any, args: Any) -> dict[str
     parent = arg_key(args, "parent") if "parent" in args else ROOT
     num_tokens = arg_int(args, "num_tokens", low=1, high=ns.spec.chunk_tokens,
                          default=ns.spec.chunk_tokens)
-    writer = ctx.store.reserve(ns, arg_key(args, "key"), parent=parent, num_tokens=num_tokens)
+    heads = arg_head_range(args, ns.spec.num_kv_heads) if "heads" in args else None
+    writer = ctx.store.reserve(ns, arg_key(args, "key"), parent=parent, num_tokens=num_tokens,
+                               heads=heads)
     return _placement(session.add_lease(writer), writer)
 
 

@@ -29,6 +29,7 @@ from kvfabric.api.metrics import Metrics, error_kind
 from kvfabric.hashing import ROOT
 from kvfabric.spec import Namespace
 from kvfabric.store import LookupResult, ObjectReader, ObjectWriter, TieredStore
+from kvfabric.store.shards import HeadRange
 
 
 class InstrumentedStore:
@@ -84,9 +85,11 @@ class InstrumentedStore:
     # ------------------------------------------------------------------ writing
 
     def reserve(self, ns: Namespace, key: bytes, *, parent: bytes = ROOT,
-                num_tokens: int | None = None) -> ObjectWriter:
+                num_tokens: int | None = None, heads: HeadRange | None = None
+                ) -> ObjectWriter:
         with self._observed("reserve"):
-            return self._store.reserve(ns, key, parent=parent, num_tokens=num_tokens)
+            return self._store.reserve(ns, key, parent=parent, num_tokens=num_tokens,
+                                       heads=heads)
 
     def put(self, ns: Namespace, key: bytes, data: Any, *, parent: bytes = ROOT,
             num_tokens: int | None = None) -> bool:

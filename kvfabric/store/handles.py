@@ -27,6 +27,7 @@ from kvfabric.memory.copy import Piece
 from kvfabric.payload import PayloadAccess, PayloadReader, PayloadWriter
 from kvfabric.spec import Namespace
 from kvfabric.store.index import Entry
+from kvfabric.store.shards import HeadRange
 
 
 class LeaseOwner(Protocol):
@@ -95,7 +96,17 @@ class _Lease(PayloadAccess):
 
 
 class ObjectWriter(_Lease, PayloadWriter):
-    """A reservation: write layers into the object's pages, commit them, or abort."""
+    """A reservation: write layers into the object's pages, commit them, or abort.
+
+    A head-range writer (one tensor-parallel rank, ``heads`` set) writes and commits only
+    its heads; its layers become readable once every rank's heads of them are committed."""
+
+    def __init__(self, store: LeaseOwner, entry: Entry, deadline: float, *,
+                 heads: HeadRange | None = None, head_mask: int = 0) -> None:
+        super().__init__(store, entry, deadline)
+        self.heads = heads
+        self.head_mask = head_mask
+        self.committed = 0  # layers this writer committed
 
     def commit_layer(self, layer: int) -> bool:
         """Publish one layer to readers; True once every layer is committed."""

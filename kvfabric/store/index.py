@@ -35,7 +35,7 @@ class Entry:
     """Index record of one stored object (chunk)."""
 
     __slots__ = ("key", "parent", "ns", "num_tokens", "tier", "handle", "ready", "pins",
-                 "kids", "flags")
+                 "kids", "flags", "shards")
 
     def __init__(self, key: bytes, parent: bytes, ns: Namespace, num_tokens: int, tier: int,
                  handle: Any) -> None:
@@ -49,6 +49,7 @@ class Entry:
         self.pins = 0  # readers and the writer's reservation
         self.kids: Kids = None  # stored children: None, one Entry, or a list (branch points)
         self.flags = 0
+        self.shards: Any = None  # HeadShards while tensor-parallel ranks write head ranges
 
     @property
     def complete(self) -> bool:

@@ -86,6 +86,11 @@ class Placement:
         reclaimed = False
         deadline = time.monotonic() + self.config.reservation_timeout_s
         while not tier.can_fit(nbytes):
+            pending = self.pending_demotion[tier_index]
+            if pending and tier.can_fit(max(1, nbytes - pending)):
+                # the SSD writes under way free enough: demoting more would only be churn
+                self.wait(deadline, "waiting for SSD demotions to free memory")
+                continue
             victim = self.index.pick_victim(tier_index)
             if victim is not None:
                 self.demote(victim)

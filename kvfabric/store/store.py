@@ -50,8 +50,9 @@ from kvfabric.spec import Namespace
 from kvfabric.store.config import StoreConfig
 from kvfabric.store.factory import AnyTier, build_tier
 from kvfabric.store.handles import ObjectReader, ObjectWriter, _Lease
-from kvfabric.store.index import ABORTED, MOVING, READY_ALL, Entry, LocalIndex
+from kvfabric.store.index import ABORTED, MOVING, READY_ALL, REMOVED, Entry, LocalIndex
 from kvfabric.store.placement import Placement, decode_meta
+from kvfabric.store.shards import HeadRange, HeadShards, head_mask
 from kvfabric.store.stats import (NamespaceCounters, NamespaceStats, StoreStats, TierCounters,
                                   TierStats)
 from kvfabric.tiers.disk import DiskTier
@@ -116,24 +117,50 @@ class TieredStore:
     # ------------------------------------------------------------------ writing
 
     def reserve(self, ns: Namespace, key: bytes, *, parent: bytes = ROOT,
-                num_tokens: int | None = None) -> ObjectWriter:
-        """Allocate an object and return its writer (commit layers, or abort)."""
+                num_tokens: int | None = None, heads: HeadRange | None = None
+                ) -> ObjectWriter:
+        """Allocate an object and return its writer (commit layers, or abort).
+
+        With ``heads`` the writer writes only that KV-head range (one tensor-parallel rank):
+        the other ranks reserve the same key with their own ranges and join the object
+        (see :mod:`kvfabric.store.shards`)."""
         _check_key("key", key)
         _check_key("parent", parent)
         num_tokens = ns.spec.chunk_tokens if num_tokens is None else num_tokens
         nbytes = ns.spec.layout(num_tokens).nbytes  # validates num_tokens
+        if heads is not None:
+            head_mask(heads, ns.spec.num_kv_heads)  # validates the range
         with self._lock:
             self._check_open()
             ns = self._intern(ns)
-            if self._index.find(ns, key) is not None:
-                raise AlreadyExistsError(f"{key.hex()} is already stored or being written")
+            existing = self._index.find(ns, key)
+            if existing is not None:
+                return self._join(existing, parent, num_tokens, heads)
             tier, pages = self._placement.allocate(nbytes)
             entry = Entry(key, parent, ns, num_tokens, tier, pages)
-            entry.pins = 1  # the writer's reservation
+            if heads is not None:
+                entry.shards = HeadShards(ns.spec.num_kv_heads, ns.spec.num_layers)
             self._index.add(entry)
-            writer = ObjectWriter(self, entry, time.monotonic() + self.config.reservation_timeout_s)
-            self._leases[id(writer)] = writer
-            return writer
+            return self._new_writer(entry, heads)
+
+    def _join(self, entry: Entry, parent: bytes, num_tokens: int, heads: HeadRange | None
+              ) -> ObjectWriter:
+        """Another tensor-parallel rank's writer for an object being written by ranges."""
+        if heads is None or entry.shards is None or entry.complete or \
+                entry.flags & (ABORTED | REMOVED):
+            raise AlreadyExistsError(f"{entry.key.hex()} is already stored or being written")
+        if entry.parent != parent or entry.num_tokens != num_tokens:
+            raise SpecMismatchError(f"{entry.key.hex()} is being written with parent "
+                                    f"{entry.parent.hex()} and {entry.num_tokens} tokens")
+        return self._new_writer(entry, heads)
+
+    def _new_writer(self, entry: Entry, heads: HeadRange | None) -> ObjectWriter:
+        mask = entry.shards.claim(heads) if heads is not None else 0
+        entry.pins += 1  # the writer's reservation
+        writer = ObjectWriter(self, entry, time.monotonic() + self.config.reservation_timeout_s,
+                              heads=heads, head_mask=mask)
+        self._leases[id(writer)] = writer
+        return writer
 
     def put(self, ns: Namespace, key: bytes, data: Any, *, parent: bytes = ROOT,
             num_tokens: int | None = None) -> bool:
@@ -155,17 +182,25 @@ class TieredStore:
             if entry.flags & ABORTED:
                 raise ObjectAbortedError(f"{writer.key.hex()} was deleted while being written")
             full = (1 << entry.ns.spec.num_layers) - 1
-            ready = entry.ready | mask
+            writer.committed |= mask
+            if entry.shards is None:
+                ready = entry.ready | mask
+            else:  # a layer is readable once every rank's heads of it landed
+                ready = entry.ready | entry.shards.commit(writer.head_mask, mask)
+            done = writer.committed == full
+            if done:
+                self._end_lease(writer)
             if ready == full:
                 entry.ready = READY_ALL
-                self._end_lease(writer)
+                entry.shards = None
                 self._count["puts"] += 1
-                self._tier_counters[entry.tier].bytes_in += writer.nbytes
+                self._tier_counters[entry.tier].bytes_in += entry.ns.spec.layout(
+                    entry.num_tokens).nbytes
                 self._inventory_changed([entry], [])
             else:
                 entry.ready = ready
             self._layers_changed()
-            return ready == full
+            return done
 
     def _abort(self, writer: ObjectWriter) -> None:
         with self._lock:
