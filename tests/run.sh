@@ -22,5 +22,14 @@ fi
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 # NIXL without its dependencies: they would pull a multi-GB CUDA torch; it runs on the CPU.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps nixl-cu12
+# LMCache likewise (its pins would replace numpy and protobuf and pull CUDA packages); the
+# plugin's path needs only what the [lmcache] extra lists.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[lmcache]'
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps lmcache==0.5.6
+# SGLang's HiCache storage interface: full SGLang needs a CUDA torch, so the tests unpack its
+# storage modules from the wheel instead of installing it.
+ls .venv/wheels/sglang-0.5.23-*.whl >/dev/null 2>&1 || \
+    .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps \
+        sglang==0.5.23 -d .venv/wheels
 
 exec .venv/bin/python -m pytest "$@"
