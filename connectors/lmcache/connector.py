@@ -31,8 +31,8 @@ from kvfabric.errors import AlreadyExistsError, KVFabricError, NotFoundError, Un
 from kvfabric.hashing import ROOT, ChunkRef
 from kvfabric.protocol.messages import Op
 
+from ..link import DaemonLink
 from .keys import chunk_key, layout_tag, namespace_for, opaque_spec
-from .link import DaemonLink
 from .settings import PluginSettings
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class KVFabricRemoteConnector(RemoteConnector):
                                        lora_id=self.settings.lora_id)
         self._layout = layout_tag(self.meta_fmt, self.meta_shapes, self.meta_dtypes)
         self._link = DaemonLink(self.settings.socket_path, self.settings.token,
-                                timeout=self.settings.timeout_s,
+                                timeout=self.settings.timeout_s, engine="lmcache",
                                 retry_after_s=self.settings.retry_after_s)
         self._pull = self.settings.pull
         self._executor = ThreadPoolExecutor(self.settings.threads,

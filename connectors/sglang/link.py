@@ -48,7 +48,7 @@ class DaemonLink:
         try:
             # reconnect within the call's own deadline only: SGLang's threads must not stall
             client = Client(self.socket_path, token=self._token, timeout=self._timeout,
-                            reconnect_timeout=1.0)
+                            reconnect_timeout=1.0, engine="sglang")
         except (OSError, UnavailableError) as exc:
             with self._lock:
                 self._mark_down(exc)

@@ -30,7 +30,7 @@ from kvfabric.errors import KVFabricError, UnavailableError
 from kvfabric.hashing import ChunkRef, chunk_hashes
 from kvfabric.lookup import LookupResult
 
-from .link import DaemonLink
+from ..link import DaemonLink
 from .metadata import ChunkSlice, KVFabricMetadata, RequestTransfer
 from .namespace import Namespaces, lora_id_of
 from .settings import ConnectorSettings
@@ -70,7 +70,7 @@ class SchedulerSide:
         self.loads = loads
         self.saves = saves
         self.link = DaemonLink(settings.socket_path, settings.token,
-                               timeout=settings.load_timeout_s)
+                               timeout=settings.load_timeout_s, engine="vllm")
         self._requests: dict[str, _Request] = {}
         self._cluster_scope = True  # until the daemon says it has no global index
 

@@ -36,8 +36,8 @@ from kvfabric.errors import AlreadyExistsError, KVFabricError
 from kvfabric.hashing import ChunkRef
 from kvfabric.memory.copy import copy_pieces
 
+from ..link import DaemonLink
 from .layout import PagedLayout, layout_for_vllm_cache
-from .link import DaemonLink
 from .metadata import ChunkSlice, KVFabricMetadata, RequestTransfer
 from .namespace import Namespaces
 from .settings import ConnectorSettings
@@ -65,14 +65,14 @@ class WorkerSide:
         spec = namespaces.spec
         self._dtype = getattr(torch, spec.dtype.value)
         self.link = DaemonLink(settings.socket_path, settings.token,
-                               timeout=settings.load_timeout_s)
+                               timeout=settings.load_timeout_s, engine="vllm")
         # a push holds its connection until the target has every layer: its own link
         self._push_link = DaemonLink(settings.socket_path, settings.token,
-                                     timeout=settings.save_timeout_s)
+                                     timeout=settings.save_timeout_s, engine="vllm")
         self._pushes = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-push")
         # a pull holds its connection until the chunks are here: background loads get theirs
         self._background_link = DaemonLink(settings.socket_path, settings.token,
-                                           timeout=settings.load_timeout_s)
+                                           timeout=settings.load_timeout_s, engine="vllm")
         self._lock = threading.Lock()  # background loads report from their threads
         self._background: list[_LayerLoad] = []
         self._finished_loads: set[str] = set()

@@ -90,9 +90,17 @@ class Metrics:
         self._request_errors = Counter(
             f"{PREFIX}request_errors", "Requests answered with an error, by error kind.",
             ["plane", "op", "kind"], registry=reg)
-        self._tenants: set[str] = set()
-        self._max_tenants = max_tenants
-        self._tenant_lock = threading.Lock()
+        self._engine_lookup_tokens = Counter(
+            f"{PREFIX}engine_lookup_tokens", "Tokens looked up, by the engine that asked.",
+            ["engine"], registry=reg)
+        self._engine_hit_tokens = Counter(
+            f"{PREFIX}engine_hit_tokens", "Looked-up tokens found, by the engine that asked.",
+            ["engine"], registry=reg)
+        self._engine_bytes = Counter(
+            f"{PREFIX}engine_bytes", "KV payload bytes pinned for reading (read) or reserved "
+            "for writing (written), by engine.", ["engine", "direction"], registry=reg)
+        self._tenants = _CappedLabel(max_tenants)
+        self._engines = _CappedLabel(max_tenants)
         if store is not None:
             reg.register(StoreCollector(store))
 
@@ -130,13 +138,21 @@ class Metrics:
 
     def tenant_label(self, tenant: str) -> str:
         """``tenant`` itself while fewer than ``max_tenants`` were seen, else OTHER_TENANT."""
-        with self._tenant_lock:
-            if tenant in self._tenants:
-                return tenant
-            if len(self._tenants) < self._max_tenants:
-                self._tenants.add(tenant)
-                return tenant
-        return OTHER_TENANT
+        return self._tenants.label(tenant)
+
+    def count_engine_traffic(self, engine: str, lookup_tokens: int = 0, hit_tokens: int = 0,
+                             bytes_read: int = 0, bytes_written: int = 0) -> None:
+        """Traffic of one request of a session that said it serves ``engine`` (its hello's
+        ``client``: "vllm", "sglang", "lmcache", ...)."""
+        label = self._engines.label(engine or "unknown")
+        if lookup_tokens:
+            self._engine_lookup_tokens.labels(label).inc(lookup_tokens)
+        if hit_tokens:
+            self._engine_hit_tokens.labels(label).inc(hit_tokens)
+        if bytes_read:
+            self._engine_bytes.labels(label, "read").inc(bytes_read)
+        if bytes_written:
+            self._engine_bytes.labels(label, "written").inc(bytes_written)
 
     # ------------------------------------------------------------------ exposition
 
@@ -170,6 +186,25 @@ _STORE_COUNTERS = (
     ("store_aborted_writes", "aborted_writes",
      "Reservations that ended without a complete object (aborted, expired or deleted)."),
 )
+
+
+class _CappedLabel:
+    """Label values as given while fewer than ``limit`` distinct ones were seen, then
+    OTHER_TENANT: a client cannot blow up the series count."""
+
+    def __init__(self, limit: int) -> None:
+        self._seen: set[str] = set()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def label(self, value: str) -> str:
+        with self._lock:
+            if value in self._seen:
+                return value
+            if len(self._seen) < self._limit:
+                self._seen.add(value)
+                return value
+        return OTHER_TENANT
 
 
 class StoreCollector(Collector):

@@ -52,16 +52,20 @@ class Client:
 
     def __init__(self, address: Address | None = None, *, token: str | None = None,
                  timeout: float = 30.0, reconnect: bool = True,
-                 reconnect_timeout: float = 30.0, backoff: Backoff | None = None) -> None:
+                 reconnect_timeout: float = 30.0, backoff: Backoff | None = None,
+                 engine: str | None = None) -> None:
+        """``engine`` names what this client serves ("vllm", "sglang", ...): the daemon's
+        per-engine traffic metrics carry it as a label."""
         self.address = address if address is not None else default_address()
         self._token = token if token is not None else os.environ.get("KVFABRIC_TOKEN")
         self.timeout = timeout
         self.reconnect = reconnect
         self.reconnect_timeout = reconnect_timeout
+        self.engine = engine
         self._backoff = backoff or ExponentialBackoff()
         self._lock = threading.Lock()
         self._connection: Connection | None = Connection(self.address, token=self._token,
-                                                         timeout=timeout)
+                                                         timeout=timeout, client=engine)
 
     @property
     def node_id(self) -> str:
@@ -226,7 +230,7 @@ class Client:
             if self._connection is None or self._connection.closed:
                 self._connection = None
                 self._connection = Connection(self.address, token=self._token,
-                                              timeout=self.timeout)
+                                              timeout=self.timeout, client=self.engine)
             return self._connection
 
     def close(self) -> None:

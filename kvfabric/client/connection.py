@@ -42,9 +42,12 @@ def open_socket(address: Address, timeout: float) -> socket.socket:
 
 
 def handshake(sock: socket.socket, token: str | None, deadline: float,
-              decoder: FrameDecoder) -> tuple[dict[str, Any], list[int]]:
-    """Send hello, read its reply and any passed descriptors."""
-    sock.sendall(encode_frame(request(0, Op.HELLO, {"token": token, "client": CLIENT_NAME})))
+              decoder: FrameDecoder, client: str | None = None
+              ) -> tuple[dict[str, Any], list[int]]:
+    """Send hello (``client``: the engine or tool this session serves, a metrics label),
+    read its reply and any passed descriptors."""
+    sock.sendall(encode_frame(request(0, Op.HELLO, {"token": token,
+                                                    "client": client or CLIENT_NAME})))
     fds: list[int] = []
     local = sock.family == socket.AF_UNIX
     while True:
@@ -66,7 +69,7 @@ class Connection:
     """One authenticated session; thread-safe (requests are serialised)."""
 
     def __init__(self, address: Address, *, token: str | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, client: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self._decoder = FrameDecoder()
@@ -75,7 +78,7 @@ class Connection:
         self._sock = open_socket(address, timeout)
         try:
             self.hello, fds = handshake(self._sock, token, time.monotonic() + timeout,
-                                        self._decoder)
+                                        self._decoder, client)
             self.arenas = ArenaSet(self.hello.get("arenas", []), fds)
         except BaseException:
             self._sock.close()

@@ -34,6 +34,7 @@ from kvfabric.protocol.messages import (Op, error_reply, ok_reply, parse_request
 from kvfabric.server import handlers
 from kvfabric.server.handlers import Context
 from kvfabric.server.session import Session
+from kvfabric.server.traffic import traffic_of
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,9 @@ class ControlServer:
             else:
                 result = handler.fn(self._ctx, session, args)
             reply = ok_reply(request_id, result)
+            traffic = traffic_of(op, result)
+            if traffic is not None:
+                self._metrics.count_engine_traffic(session.client, **vars(traffic))
         except KVFabricError as exc:
             error_kind = exc.kind
             reply = error_reply(request_id, exc)

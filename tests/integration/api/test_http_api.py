@@ -193,6 +193,27 @@ def test_metrics_token_counters_move_by_exact_amounts(daemon, http) -> None:
     assert value(after_http, "kvfabric_store_commits_total") == 12
 
 
+def test_engine_traffic_is_counted_by_the_engine_each_client_serves(shared, shared_http) -> None:
+    before = samples(shared_http)
+    with Client(shared.socket, engine="vllm") as vllm, Client(shared.socket,
+                                                               engine="sglang") as sglang:
+        keys = put_prompt(vllm, 3, start=50_000)  # 3 chunks written by "vllm"
+        assert sglang.lookup(NS, keys=keys + [b"\x07" * 16]).matched_chunks == 3
+        sglang.release_many(sglang.get_many(NS, keys[:2]))  # 2 chunks read by "sglang"
+    after = samples(shared_http)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("kvfabric_engine_bytes_total", engine="vllm", direction="written") == \
+        3 * SPEC.chunk_bytes
+    assert moved("kvfabric_engine_bytes_total", engine="sglang", direction="read") == \
+        2 * SPEC.chunk_bytes
+    assert moved("kvfabric_engine_bytes_total", engine="sglang", direction="written") == 0
+    assert moved("kvfabric_engine_lookup_tokens_total", engine="sglang") == 4 * CT
+    assert moved("kvfabric_engine_hit_tokens_total", engine="sglang") == 3 * CT
+
+
 def test_metrics_parse_and_carry_every_documented_family(shared_http) -> None:
     text = shared_http.get("/metrics").text
     families = {f.name: f.type for f in text_string_to_metric_families(text)}
@@ -204,6 +225,8 @@ def test_metrics_parse_and_carry_every_documented_family(shared_http) -> None:
         "kvfabric_tier_capacity_bytes": "gauge", "kvfabric_tier_used_bytes": "gauge",
         "kvfabric_tier_objects": "gauge", "kvfabric_tier_evictions": "counter",
         "kvfabric_store_commits": "counter", "kvfabric_store_leases_expired": "counter",
+        "kvfabric_engine_lookup_tokens": "counter", "kvfabric_engine_hit_tokens": "counter",
+        "kvfabric_engine_bytes": "counter",
     }
     for name, kind in expected.items():
         assert families.get(name) == kind, (name, families.get(name))

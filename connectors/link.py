@@ -1,9 +1,10 @@
-"""The plugin's link to its node daemon: one LMCache can live without.
+"""An engine plugin's link to its node daemon: one the engine can live without.
 
-A remote backend is an optimisation: when the daemon is missing, restarting or broken,
-LMCache must keep serving (every lookup a miss, every put dropped). :class:`DaemonLink`
-connects lazily and, after a connection-level failure, stays away for ``retry_after_s`` so
-an absent daemon costs each call nothing. Thread-safe.
+A KV cache is an optimisation: when the daemon is missing, restarting or broken, the engine
+must keep serving by recomputing. :class:`DaemonLink` connects lazily, and after a
+connection-level failure stays away for ``retry_after_s`` so an absent daemon costs each
+request nothing but its hit. ``engine`` names the engine in the daemon's traffic metrics.
+Thread-safe (requests share one connection; give a blocking caller a link of its own).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ log = logging.getLogger(__name__)
 
 
 class DaemonLink:
-    def __init__(self, socket_path: str, token: str | None, *, timeout: float,
+    def __init__(self, socket_path: str, token: str | None, *, timeout: float, engine: str,
                  retry_after_s: float = 2.0) -> None:
         self.socket_path = socket_path
+        self.engine = engine
+        self.failures = 0
         self._token = token
         self._timeout = timeout
         self._retry_after_s = retry_after_s
@@ -29,19 +32,20 @@ class DaemonLink:
         self._client: Client | None = None
         self._down_until = 0.0
         self._down = False
-        self.failures = 0
 
     def client(self) -> Client:
-        """The connected client; UnavailableError at once while the daemon is down."""
+        """The connected client; UnavailableError at once while the daemon is considered
+        down."""
         with self._lock:
             if self._client is not None:
                 return self._client
             if time.monotonic() < self._down_until:
                 raise UnavailableError(f"kvfabric daemon at {self.socket_path} is unavailable")
             try:
-                # reconnects within one call's own deadline only: the engine must not stall
+                # reconnect within the call's own deadline only: the engine must not stall
                 self._client = Client(self.socket_path, token=self._token,
-                                      timeout=self._timeout, reconnect_timeout=1.0)
+                                      timeout=self._timeout, reconnect_timeout=1.0,
+                                      engine=self.engine)
             except (OSError, UnavailableError) as exc:
                 self._mark_down(exc)
                 raise UnavailableError(f"kvfabric daemon at {self.socket_path}: {exc}") from exc
@@ -63,8 +67,8 @@ class DaemonLink:
         self.failures += 1
         self._down_until = time.monotonic() + self._retry_after_s
         if not self._down:
-            log.warning("kvfabric daemon at %s unavailable (%s); LMCache goes on without it",
-                        self.socket_path, exc)
+            log.warning("kvfabric daemon at %s unavailable (%s); %s goes on without it",
+                        self.socket_path, exc, self.engine)
             self._down = True
 
     def close(self) -> None:
