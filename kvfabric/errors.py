@@ -120,6 +120,13 @@ class UnavailableError(KVFabricError, ConnectionError):
     kind = "unavailable"
 
 
+class UnsupportedError(KVFabricError):
+    """This node cannot do that at all (no global index, no peer transport): unlike
+    :class:`UnavailableError`, asking again will not help."""
+
+    kind = "unsupported"
+
+
 def _all_subclasses(cls: type) -> list[type]:
     out = []
     for sub in cls.__subclasses__():

@@ -29,7 +29,7 @@ import torch
 
 from kvfabric.client import Client
 from kvfabric.client.objects import RemoteReader
-from kvfabric.errors import KVFabricError, SpecError, UnavailableError
+from kvfabric.errors import KVFabricError, SpecError, UnsupportedError
 from kvfabric.hashing import ChunkRef, chunk_hashes
 from kvfabric.memory.copy import copy_pieces
 from kvfabric.spec import DEFAULT_CHUNK_TOKENS, AttentionKind, KVSpec, Namespace
@@ -183,17 +183,11 @@ def _pin(client: Client, ns: Namespace, refs: list[ChunkRef], pull: bool, deadli
 
 def _prefetch(client: Client, ns: Namespace, keys: list[bytes], timeout: float
               ) -> dict[str, Any] | None:
-    """The daemon's prefetch reply, or None where this node cannot pull (not in a cluster).
-
-    A node outside a cluster answers ``unavailable``, which the client would otherwise
-    retry like a lost connection until its ``reconnect_timeout``: not here."""
-    reconnect, client.reconnect = client.reconnect, False
+    """The daemon's prefetch reply, or None where this node cannot pull (not in a cluster)."""
     try:
         return dict(client.prefetch(ns, keys=keys, timeout=timeout))
-    except UnavailableError:
+    except UnsupportedError:
         return None
-    finally:
-        client.reconnect = reconnect
 
 
 def _prefix(readers: Sequence[RemoteReader | None]) -> int:

@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvfabric.client import Client
 from kvfabric.client.objects import RemoteWriter
-from kvfabric.errors import AlreadyExistsError, KVFabricError, UnavailableError
+from kvfabric.errors import AlreadyExistsError, KVFabricError, UnavailableError, UnsupportedError
 from kvfabric.hashing import ChunkRef
 from kvfabric.spec import Namespace
 
@@ -122,9 +122,7 @@ class KVFabricHiCacheStorage(HiCacheStorage):
             try:
                 result = client.lookup(self.namespace, keys=chunk_keys, scope="cluster")
                 return result.matched_chunks, result.cluster_chunks or 0
-            except UnavailableError as exc:
-                if "no global index" not in str(exc):
-                    raise
+            except UnsupportedError:
                 self._cluster = False  # a single node: local lookups say it all
         result = client.lookup(self.namespace, keys=chunk_keys)
         return result.matched_chunks, result.matched_chunks

@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .metadata import KVFabricMetadata
-from .namespace import Namespaces, model_id_of, spec_from_vllm
+from .namespace import Namespaces, engine_kv_dtype, model_id_of, spec_from_vllm
 from .scheduler import SchedulerSide
 from .settings import ConnectorSettings
 from .stats import KVFabricConnectorStats
@@ -59,7 +59,7 @@ class KVFabricConnector(KVConnectorBase_V1):
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("KVFabricConnector supports tensor_parallel_size=1 for now")
-        spec = spec_from_vllm(vllm_config, settings.chunk_tokens)
+        spec = spec_from_vllm(vllm_config, settings.chunk_tokens, settings.kv_dtype)
         namespaces = Namespaces(model_id_of(vllm_config, settings.model_id), spec)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -68,7 +68,8 @@ class KVFabricConnector(KVConnectorBase_V1):
                                             loads=transfer.is_kv_consumer,
                                             saves=transfer.is_kv_producer)
         else:
-            self._worker = WorkerSide(settings, namespaces, vllm_config.cache_config.block_size)
+            self._worker = WorkerSide(settings, namespaces, vllm_config.cache_config.block_size,
+                                      engine_kv_dtype(vllm_config))
 
     # -- scheduler side ----------------------------------------------------------------
 

@@ -15,21 +15,36 @@ import torch
 from kvfabric.spec import AttentionKind, KVSpec, Namespace
 
 
-def spec_from_vllm(vllm_config: Any, chunk_tokens: int) -> KVSpec:
-    """The canonical spec of the model this engine serves (all KV heads: the object is
-    the whole layer, whatever this engine's tensor parallelism)."""
-    model = vllm_config.model_config
+CONVERTIBLE = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def engine_kv_dtype(vllm_config: Any) -> torch.dtype:
+    """The dtype of this engine's paged KV cache."""
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
-        raise ValueError(f"kvfabric stores the model's KV dtype; kv_cache_dtype={cache_dtype!r} "
-                         f"is not supported by this connector yet")
-    dtype = model.dtype
+        raise ValueError(f"kv_cache_dtype={cache_dtype!r} is not supported by this connector "
+                         f"yet (it moves the model's KV dtype)")
+    dtype = vllm_config.model_config.dtype
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"cannot tell the KV dtype from model dtype {dtype!r}")
+    return dtype
+
+
+def spec_from_vllm(vllm_config: Any, chunk_tokens: int, kv_dtype: str | None = None
+                   ) -> KVSpec:
+    """The canonical spec of the model this engine serves (all KV heads: the object is
+    the whole layer, whatever this engine's tensor parallelism). ``kv_dtype`` is the
+    fabric's storage dtype when it differs from the engine's (a bf16 prefill feeding an fp32
+    decode): the connector converts at its edge."""
+    model = vllm_config.model_config
+    engine = engine_kv_dtype(vllm_config)
+    stored = getattr(torch, kv_dtype) if kv_dtype else engine
+    if {engine, stored} - set(CONVERTIBLE):
+        raise ValueError(f"cannot convert between KV dtypes {engine} and {stored}")
     mla = bool(getattr(model, "use_mla", False))
     return KVSpec(num_layers=model.get_num_layers(vllm_config.parallel_config),
                   num_kv_heads=1 if mla else model.get_total_num_kv_heads(),
-                  head_dim=model.get_head_size(), dtype=str(dtype),
+                  head_dim=model.get_head_size(), dtype=str(stored),
                   kind=AttentionKind.MLA if mla else AttentionKind.MHA,
                   chunk_tokens=chunk_tokens)
 

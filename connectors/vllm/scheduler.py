@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfabric.errors import KVFabricError, UnavailableError
+from kvfabric.errors import KVFabricError, UnavailableError, UnsupportedError
 from kvfabric.hashing import ChunkRef, chunk_hashes
 from kvfabric.lookup import LookupResult
 
@@ -203,9 +203,7 @@ class SchedulerSide:
         if self._cluster_scope:
             try:
                 return client.lookup(ns, keys=keys, scope="cluster")
-            except UnavailableError as exc:
-                if "no global index" not in str(exc):
-                    raise
+            except UnsupportedError:
                 self._cluster_scope = False  # a single node: local lookups say it all
         return client.lookup(ns, keys=keys)
 

@@ -19,6 +19,9 @@ push_to             node id every prefill pushes to            none (per request
                                                                ``kv_transfer_params``)
 expect_timeout_s    how long a consumer waits for KV a         5
                     producer announced (``kv_transfer_params``)
+kv_dtype            the fabric's storage dtype (bfloat16,      the engine's KV dtype
+                    float16, float32), converted at the edge
+                    when the engine's differs
 ==================  =========================================  =============================
 """
 
@@ -42,6 +45,7 @@ class ConnectorSettings:
     save_timeout_s: float = 10.0
     push_to: str | None = None
     expect_timeout_s: float = 5.0
+    kv_dtype: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
@@ -57,6 +61,9 @@ class ConnectorSettings:
         for name in ("chunk_tokens",):
             if not isinstance(getattr(settings, name), int) or getattr(settings, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer")
+        if settings.kv_dtype not in (None, "bfloat16", "float16", "float32"):
+            raise ValueError(f"kv_dtype must be bfloat16, float16 or float32, "
+                             f"got {settings.kv_dtype!r}")
         for name in ("load_timeout_s", "save_timeout_s", "expect_timeout_s"):
             if not isinstance(getattr(settings, name), (int, float)) or \
                     getattr(settings, name) <= 0:

@@ -57,13 +57,14 @@ class _Item:
 
 
 class WorkerSide:
-    def __init__(self, settings: ConnectorSettings, namespaces: Namespaces,
-                 block_size: int) -> None:
+    def __init__(self, settings: ConnectorSettings, namespaces: Namespaces, block_size: int,
+                 engine_dtype: torch.dtype) -> None:
         self.settings = settings
         self.namespaces = namespaces
         self.block_size = block_size  # the scheduler's: block_ids index tokens by it
         spec = namespaces.spec
-        self._dtype = getattr(torch, spec.dtype.value)
+        self._dtype = getattr(torch, spec.dtype.value)  # as the fabric stores it
+        self._engine_dtype = engine_dtype  # as the engine's cache holds it
         self.link = DaemonLink(settings.socket_path, settings.token,
                                timeout=settings.load_timeout_s, engine="vllm")
         # a push holds its connection until the target has every layer: its own link
@@ -105,7 +106,7 @@ class WorkerSide:
         self._layout = layout_for_vllm_cache(
             first, block_size=self.block_size, num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim, device_type=first.device.type,
-            isa=_cpu_isa(self._dtype, self.block_size, spec.head_dim) if cpu else None)
+            isa=_cpu_isa(self._engine_dtype, self.block_size, spec.head_dim) if cpu else None)
 
     # -- loads -------------------------------------------------------------------------
 
@@ -172,7 +173,7 @@ class WorkerSide:
             for item in live:
                 chunk = item.chunk
                 canonical = self._layout.gather(kv_layer, item.blocks, chunk.start,
-                                                chunk.num_tokens)
+                                                chunk.num_tokens).to(self._dtype)
                 item.handle.write_layer(layer, canonical)  # type: ignore[union-attr]
             self.link.client().commit_layer_many([i.handle for i in live], layer)  # type: ignore[misc]
         except (KVFabricError, OSError, ValueError) as exc:
@@ -263,8 +264,9 @@ class WorkerSide:
         else:
             flat = torch.empty(sum(p.nbytes for p in pieces), dtype=torch.uint8)
             copy_pieces([flat], pieces)
-        return flat.view(self._dtype).view(2, spec.num_kv_heads, reader.num_tokens,
-                                            spec.head_dim)
+        stored = flat.view(self._dtype).view(2, spec.num_kv_heads, reader.num_tokens,
+                                              spec.head_dim)
+        return stored.to(self._engine_dtype)  # no copy when the dtypes agree
 
     def close(self) -> None:
         if self._load is not None:

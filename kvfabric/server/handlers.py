@@ -22,7 +22,7 @@ import numpy as np
 
 from kvfabric.config import AuthConfig
 from kvfabric.errors import (AuthError, ForbiddenError, KVFabricError, LeaseExpiredError,
-                             ObjectAbortedError, ProtocolError, UnavailableError,
+                             ObjectAbortedError, ProtocolError, UnavailableError, UnsupportedError,
                              WouldBlockError)
 from kvfabric.hashing import ROOT, chunk_keys
 from kvfabric.protocol.messages import (MAX_KEYS, MAX_TOKENS, PROTOCOL_VERSION, Op, arg_float,
@@ -103,7 +103,7 @@ def lookup(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, An
         raise ProtocolError(f"scope must be 'local' or 'cluster', got {scope!r}")
     if scope == "cluster":
         if ctx.cluster is None:
-            raise UnavailableError("this server has no global index")
+            raise UnsupportedError("this server has no global index")
         if ctx.store.in_nonblocking_mode:
             raise WouldBlockError("a cluster lookup asks the global index over the network")
     ns = session.namespace(args.get("ns"))
@@ -366,7 +366,7 @@ def push(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]
     Returns counts of distinct chunks: ``pushed``, ``already_there``, ``failed``.
     """
     if ctx.pusher is None:
-        raise UnavailableError("this node cannot push chunks: it has no peer transport "
+        raise UnsupportedError("this node cannot push chunks: it has no peer transport "
                                "(cluster.index is not redis)")
     ns = session.namespace(args.get("ns"))
     keys = arg_keys(args)
@@ -383,7 +383,7 @@ def prefetch(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, 
     node the pulled chunks came from, or None).
     """
     if ctx.puller is None:
-        raise UnavailableError("this node cannot pull chunks: it has no peer transport "
+        raise UnsupportedError("this node cannot pull chunks: it has no peer transport "
                                "(cluster.index is not redis)")
     ns = session.namespace(args.get("ns"))
     if "keys" in args:
