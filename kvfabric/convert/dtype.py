@@ -1,0 +1,310 @@
+"""Dtype conversion of canonical KV on read: bfloat16, float16 and float32 in any direction.
+
+A consumer that runs in another dtype than the producer (bf16 KV into an fp32 CPU model, an
+fp16-only accelerator reading bf16 KV) converts while it copies the KV out of the fabric:
+
+* :func:`convert_pieces` turns the zero-copy pieces of a layer, a head range or a whole payload
+  (what ``reader.layer_pieces(layer, heads=...)`` / ``reader.pieces()`` return: numpy ``uint8``
+  views of host pages, or torch ``uint8`` tensors of a device pool) into a tensor of a given
+  shape in the requested dtype. When the dtype does not change and the pieces are one
+  contiguous run of memory (adjacent pages of one arena count), the result is a **view** of the
+  stored bytes (zero copy; it aliases the pages, so it is valid only while the reader holds the
+  object pinned). Otherwise it is one pass: each piece is converted straight into its slice of
+  the result (or of ``out``), with no intermediate buffer.
+* :func:`read_layer` / :func:`read_payload` do the same from a reader, taking the stored dtype
+  and the shape from the reader's layout: ``[planes, heads, tokens, head_dim]`` for a layer
+  (or a head range of it), ``[layers, planes, heads, tokens, head_dim]`` for a payload.
+* :func:`convert_tensor` converts a canonical tensor already in memory (a view when nothing
+  changes).
+
+float8 payloads are not converted here: they need their per-head scales
+(:mod:`kvfabric.convert.fp8`). Unknown dtypes raise :class:`~kvfabric.errors.SpecError`;
+pieces or buffers whose byte count does not match the requested shape raise
+:class:`~kvfabric.errors.PayloadSizeError` (both are ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvfabric.errors import PayloadSizeError, SpecError
+from kvfabric.memory.copy import Piece, nbytes_of
+from kvfabric.payload import HeadRange, PayloadReader
+from kvfabric.spec import ChunkLayout, KVDtype
+
+# Dtypes converted here; float8 needs scales (kvfabric.convert.fp8).
+CONVERTIBLE = (KVDtype.BFLOAT16, KVDtype.FLOAT16, KVDtype.FLOAT32)
+
+_TORCH = {KVDtype.BFLOAT16: torch.bfloat16, KVDtype.FLOAT16: torch.float16,
+          KVDtype.FLOAT32: torch.float32, KVDtype.FLOAT8_E4M3: torch.float8_e4m3fn}
+_FROM_TORCH = {value: key for key, value in _TORCH.items()}
+
+
+def kv_dtype(dtype: Any) -> KVDtype:
+    """The :class:`KVDtype` of a name (``"bf16"``, ``"torch.float16"``), KVDtype or torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        try:
+            return _FROM_TORCH[dtype]
+        except KeyError:
+            known = ", ".join(str(t) for t in _TORCH.values())
+            raise SpecError(f"unsupported KV dtype {dtype}; expected one of: {known}") from None
+    if not isinstance(dtype, (str, KVDtype)):
+        known = ", ".join(d.value for d in KVDtype)
+        raise SpecError(f"a dtype must be a name, a KVDtype or a torch.dtype ({known}), "
+                        f"got {dtype!r}")
+    return KVDtype.parse(dtype)
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype of a KV dtype given in any form :func:`kv_dtype` accepts."""
+    return _TORCH[kv_dtype(dtype)]
+
+
+def convertible(dtype: Any) -> torch.dtype:
+    """The torch dtype of ``dtype`` if this module converts it; SpecError otherwise."""
+    kind = kv_dtype(dtype)
+    if kind not in CONVERTIBLE:
+        raise SpecError(f"{kind.value} payloads carry per-head scales: read them with "
+                        f"kvfabric.convert.fp8, not as plain {', '.join(d.value for d in CONVERTIBLE)}")
+    return _TORCH[kind]
+
+
+def convert_pieces(pieces: Sequence[Piece], stored: Any, requested: Any = None,
+                   shape: Sequence[int] | None = None, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bytes of ``pieces`` (stored as ``stored``) as a ``requested``-dtype tensor of ``shape``.
+
+    ``requested`` defaults to ``stored``; ``shape`` defaults to 1-D. Without ``out``, the result
+    is a view of the pieces when the dtype does not change and the pieces are one contiguous
+    run of memory, else a new tensor (on the pieces' device). With ``out`` (contiguous, of
+    ``shape`` and the requested dtype, on the pieces' device or on the host for host pieces)
+    the data is converted into it and ``out`` is returned.
+    """
+    src = convertible(stored)
+    dst = src if requested is None else convertible(requested)
+    total = sum(nbytes_of(p) for p in pieces)
+    itemsize = src.itemsize
+    if total % itemsize:
+        raise PayloadSizeError(f"{total} bytes are not a whole number of {src} elements")
+    numel = total // itemsize
+    if shape is None:
+        shape = (numel,) if out is None else tuple(out.shape)
+    shape = tuple(int(n) for n in shape)
+    if any(n < 0 for n in shape) or math.prod(shape) != numel:
+        raise PayloadSizeError(f"{total} bytes of {src} hold {numel} elements, not the "
+                               f"{math.prod(shape)} of shape {list(shape)}")
+    if out is not None:
+        _check_out(out, shape, dst)
+    runs = coalesce(pieces)
+    if out is None and len(runs) == 1:
+        whole = _as_tensor(runs[0]).view(src).view(shape)
+        return whole if dst == src else whole.to(dst)
+    if out is None:
+        device = _as_tensor(runs[0]).device if runs else torch.device("cpu")
+        out = torch.empty(shape, dtype=dst, device=device)
+    flat = out.view(-1)
+    if any(nbytes_of(run) % itemsize for run in runs):
+        # A run that splits an element (no tier does that: pages are multiples of 4 bytes):
+        # gather the bytes first, convert after.
+        staging = torch.empty(total, dtype=torch.uint8, device=flat.device)
+        _copy_runs(staging, runs)
+        flat.copy_(staging.view(src))
+        return out
+    if dst == src:
+        _copy_runs(flat.view(torch.uint8), runs)
+    else:
+        offset = 0
+        for run in runs:
+            n = nbytes_of(run) // itemsize
+            flat[offset:offset + n].copy_(_as_tensor(run).view(src))
+            offset += n
+    return out
+
+
+def convert_tensor(tensor: torch.Tensor, requested: Any, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensor`` (bf16 / fp16 / fp32) in the ``requested`` dtype: itself when it already is
+    (and no ``out`` is given), else a converted copy (into ``out`` when given)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    convertible(tensor.dtype)
+    dst = convertible(requested)
+    if out is None:
+        return tensor if tensor.dtype == dst else tensor.to(dst)
+    _check_out(out, tuple(tensor.shape), dst)
+    out.copy_(tensor)
+    return out
+
+
+def layer_shape(layout: ChunkLayout, heads: HeadRange | None = None) -> tuple[int, int, int, int]:
+    """``[planes, heads, tokens, head_dim]`` of a layer (or of heads ``[a, b)`` of it)."""
+    spec = layout.spec
+    count = spec.num_kv_heads if heads is None else heads[1] - heads[0]
+    return (spec.kv_planes, count, layout.num_tokens, spec.head_dim)
+
+
+def read_layer(reader: PayloadReader, layer: int, *, heads: HeadRange | None = None,
+               dtype: Any = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One committed layer (or heads ``[a, b)`` of it) as ``[planes, heads, tokens, head_dim]``
+    in ``dtype`` (default: the stored dtype); a view of the reader's pages when that needs no
+    copy (valid while the object stays pinned), else a copy (into ``out`` when given)."""
+    pieces = reader.layer_pieces(layer, heads)
+    return convert_pieces(pieces, reader.layout.spec.dtype, dtype,
+                          layer_shape(reader.layout, heads), out=out)
+
+
+def read_payload(reader: PayloadReader, *, heads: HeadRange | None = None, dtype: Any = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """A complete object (or heads ``[a, b)`` of every layer: one tensor-parallel rank's
+    share) as ``[layers, planes, heads, tokens, head_dim]`` in ``dtype``.
+
+    Without ``heads``, like :func:`read_layer` (a view when nothing changes). With ``heads``,
+    a copy (into ``out`` when given): host pages in the stored dtype move with one flat copy
+    per (layer, plane) run, straight from the pages (the fast path of a tensor-parallel
+    reader); otherwise converted from one strided view, or layer by layer."""
+    layout = reader.layout
+    spec = layout.spec
+    if heads is None:
+        shape = (spec.num_layers, *layer_shape(layout))
+        return convert_pieces(reader.pieces(), spec.dtype, dtype, shape, out=out)
+    layout.head_ranges(0, *heads)  # validates the range
+    src = convertible(spec.dtype)
+    dst = src if dtype is None else convertible(dtype)
+    shape = (spec.num_layers, *layer_shape(layout, heads))
+    if out is None:
+        device = _as_tensor(reader.pieces()[0]).device
+        out = torch.empty(shape, dtype=dst, device=device)
+    else:
+        _check_out(out, shape, dst)
+    if dst == src and out.device.type == "cpu":
+        pieces = reader.pieces()
+        if all(isinstance(piece, np.ndarray) for piece in pieces):
+            _copy_head_runs(pieces, layout, heads, out.view(-1).view(torch.uint8).numpy())
+            return out
+    runs = coalesce(reader.pieces())
+    if len(runs) == 1:
+        whole = _as_tensor(runs[0]).view(src).view(spec.num_layers, *layer_shape(layout))
+        out.copy_(whole[:, :, heads[0]:heads[1]])  # converts on the way
+        return out
+    for layer in range(spec.num_layers):
+        convert_pieces(reader.layer_pieces(layer, heads), src, dst, shape[1:], out=out[layer])
+    return out
+
+
+def _copy_head_runs(pieces: Sequence[np.ndarray], layout: ChunkLayout, heads: HeadRange,
+                    into: np.ndarray) -> None:
+    """Copy heads ``[a, b)`` of every (layer, plane) of a payload held in host ``pieces``
+    into flat ``into``: one ``copyto`` per run (per page a run crosses), finding the pieces
+    by their sizes alone (asking numpy for addresses costs a microsecond each)."""
+    spec = layout.spec
+    length = (heads[1] - heads[0]) * layout.head_bytes
+    start = heads[0] * layout.head_bytes
+    index, piece_start = 0, 0  # the piece holding the current position, and its offset
+    piece_end = pieces[0].nbytes if pieces else 0
+    offset = 0
+    for layer in range(spec.num_layers):
+        for plane in range(spec.kv_planes):
+            position = layer * layout.layer_bytes + plane * layout.plane_bytes + start
+            remaining = length
+            while remaining:
+                while position >= piece_end:
+                    index += 1
+                    piece_start, piece_end = piece_end, piece_end + pieces[index].nbytes
+                n = min(remaining, piece_end - position)
+                inner = position - piece_start
+                np.copyto(into[offset:offset + n], pieces[index][inner:inner + n])
+                offset += n
+                position += n
+                remaining -= n
+
+
+def coalesce(pieces: Sequence[Piece]) -> list[Piece]:
+    """``pieces`` with every run of adjacent views of one buffer merged into one view.
+
+    Pages of an arena that happen to be consecutive (the common case for an object written
+    into a fresh arena) become one piece: one copy instead of one per page, and a chance of
+    handing out a view instead of a copy. Empty pieces are dropped."""
+    out: list[Piece] = []
+    end = -1  # address just past the last host piece of ``out``
+    for piece in pieces:
+        if not nbytes_of(piece):
+            continue
+        if isinstance(piece, np.ndarray):
+            address = piece.ctypes.data if piece.ndim == 1 and piece.strides == (1,) else -2
+            merged = _merge_host(out[-1], piece) if out and address == end else None
+            end = address + piece.nbytes if address >= 0 else -1
+        else:
+            end = -1
+            merged = _merge_device(out[-1], piece) if out else None
+        if merged is None:
+            out.append(piece)
+        else:
+            out[-1] = merged
+    return out
+
+
+def _merge_host(a: Piece, b: np.ndarray) -> np.ndarray | None:
+    """One view covering host pieces ``a`` then ``b`` (adjacent in memory) if both are views
+    of one buffer, else None."""
+    root = b.base
+    if not isinstance(a, np.ndarray) or a.base is not root or not isinstance(root, np.ndarray) \
+            or not root.flags.c_contiguous:
+        return None
+    # a slice of the buffer both are views of: its base stays that buffer, so the merged
+    # piece merges again with the next one
+    start = b.ctypes.data - a.nbytes - root.ctypes.data
+    merged = root.reshape(-1).view(np.uint8)[start:start + a.nbytes + b.nbytes]
+    return merged if merged.base is root else None
+
+
+def _merge_device(a: Piece, b: Piece) -> Piece | None:
+    """One view covering tensor pieces ``a`` then ``b`` if adjacent in one storage."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) \
+            or a.dim() != 1 or b.dim() != 1 or a.stride(0) != 1 or b.stride(0) != 1 \
+            or a.device != b.device \
+            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() \
+            or a.storage_offset() + a.numel() != b.storage_offset():
+        return None
+    return a.as_strided((a.numel() + b.numel(),), (1,))
+
+
+def _as_tensor(piece: Piece) -> torch.Tensor:
+    if isinstance(piece, torch.Tensor):
+        return piece
+    if not piece.flags.writeable:
+        # A read-only mapping: torch has no read-only tensors and warns; we never write to it.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(piece)
+    return torch.from_numpy(piece)
+
+
+def _copy_runs(dst: torch.Tensor, runs: Sequence[Piece]) -> None:
+    """Copy the concatenated ``runs`` into flat uint8 ``dst``."""
+    host = dst.device.type == "cpu"
+    dst_np = dst.numpy() if host else None
+    offset = 0
+    for run in runs:
+        n = nbytes_of(run)
+        if dst_np is not None and isinstance(run, np.ndarray):
+            np.copyto(dst_np[offset:offset + n], run)
+        else:
+            dst[offset:offset + n].copy_(_as_tensor(run))
+        offset += n
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise SpecError(f"out is {out.dtype}, the requested dtype is {dtype}")
+    if tuple(out.shape) != shape:
+        raise PayloadSizeError(f"out has shape {list(out.shape)}, expected {list(shape)}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
