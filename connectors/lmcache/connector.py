@@ -26,10 +26,9 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvfabric.client import Client
 from kvfabric.client.objects import RemoteReader, RemoteWriter
-from kvfabric.client.requests import prefetch_args
-from kvfabric.errors import AlreadyExistsError, KVFabricError, NotFoundError, UnavailableError
+from kvfabric.errors import (AlreadyExistsError, KVFabricError, NotFoundError,
+                             UnavailableError, UnsupportedError)
 from kvfabric.hashing import ROOT, ChunkRef
-from kvfabric.protocol.messages import Op
 
 from ..link import DaemonLink
 from .keys import chunk_key, layout_tag, namespace_for, opaque_spec
@@ -254,18 +253,10 @@ class KVFabricRemoteConnector(RemoteConnector):
 
     def _pull_missing(self, client: Client, fkeys: list[bytes]) -> int:
         """Have the daemon pull ``fkeys`` from the nodes holding them; chunks pulled."""
-        timeout = self.settings.pull_timeout_s
         try:
-            # straight on the session: an "unavailable" reply (no peers) must not be
-            # retried as if the connection were lost
-            reply = client._session().call(Op.PREFETCH,
-                                           prefetch_args(self.namespace, None, fkeys, timeout),
-                                           timeout + 5.0)
-        except UnavailableError:
-            try:
-                client.ping()
-            except (OSError, UnavailableError):
-                raise
+            reply = client.prefetch(self.namespace, keys=fkeys,
+                                    timeout=self.settings.pull_timeout_s)
+        except UnsupportedError:
             log.info("kvfabric plugin %s: the daemon is not in a cluster; not pulling",
                      self.plugin_name)
             self._pull = False

@@ -27,11 +27,10 @@ threads        threads doing daemon requests and page copies   2
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvfabric.client.client import default_address
+from ..settings import refuse_unknown, with_daemon_defaults
 
 LMCACHE_KEYS = ("module_path", "class_name")
 _TRUE = {"1", "true", "yes", "on"}
@@ -80,13 +79,9 @@ class PluginSettings:
                 if isinstance(k, str) and k.startswith(prefix)}
         for key in LMCACHE_KEYS:
             mine.pop(key, None)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(mine) - known)
-        if unknown:
-            raise ValueError(f"unknown kvfabric plugin setting(s) "
-                             f"{[prefix + k for k in unknown]}; known: {sorted(known)}")
-        mine.setdefault("socket_path", default_address())
-        mine.setdefault("token", os.environ.get("KVFABRIC_TOKEN"))
+        refuse_unknown(mine, {f.name for f in fields(cls)}, what="kvfabric plugin",
+                       prefix=prefix)
+        with_daemon_defaults(mine)
         for name in ("socket_path", "tenant", "lora_id"):
             mine[name] = str(mine.get(name, ""))
         if not mine["socket_path"]:

@@ -26,11 +26,10 @@ pull            ask the cluster for pages this node lacks    true
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvfabric.client.client import default_address
+from ..settings import positive_seconds, refuse_unknown, with_daemon_defaults
 
 # Keys of the extra config that SGLang itself reads (the dynamic-backend factory and the
 # cache controller), left in the object it hands to the backend.
@@ -49,19 +48,12 @@ class StorageSettings:
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> StorageSettings:
         ours = {k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(ours) - known)
-        if unknown:
-            raise ValueError(f"unknown kvfabric HiCache setting(s) {unknown}; "
-                             f"known: {sorted(known | SGLANG_KEYS)}")
-        ours.setdefault("socket_path", default_address())
-        ours.setdefault("token", os.environ.get("KVFABRIC_TOKEN"))
-        settings = cls(**ours)
+        refuse_unknown(ours, {f.name for f in fields(cls)} | SGLANG_KEYS,
+                       what="kvfabric HiCache")
+        settings = cls(**with_daemon_defaults(ours))
         for name, kinds in (("cache_salt", str), ("model_id", (str, type(None))),
                             ("socket_path", str), ("pull", bool)):
             if not isinstance(getattr(settings, name), kinds):
                 raise TypeError(f"{name} must be a {'string' if kinds is not bool else 'bool'}")
-        if isinstance(settings.timeout_s, bool) or \
-                not isinstance(settings.timeout_s, (int, float)) or settings.timeout_s <= 0:
-            raise ValueError("timeout_s must be a positive number of seconds")
+        positive_seconds("timeout_s", settings.timeout_s)
         return settings

@@ -27,12 +27,12 @@ kv_dtype            the fabric's storage dtype (bfloat16,      the engine's KV d
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvfabric.client.client import default_address
 from kvfabric.spec import DEFAULT_CHUNK_TOKENS
+
+from ..settings import positive_seconds, refuse_unknown, with_daemon_defaults
 
 
 @dataclass(frozen=True)
@@ -49,23 +49,15 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
-        extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(f"unknown kvfabric connector setting(s) {unknown}; "
-                             f"known: {sorted(known)}")
-        extra.setdefault("socket_path", default_address())
-        extra.setdefault("token", os.environ.get("KVFABRIC_TOKEN"))
-        settings = cls(**extra)
-        for name in ("chunk_tokens",):
-            if not isinstance(getattr(settings, name), int) or getattr(settings, name) <= 0:
-                raise ValueError(f"{name} must be a positive integer")
+        values = dict(extra or {})
+        refuse_unknown(values, [f.name for f in fields(cls)], what="kvfabric connector")
+        settings = cls(**with_daemon_defaults(values))
+        if isinstance(settings.chunk_tokens, bool) or not isinstance(settings.chunk_tokens, int) \
+                or settings.chunk_tokens <= 0:
+            raise ValueError("chunk_tokens must be a positive integer")
         if settings.kv_dtype not in (None, "bfloat16", "float16", "float32"):
             raise ValueError(f"kv_dtype must be bfloat16, float16 or float32, "
                              f"got {settings.kv_dtype!r}")
         for name in ("load_timeout_s", "save_timeout_s", "expect_timeout_s"):
-            if not isinstance(getattr(settings, name), (int, float)) or \
-                    getattr(settings, name) <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds")
+            positive_seconds(name, getattr(settings, name))
         return settings
