@@ -29,9 +29,9 @@ import torch
 
 from kvfabric.client import Client
 from kvfabric.client.objects import RemoteReader
+from kvfabric.convert.dtype import read_layer
 from kvfabric.errors import KVFabricError, SpecError, UnsupportedError
 from kvfabric.hashing import ChunkRef, chunk_hashes
-from kvfabric.memory.copy import copy_pieces
 from kvfabric.spec import DEFAULT_CHUNK_TOKENS, AttentionKind, KVSpec, Namespace
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -99,8 +99,9 @@ def load_past_key_values(client: Client, ns: Namespace, token_ids: Sequence[int]
     that holds them when ``pull`` (the daemon must be in a cluster; elsewhere the local
     prefix is all there is). Each chunk is pinned while it is copied out and released after;
     a chunk still being written is read layer by layer as its layers are committed. The
-    whole call (pins, pull, waits) takes at most about ``timeout`` seconds. ``dtype`` converts (default: the stored dtype);
-    ``config`` (the model's) is checked against the namespace's spec and passed to the cache.
+    whole call (pins, pull, waits) takes at most about ``timeout`` seconds. ``dtype``
+    converts (default: the stored dtype); ``config`` (the model's) is checked against the
+    namespace's spec and passed to the cache.
     """
     spec = ns.spec
     if spec.kind is not AttentionKind.MHA:
@@ -219,20 +220,10 @@ def _copy_out(readers: Sequence[RemoteReader | None], refs: Sequence[ChunkRef], 
             if take <= 0:
                 break
             reader.wait_layer(layer, timeout=_left(deadline))
-            canonical = _layer_tensor(reader, layer, stored).view(2, heads, ref.num_tokens, dim)
+            canonical = read_layer(reader, layer)  # [2, heads, tokens, dim], a view
             kv[:, 0, :, start:start + take].copy_(canonical[:, :, :take])
             start += take
         out.append((kv[0], kv[1]))
     return out
 
 
-def _layer_tensor(reader: RemoteReader, layer: int, dtype: torch.dtype) -> torch.Tensor:
-    """One layer of a pinned chunk as a flat tensor: a view of the daemon's pages when they
-    are contiguous, a copy otherwise."""
-    pieces = reader.layer_pieces(layer)
-    if len(pieces) == 1:
-        flat = torch.from_numpy(pieces[0])
-    else:
-        flat = torch.empty(sum(p.nbytes for p in pieces), dtype=torch.uint8)
-        copy_pieces([flat], pieces)
-    return flat.view(dtype)

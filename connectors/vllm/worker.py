@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from kvfabric.client import RemoteReader, RemoteWriter
+from kvfabric.convert.dtype import read_layer
 from kvfabric.errors import AlreadyExistsError, KVFabricError
 from kvfabric.hashing import ChunkRef
-from kvfabric.memory.copy import copy_pieces
 
 from ..link import DaemonLink
 from .layout import PagedLayout, layout_for_vllm_cache
@@ -254,20 +254,6 @@ class WorkerSide:
                           int(result.get("already_there", 0)),
                           push_errors=int(result.get("failed", 0)))
 
-    def canonical_layer(self, reader: RemoteReader, layer: int) -> torch.Tensor:
-        """A chunk's layer as a [2, heads, tokens, head_dim] tensor: a view of the shared
-        pages when they are contiguous, a copy otherwise."""
-        spec = self.namespaces.spec
-        pieces = reader.layer_pieces(layer)
-        if len(pieces) == 1:
-            flat = torch.from_numpy(pieces[0])
-        else:
-            flat = torch.empty(sum(p.nbytes for p in pieces), dtype=torch.uint8)
-            copy_pieces([flat], pieces)
-        stored = flat.view(self._dtype).view(2, spec.num_kv_heads, reader.num_tokens,
-                                              spec.head_dim)
-        return stored.to(self._engine_dtype)  # no copy when the dtypes agree
-
     def close(self) -> None:
         if self._load is not None:
             self._load.join()
@@ -378,7 +364,9 @@ class _LayerLoad:
         assert isinstance(reader, RemoteReader)
         try:
             reader.wait_layer(layer, timeout=self._left())
-            canonical = self.worker.canonical_layer(reader, layer)
+            # [2, heads, tokens, head_dim] in the engine's dtype: a view of the shared
+            # pages when nothing needs converting
+            canonical = read_layer(reader, layer, dtype=self.worker._engine_dtype)
             chunk = item.chunk
             layout.scatter(cache, item.blocks, chunk.start + chunk.begin,
                            canonical[:, :, chunk.begin:chunk.stop])
