@@ -75,10 +75,14 @@ class _Geometry:
 
 @dataclass(frozen=True)
 class _TokenSlots:
-    """Block id and in-block offset of each token of a range, on the cache's device."""
+    """Block id and in-block offset of each token of a range, on the cache's device; and the
+    same range as runs (block id, first offset, first token, tokens), one per block touched:
+    a run is one strided slice, so layouts that can copy by runs do a few large copies
+    instead of per-token indexing."""
 
     blocks: torch.Tensor
     offsets: torch.Tensor
+    runs: tuple[tuple[int, int, int, int], ...] = ()
 
 
 class PagedLayout(ABC):
@@ -170,9 +174,15 @@ class PagedLayout(ABC):
         if num_tokens and (int(covered.min()) < 0 or int(covered.max()) >= num_blocks):
             raise ValueError(f"block ids of tokens [{start}, {end}) not in [0, {num_blocks})")
         positions = torch.arange(start, end, device=device)
+        runs = []
+        for index, block in enumerate(covered.tolist(), start=first_block):
+            first = max(start, index * self.block_size)
+            last = min(end, (index + 1) * self.block_size)
+            runs.append((block, first - index * self.block_size, first - start, last - first))
         return _TokenSlots(
             blocks=block_ids.to(device)[positions // self.block_size],
             offsets=positions % self.block_size,
+            runs=tuple(runs) if num_tokens else (),
         )
 
     def _check_cache_dtype(self, kv_layer: torch.Tensor) -> None:
@@ -212,17 +222,16 @@ def _check_tensor(
 
 
 def _gather_tokens(blocked: torch.Tensor, slots: _TokenSlots, out: torch.Tensor) -> None:
-    """Fill ``out`` [..., T, D] from ``blocked`` [..., nb, bs, D] at the tokens' slots.
-
-    One advanced index over the adjacent (block, offset) dims, written straight into ``out``.
-    """
-    leading = (None,) * (blocked.dim() - 3)
-    torch.ops.aten.index.Tensor_out(blocked, (*leading, slots.blocks, slots.offsets), out=out)
+    """Fill ``out`` [..., T, D] from ``blocked`` [..., nb, bs, D] at the tokens' slots: one
+    strided copy per block run (a strided copy beats per-token indexing several times)."""
+    for block, offset, token, count in slots.runs:
+        out[..., token:token + count, :].copy_(blocked[..., block, offset:offset + count, :])
 
 
 def _scatter_tokens(blocked: torch.Tensor, slots: _TokenSlots, source: torch.Tensor) -> None:
     """Write ``source`` [..., T, D] into ``blocked`` [..., nb, bs, D] at the tokens' slots."""
-    blocked[..., slots.blocks, slots.offsets, :] = source
+    for block, offset, token, count in slots.runs:
+        blocked[..., block, offset:offset + count, :].copy_(source[..., token:token + count, :])
 
 
 class CudaBlockLayout(PagedLayout):
