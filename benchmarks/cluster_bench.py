@@ -10,7 +10,11 @@ them are killed at the end.
   chunks) stored on A, end to end (global lookup, transfer, insert into B's arena), divided by
   the GB/s of the raw transport reading the same 16 x 4 MiB from a helper process's
   registered 64 MiB buffer into one registered in this process (one ``read`` call, same
-  backend). ``transport`` is the backend ``cluster.transport=auto`` resolved to here; with
+  backend), both buffers the same kind of memory the daemons register: memfd shared memory
+  (``SharedArena``). ``raw_read_anonymous_gb_s`` is the same read between anonymous buffers
+  (numpy asks for transparent huge pages on those; a memfd gets them only where the kernel's
+  ``shmem_enabled`` allows): what the memory kind costs, measured apart from the fabric.
+  ``transport`` is the backend ``cluster.transport=auto`` resolved to here; with
   ``--all-transports`` socket and nixl also run separately (``*_socket`` / ``*_nixl``).
 * ``push_vs_raw_transport`` -- the same for ``client.push`` from A to B against one raw
   ``write`` of the 16 pieces.
@@ -61,13 +65,21 @@ from kvfabric.client import Client
 from kvfabric.cluster.index import ChunkRecord, NodeInfo
 from kvfabric.cluster.redis_index import RedisGlobalIndex
 from kvfabric.hashing import chunk_hashes
+from kvfabric.memory.arena import SharedArena
 from kvfabric.spec import KVSpec, Namespace
-from kvfabric.transport import (ReadPiece, SocketTransport, Transport, WritePiece,
-                                nixl_unavailable_reason, select_backend)
+from kvfabric.transport import (
+    ReadPiece,
+    SocketTransport,
+    Transport,
+    WritePiece,
+    nixl_unavailable_reason,
+    select_backend,
+)
 
 KiB, MiB = 1 << 10, 1 << 20
 CHUNK_BYTES = 4 * MiB
 CHUNKS = 16  # 64 MiB per transfer
+ARENA_PAGE = 256 * KiB  # the daemons' DRAM page size here
 TOTAL_BYTES = CHUNKS * CHUNK_BYTES
 # Llama-3-8B-shaped KV (32 layers, 8 KV heads, head_dim 128, bf16): 32 tokens make 4 MiB.
 BIG = Namespace("bench-cluster-4mib", KVSpec(32, 8, 128, "bfloat16", chunk_tokens=32))
@@ -149,18 +161,28 @@ def make_transport(backend: type[Transport], name: str) -> Transport:
     return backend(name)
 
 
+def raw_buffers() -> tuple[SharedArena, np.ndarray]:
+    """64 MiB of the daemons' kind of memory (region 0) and of anonymous memory (region 1)."""
+    arena = SharedArena.create(TOTAL_BYTES, ARENA_PAGE, prefault=True)
+    return arena, touched(TOTAL_BYTES)
+
+
 def raw_peer(preferred: str, descriptors: Any, stop: Any) -> None:
-    """Helper process: registers a 64 MiB buffer, publishes its descriptor, serves it."""
+    """Helper process: registers two 64 MiB buffers, publishes its descriptor, serves them."""
     backend = select_backend(preferred)
-    buffer = touched(TOTAL_BYTES)
-    buffer[:] = np.random.default_rng(3).integers(0, 256, TOTAL_BYTES, dtype=np.uint8)
+    arena, anonymous = raw_buffers()
+    data = np.random.default_rng(3).integers(0, 256, TOTAL_BYTES, dtype=np.uint8)
+    arena.array[:] = data
+    anonymous[:] = data
     transport = make_transport(backend, "bench-raw-peer")
     try:
-        transport.register(0, buffer)
+        transport.register(0, arena.array)
+        transport.register(1, anonymous)
         descriptors.put(transport.descriptor())
         stop.wait(600)
     finally:
         transport.close()
+        arena.close()
 
 
 # -- transfers ------------------------------------------------------------------------------
@@ -192,16 +214,21 @@ def bench_transfers(root: Path, redis_url: str, preferred: str,
     descriptors, stop = ctx.Queue(), ctx.Event()
     helper = ctx.Process(target=raw_peer, args=(preferred, descriptors, stop))
     helper.start()
-    local = touched(TOTAL_BYTES)
+    arena, anonymous = raw_buffers()
+    local = arena.array
     transport = make_transport(backend, "bench-raw-local")
     tag = f"{preferred}-{time.monotonic_ns()}"
     try:
         transport.register(0, local)
+        transport.register(1, anonymous)
         peer = transport.connect(descriptors.get(timeout=READY_TIMEOUT_S), DEADLINE_S)
         reads = [ReadPiece(0, i * CHUNK_BYTES, local[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])
                  for i in range(CHUNKS)]
         writes = [WritePiece(local[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES], 0, i * CHUNK_BYTES)
                   for i in range(CHUNKS)]
+        anonymous_reads = [ReadPiece(1, i * CHUNK_BYTES,
+                                     anonymous[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])
+                           for i in range(CHUNKS)]
 
         with daemon(root / f"a-{tag}", *node_settings(redis_url, "node-a", preferred)) as a, \
                 daemon(root / f"b-{tag}", *node_settings(redis_url, "node-b", preferred)) as b, \
@@ -229,10 +256,14 @@ def bench_transfers(root: Path, redis_url: str, preferred: str,
             def raw_write(_: int) -> None:
                 transport.write(peer, writes, DEADLINE_S)
 
+            def raw_read_anonymous(_: int) -> None:
+                transport.read(peer, anonymous_reads, DEADLINE_S)
+
             rounds = []
             for r in range(cfg.rounds + 1):
                 # one sample each, alternating who goes first; B is emptied between ops
-                order = [("raw_read", raw_read), ("pull", pull)]
+                order = [("raw_read", raw_read), ("pull", pull),
+                         ("raw_read_anonymous", raw_read_anonymous)]
                 order2 = [("raw_write", raw_write), ("push", push)]
                 if r % 2:
                     order.reverse()
@@ -250,6 +281,7 @@ def bench_transfers(root: Path, redis_url: str, preferred: str,
         if helper.is_alive():
             helper.kill()
         transport.close()
+        arena.close()
 
     def gbs(seconds: float) -> float:
         return TOTAL_BYTES / seconds / 1e9
@@ -261,6 +293,7 @@ def bench_transfers(root: Path, redis_url: str, preferred: str,
         "push_gb_s": gbs(median([x["push"] for x in rounds])),
         "raw_read_gb_s": gbs(median([x["raw_read"] for x in rounds])),
         "raw_write_gb_s": gbs(median([x["raw_write"] for x in rounds])),
+        "raw_read_anonymous_gb_s": gbs(median([x["raw_read_anonymous"] for x in rounds])),
     }
 
 
@@ -345,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                 ("pull_gb_s", "prefetch on B of A's 64 MiB chain, GB/s"),
                 ("push_gb_s", "push A -> B of 64 MiB, GB/s"),
                 ("raw_read_gb_s", f"{auto} transport read, 64 MiB between processes, GB/s"),
-                ("raw_write_gb_s", f"{auto} transport write, 64 MiB, GB/s")]
+                ("raw_write_gb_s", f"{auto} transport write, 64 MiB, GB/s"),
+                ("raw_read_anonymous_gb_s", f"{auto} read between anonymous (THP) buffers, "
+                                            f"GB/s")]
             if args.all_transports:
                 for backend in ("socket", "nixl"):
                     if backend == "nixl" and nixl_unavailable_reason() is not None:

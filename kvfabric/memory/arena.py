@@ -41,6 +41,18 @@ def check_geometry(size: int, page_size: int) -> None:
                          f"got {size}")
 
 
+def _ask_for_huge_pages(region: mmap.mmap) -> None:
+    """Transparent huge pages for the mapping where the kernel allows them for shared memory
+    (``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` = ``advise``): copies and peer
+    transfers of a 4 KiB-paged memfd run at about half the speed here. A no-op elsewhere."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            region.madvise(advice)
+        except OSError:
+            pass  # the kernel does not do it for this mapping: plain pages
+
+
 class SharedArena:
     """A ``MAP_SHARED`` memfd region viewed as ``num_pages`` pages of ``page_size`` bytes."""
 
@@ -52,6 +64,7 @@ class SharedArena:
         self._owner = owner
         self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        _ask_for_huge_pages(self._map)
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         self.numa_node: int | None = None
 
