@@ -93,6 +93,8 @@ class Limits:
 
 
 INDEX_BACKENDS = ("embedded", "redis")
+# redis://host:port/0 one server; redis+cluster://host:port/0 a Redis Cluster (any node).
+REDIS_SCHEMES = ("redis", "redis+cluster")
 TRANSPORTS = ("auto", "socket", "nixl")  # kvfabric.transport.BACKENDS, without importing it
 
 
@@ -101,9 +103,10 @@ class ClusterConfig:
     """Membership of the global prefix index (see :mod:`kvfabric.cluster.index`).
 
     ``index`` "embedded" keeps the index in the daemon's process (one node: the cluster view
-    is the local one); "redis" shares ``redis_url`` with every node and router. The node
-    renews its lease every ``heartbeat_s``; readers ignore its entries ``lease_ttl_s`` after
-    the last renewal. ``advertise`` is the address peers and routers reach this node at
+    is the local one); "redis" shares ``redis_url`` with every node and router
+    (``redis://host:port/0`` one server, ``redis+cluster://host:port/0`` a Redis Cluster
+    reached through any of its nodes). The node renews its lease every ``heartbeat_s``;
+    readers ignore its entries ``lease_ttl_s`` after the last renewal. ``advertise`` is the address peers and routers reach this node at
     (empty: the control socket path; with the redis index, the TCP control endpoint's
     ``host:port``, where peers pull chunks from); ``hardware_class`` groups nodes for routing.
     ``transport`` is the peer transport pulled chunks travel on ("auto": NIXL when it works
@@ -143,10 +146,10 @@ class ClusterConfig:
         if self.redis_url is not None and not isinstance(self.redis_url, str):
             raise ConfigError("cluster.redis_url must be a string")
         if self.index == "redis":
-            if not self.redis_url or urlsplit(self.redis_url).scheme != "redis":
+            if not self.redis_url or urlsplit(self.redis_url).scheme not in REDIS_SCHEMES:
                 # never echo the value: it may carry a password
-                raise ConfigError("cluster.redis_url must be a redis:// URL when cluster.index "
-                                  "is redis")
+                raise ConfigError("cluster.redis_url must be a redis:// URL (redis+cluster:// "
+                                  "for a Redis Cluster) when cluster.index is redis")
             try:
                 _ = urlsplit(self.redis_url).port  # parsing it raises on a malformed port
             except ValueError:

@@ -1,4 +1,9 @@
-"""Redis backend of the global index (redis-py against a real server).
+"""Redis backend of the global index (redis-py against a real server or a Redis Cluster).
+
+The URL picks the client: ``redis://host:port/0`` a single server (``redis.Redis``),
+``redis+cluster://host:port/0`` a Redis Cluster (``redis.cluster.RedisCluster``; the host is one
+startup node, the client discovers the others; the database must be 0). Both get the same
+socket timeouts and no retries.
 
 Key layout (``P`` = ``prefix``; the ``{...}`` hash tag picks the Redis Cluster slot, so every
 multi-key script touches one slot only)::
@@ -21,8 +26,20 @@ only if its node's live field carries the same epoch and a deadline in the futur
 ``register`` writes the new epoch into every namespace the node ever used before it returns,
 so a restarted node's old entries vanish at once; a lookup that meets superseded entries
 deletes them afterwards. Owner lists change only through a script, so nodes storing the same
-chunk at once never lose each other's entries. Every call has socket timeouts and no retries: a dead server costs at most
-``socket_timeout`` and raises :class:`~kvfabric.errors.UnavailableError`.
+chunk at once never lose each other's entries.
+
+On a Redis Cluster every script touches the keys of one slot. Pipelines are not transactions
+here: a pipeline that spans slots (a heartbeat renewing the leases of several namespaces, a
+batch of updates to several namespaces plus its events) is split by redis-py into one batch per
+cluster node, each command on one slot; writes whose order matters across slots (a namespace
+joins the node's seeds set before any entry is written there) go in an earlier round trip.
+Server time is always read on the node that holds the key it is compared with (the live hash
+of the registry or of the namespace), since cluster nodes' clocks may differ. redis-py refuses
+EVALSHA in a cluster pipeline (it could not load a script a node lacks), so scripts queued in
+one are sent as EVAL (their text; Redis caches it).
+
+Every call has socket timeouts and no retries: a dead server costs at most ``socket_timeout``
+and raises :class:`~kvfabric.errors.UnavailableError`.
 """
 
 from __future__ import annotations
@@ -37,6 +54,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 import redis
+import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -61,6 +79,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _META = struct.Struct("<I")
 MAX_BLOCK_MS = 10_000
+CLUSTER_SCHEME = "redis+cluster"
+_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
 
 # KEYS[1] live hash; ARGV node, epoch, ttl_ms. 0: a newer epoch owns the node (nothing
 # written); 1: renewed; 2: renewed, but the lease had lapsed or was missing (entries may be
@@ -148,6 +168,13 @@ local lists = leading(ARGV[1])
 return {t[1], t[2], redis.call('HGETALL', KEYS[2]), table.concat(lists, '\\n')}
 """
 
+# KEYS[1] a live hash. Returns {seconds, microseconds, the hash as a flat list}: the clock of
+# the node that holds the hash (the one its deadlines were written with).
+_LIVE = """
+local t = redis.call('TIME')
+return {t[1], t[2], redis.call('HGETALL', KEYS[1])}
+"""
+
 
 class RedisGlobalIndex(BatchingIndex):
     """One node's (or router's) client of the Redis global index.
@@ -171,14 +198,25 @@ class RedisGlobalIndex(BatchingIndex):
         self._next_retry = 0.0
         common: dict[str, Any] = {"socket_connect_timeout": socket_timeout,
                                   "retry": Retry(NoBackoff(), 0)}
-        self._r = redis.Redis.from_url(url, socket_timeout=socket_timeout, **common)
-        # Blocking XREADs need a read timeout longer than the longest block.
-        self._blocking = redis.Redis.from_url(
-            url, socket_timeout=socket_timeout + MAX_BLOCK_MS / 1000, **common)
+        scheme, sep, rest = url.partition("://")
+        self._cluster = sep != "" and scheme.lower() == CLUSTER_SCHEME
+        if self._cluster:
+            # RedisCluster takes ``retry`` for its own retries (after a connection error or
+            # cluster-down: none) and gives its node connections none.
+            url = f"redis://{rest}"
+        client: Any = redis.cluster.RedisCluster if self._cluster else redis.Redis
+        try:  # RedisCluster asks a startup node for the slot map right here
+            self._r = client.from_url(url, socket_timeout=socket_timeout, **common)
+            # Blocking XREADs need a read timeout longer than the longest block.
+            self._blocking = client.from_url(
+                url, socket_timeout=socket_timeout + MAX_BLOCK_MS / 1000, **common)
+        except _ERRORS as exc:
+            raise UnavailableError(f"global index (Redis) unavailable: {exc}") from None
         self._hb = self._r.register_script(_HEARTBEAT)
         self._new_epoch = self._r.register_script(_NEW_EPOCH)
         self._update = self._r.register_script(_UPDATE)
         self._lookup = self._r.register_script(_LOOKUP)
+        self._live = self._r.register_script(_LIVE)
         self._send_lock = threading.RLock()  # one writer at a time: flusher vs. republish
         self._info: NodeInfo | None = None
         self._seeds: set[bytes] = set()  # namespaces whose live hash carries our epoch
@@ -204,7 +242,7 @@ class RedisGlobalIndex(BatchingIndex):
     def _call(self, fn: Callable[[], T]) -> T:
         try:
             return fn()
-        except redis.exceptions.RedisError as exc:
+        except _ERRORS as exc:
             self._stale = True
             raise UnavailableError(f"global index (Redis) unavailable: {exc}") from None
 
@@ -237,8 +275,8 @@ class RedisGlobalIndex(BatchingIndex):
 
     def _renew(self, pipe: Any, info: NodeInfo, seeds: Iterable[bytes | None]) -> None:
         for seed in seeds:
-            self._hb(keys=[self._live_key(seed)], args=[info.node_id, info.epoch, self._ttl_ms],
-                     client=pipe)
+            self._script(self._hb, [self._live_key(seed)],
+                         [info.node_id, info.epoch, self._ttl_ms], pipe)
 
     def heartbeat(self) -> None:
         info = self._require_info()
@@ -257,11 +295,8 @@ class RedisGlobalIndex(BatchingIndex):
 
     def nodes(self) -> list[NodeInfo]:
         def run() -> list[NodeInfo]:
+            epochs = self._live_epochs(None)
             pipe = self._r.pipeline(transaction=False)
-            pipe.time()
-            pipe.hgetall(self._live_key(None))
-            (now_s, now_us), live = pipe.execute()
-            epochs = _live_epochs(live, now_s * 1000 + now_us // 1000)
             for node in epochs:
                 pipe.hgetall(self._reg("node", node))
             out = []
@@ -292,9 +327,11 @@ class RedisGlobalIndex(BatchingIndex):
 
         def run() -> None:
             pipe = self._r.pipeline(transaction=False)
-            for seed in new_seeds:  # announce first: readers must see our lease in that slot
-                pipe.sadd(self._reg("seeds", info.node_id), seed.hex())
-            self._renew(pipe, info, new_seeds)
+            if new_seeds:  # a restart must find the namespace before it holds any entry of ours
+                pipe.sadd(self._reg("seeds", info.node_id), *(seed.hex() for seed in new_seeds))
+                if self._cluster:  # another slot: a cluster pipeline keeps no order across nodes
+                    pipe.execute()
+            self._renew(pipe, info, new_seeds)  # before the entries, in their slot
             per_seed: dict[bytes, list[bytes | str]] = {}
             for kind, rec in batch:
                 per_seed.setdefault(rec.seed, []).extend(
@@ -312,8 +349,15 @@ class RedisGlobalIndex(BatchingIndex):
         self._seeds |= new_seeds
 
     def _update_owners(self, seed: bytes, args: Sequence[bytes | str], client: Any) -> None:
-        self._update(keys=[self._ns_key(seed, "owners"), self._ns_key(seed, "meta")],
-                     args=args, client=client)
+        self._script(self._update, [self._ns_key(seed, "owners"), self._ns_key(seed, "meta")],
+                  args, client)
+
+    def _script(self, script: Any, keys: Sequence[str], args: Sequence[Any],
+             pipe: Any | None) -> Any:
+        """Run (or queue in ``pipe``) a script on keys of one slot."""
+        if pipe is not None and self._cluster:
+            return pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+        return script(keys=keys, args=args, client=pipe)
 
     def republish(self, inventory: Iterable[ChunkRecord]) -> None:
         """Pass a lazy iterable (or use the ``inventory`` callback): it is read after the
@@ -372,7 +416,7 @@ class RedisGlobalIndex(BatchingIndex):
         that meets them tries again, and readers ignore them meanwhile."""
         try:
             self._update_owners(seed, removals, None)
-        except redis.exceptions.RedisError as exc:
+        except _ERRORS as exc:
             log.info("could not delete superseded index entries: %s", exc)
 
     def events(self, after_id: str = "0-0", block_ms: int = 0,
@@ -396,12 +440,10 @@ class RedisGlobalIndex(BatchingIndex):
         # them is harmless (idempotent), whereas taking it last could skip some.
         last = self._r.xrevrange(self._stream, count=1)
         stream_id = last[0][0].decode() if last else "0-0"
-        now_s, now_us = self._r.time()
-        now = now_s * 1000 + now_us // 1000
         out: list[KVEvent] = []
         for name in self._r.scan_iter(match=f"{self._p}:{{*}}:owners", count=1000):
             seed = bytes.fromhex(name.decode().split(":")[-2][1:-1])
-            live = _live_epochs(self._r.hgetall(self._live_key(seed)), now)
+            live = self._live_epochs(seed)
             entries = self._r.hscan_iter(name, count=1000)
             for batch in _batches(entries):
                 metas = self._r.hmget(self._ns_key(seed, "meta"), [key for key, _ in batch])
@@ -415,6 +457,12 @@ class RedisGlobalIndex(BatchingIndex):
                             out.append(KVEvent("stored", (key,), loc.tier, loc.node_id,
                                                loc.epoch, seed.hex(), parent, tokens))
         return IndexSnapshot(stream_id, tuple(out))
+
+    def _live_epochs(self, seed: bytes | None) -> dict[str, int]:
+        """Live nodes' epochs of a namespace (None: the registry), by its node's clock."""
+        now_s, now_us, flat = self._live(keys=[self._live_key(seed)])
+        return _live_epochs(dict(zip(flat[::2], flat[1::2])),
+                            int(now_s) * 1000 + int(now_us) // 1000)
 
     def close(self) -> None:
         self._stop_flusher()
