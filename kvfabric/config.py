@@ -106,9 +106,10 @@ class ClusterConfig:
     is the local one); "redis" shares ``redis_url`` with every node and router
     (``redis://host:port/0`` one server, ``redis+cluster://host:port/0`` a Redis Cluster
     reached through any of its nodes). The node renews its lease every ``heartbeat_s``;
-    readers ignore its entries ``lease_ttl_s`` after the last renewal. ``advertise`` is the address peers and routers reach this node at
-    (empty: the control socket path; with the redis index, the TCP control endpoint's
-    ``host:port``, where peers pull chunks from); ``hardware_class`` groups nodes for routing.
+    readers ignore its entries ``lease_ttl_s`` after the last renewal. ``advertise`` is the
+    address peers and routers reach this node at (empty: the control socket path; with the
+    redis index, the TCP control endpoint's ``host:port``, where peers pull chunks from);
+    ``hardware_class`` groups nodes for routing.
     ``transport`` is the peer transport pulled chunks travel on ("auto": NIXL when it works
     here, else the socket backend); every node of a cluster must end up on the same one.
     ``secret_file`` holds the cluster secret: with it, transport descriptors are HMAC-signed
