@@ -173,6 +173,8 @@ _TIER_COUNTERS = (
     ("tier_demotions", "demotions", "Objects moved down out of the tier under pressure."),
     ("tier_in_bytes", "bytes_in", "Bytes written into the tier (commits, demotions to SSD)."),
     ("tier_out_bytes", "bytes_out", "Bytes read out of the tier (pinned reads, SSD read-backs)."),
+    ("tier_saved_bytes", "bytes_saved",
+     "Bytes an fp8 SSD tier saved: the chunks' native size minus what it wrote."),
     ("tier_corrupt_records", "corrupt_records",
      "SSD records that failed their checks; skipped or dropped, never served."),
     ("tier_torn_records", "torn_records", "Torn (partially written) SSD records skipped."),

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvfabric.errors import ConfigError
+from kvfabric.store.codec import FORMATS
 from kvfabric.tiers.base import TierKind
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -60,12 +61,13 @@ class TierConfig:
     segment_bytes: int = 256 * MiB  # ssd
     writers: int = 1  # ssd
     fsync: bool = False  # ssd: fsync each record (power-loss durability, slower)
+    format: str = "native"  # ssd: "fp8" keeps bf16/fp16/fp32 chunks quantized (store/codec.py)
 
     KIND_KEYS: ClassVar[dict[TierKind, set[str]]] = {
         TierKind.DRAM: {"page_size", "numa_node", "prefault"},
         TierKind.CXL: {"page_size", "numa_node", "prefault"},
         TierKind.DEVICE: {"page_size", "device"},
-        TierKind.SSD: {"path", "segment_bytes", "writers", "fsync"},
+        TierKind.SSD: {"path", "segment_bytes", "writers", "fsync", "format"},
     }
 
     def __post_init__(self) -> None:
@@ -73,6 +75,9 @@ class TierConfig:
             object.__setattr__(self, "name", self.kind.value)
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", self.name):
             raise ConfigError(f"tier name {self.name!r}: lowercase letters, digits, - and _")
+        if self.format not in FORMATS:
+            raise ConfigError(f"{self.name}.format must be one of {list(FORMATS)}, "
+                              f"got {self.format!r}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TierConfig":

@@ -29,6 +29,7 @@ READY_ALL = -1  # ``Entry.ready`` once every layer is committed (a cached small 
 MOVING = 1  # being copied to another tier; not a victim, readers may wait
 REMOVED = 2  # no longer in the index (deleted / evicted / aborted) but maybe still pinned
 ABORTED = 4  # the writer gave up: readers waiting on a layer get an error
+FP8_ON_DISK = 8  # its SSD copy is in fp8 (store/codec.py): decode when reading it back
 
 
 class Entry:

@@ -26,11 +26,12 @@ import numpy as np
 from kvfabric.errors import (CapacityError, CorruptRecordError, DeadlineExceededError,
                              NotFoundError, WouldBlockError)
 from kvfabric.hashing import KEY_BYTES
-from kvfabric.memory.copy import Piece, copy_pieces
+from kvfabric.memory.copy import Piece, copy_pieces, total_bytes
 from kvfabric.spec import KVSpec, Namespace
+from kvfabric.store import codec
 from kvfabric.store.config import StoreConfig
 from kvfabric.store.factory import AnyTier
-from kvfabric.store.index import MOVING, REMOVED, Entry, LocalIndex
+from kvfabric.store.index import FP8_ON_DISK, MOVING, REMOVED, Entry, LocalIndex
 from kvfabric.store.stats import TierCounters
 from kvfabric.tiers.base import PagedTier
 from kvfabric.tiers.disk import DiskExtent, DiskTier, StaleExtentError
@@ -57,6 +58,8 @@ class Placement:
         self._on_inventory = on_inventory
         last = tiers[-1]
         self.disk_index = len(tiers) - 1 if isinstance(last, DiskTier) else None
+        self.disk_format = codec.NATIVE if self.disk_index is None else \
+            config.tiers[self.disk_index].format
         self.paged = [i for i, t in enumerate(tiers) if isinstance(t, PagedTier)]
         self.pending_demotion = [0] * len(tiers)  # bytes being written to SSD, per source tier
         self.draining = [False] * len(tiers)
@@ -169,12 +172,15 @@ class Placement:
         disk = self.tiers[self.disk_index]  # type: ignore[index]
         assert isinstance(disk, DiskTier)
         pieces = self.pieces(entry, 0, nbytes)
-        if pieces and not isinstance(pieces[0], np.ndarray):  # device memory: stage on host
+        fmt = self.disk_format if codec.encodable(entry.ns.spec) else codec.NATIVE
+        if fmt == codec.FP8:  # quantized on the way down (under the lock: a memory pass)
+            pieces = [codec.encode(entry.ns.spec, entry.num_tokens, pieces)]
+        elif pieces and not isinstance(pieces[0], np.ndarray):  # device memory: stage on host
             staged = np.empty(nbytes, dtype=np.uint8)
             copy_pieces([staged], pieces)
             pieces = [staged]
         try:
-            future = disk.write(entry.key, encode_meta(entry), pieces)
+            future = disk.write(entry.key, encode_meta(entry, fmt), pieces)
         except CapacityError:
             self.evict_disk_leaves(nbytes)
             self.evict(entry)
@@ -183,10 +189,12 @@ class Placement:
         entry.flags |= MOVING
         self.pending_demotion[src_index] += nbytes
         future.add_done_callback(
-            lambda f: self.finish_disk_demotion(entry, src_index, nbytes, pieces, f))
+            lambda f: self.finish_disk_demotion(entry, src_index, nbytes, pieces, fmt, f))
 
     def finish_disk_demotion(self, entry: Entry, src_index: int, nbytes: int,
-                              pieces: list[Piece], future: "Future[DiskExtent]") -> None:
+                              pieces: list[Piece], fmt: str,
+                              future: "Future[DiskExtent]") -> None:
+        written = total_bytes(pieces)
         del pieces  # kept alive until the write completed
         with self._cond:
             self.pending_demotion[src_index] -= nbytes
@@ -201,9 +209,13 @@ class Placement:
             else:
                 old = entry.handle
                 self.rehome(entry, self.disk_index, future.result())
+                if fmt == codec.FP8:
+                    entry.flags |= FP8_ON_DISK
                 self.tiers[src_index].free(old)  # type: ignore[union-attr]
                 self.counters[src_index].demotions += 1
-                self.counters[self.disk_index].bytes_in += nbytes  # type: ignore[index]
+                counters = self.counters[self.disk_index]  # type: ignore[index]
+                counters.bytes_in += nbytes
+                counters.bytes_saved += nbytes - written
             self.free_if_dead(entry)
             self._cond.notify_all()
 
@@ -227,12 +239,16 @@ class Placement:
         nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
         try:
             pieces = tier.pieces(pages, 0, nbytes)
-            staged = None
-            if pieces and not isinstance(pieces[0], np.ndarray):  # device: land on host first
+            if entry.flags & FP8_ON_DISK:  # flag stable: set before, cleared after, the move
+                raw = np.empty(extent.payload_len, dtype=np.uint8)
+                self.read_disk_record(disk, entry, extent, [raw])
+                codec.decode_into(entry.ns.spec, entry.num_tokens, raw, pieces)
+            elif pieces and not isinstance(pieces[0], np.ndarray):  # device: via the host
                 staged = np.empty(nbytes, dtype=np.uint8)
-            self.read_disk_record(disk, entry, extent, pieces if staged is None else [staged])
-            if staged is not None:
+                self.read_disk_record(disk, entry, extent, [staged])
                 copy_pieces(pieces, [staged])
+            else:
+                self.read_disk_record(disk, entry, extent, pieces)
         except BaseException as exc:
             with self._cond:
                 entry.flags &= ~MOVING
@@ -252,6 +268,7 @@ class Placement:
             else:
                 disk.delete(entry.handle)  # compaction may have moved it: use the current one
                 self.rehome(entry, tier_index, pages)
+                entry.flags &= ~FP8_ON_DISK
                 self.counters[self.disk_index].promotions += 1  # type: ignore[index]
                 self.counters[self.disk_index].bytes_out += nbytes  # type: ignore[index]
             self._cond.notify_all()
@@ -389,15 +406,18 @@ class Placement:
         self._cond.wait(remaining if remaining is not None else 1.0)
 
 
-def encode_meta(entry: Entry) -> bytes:
-    """The SSD record's metadata: enough to re-index the object after a restart."""
+def encode_meta(entry: Entry, fmt: str = codec.NATIVE) -> bytes:
+    """The SSD record's metadata: enough to re-index (and decode) the object after a
+    restart. ``fmt`` appears only for fp8 records: native ones read as they always did."""
     ns = entry.ns
-    return msgpack.packb({"v": 1, "parent": entry.parent, "tokens": entry.num_tokens,
-                          "model": ns.model_id, "tenant": ns.tenant_salt, "lora": ns.lora_id,
-                          "spec": ns.spec.to_dict()})
+    meta = {"v": 1, "parent": entry.parent, "tokens": entry.num_tokens, "model": ns.model_id,
+            "tenant": ns.tenant_salt, "lora": ns.lora_id, "spec": ns.spec.to_dict()}
+    if fmt != codec.NATIVE:
+        meta["fmt"] = fmt
+    return msgpack.packb(meta)
 
 
-def decode_meta(raw: bytes) -> tuple[Namespace, bytes, int]:
+def decode_meta(raw: bytes) -> tuple[Namespace, bytes, int, str]:
     meta = msgpack.unpackb(raw)
     if not isinstance(meta, dict) or meta.get("v") != 1:
         raise ValueError("unknown metadata version")
@@ -407,4 +427,7 @@ def decode_meta(raw: bytes) -> tuple[Namespace, bytes, int]:
     if not isinstance(parent, bytes) or len(parent) != KEY_BYTES:
         raise ValueError("bad parent key")
     spec.layout(meta["tokens"])
-    return ns, parent, int(meta["tokens"])
+    fmt = meta.get("fmt", codec.NATIVE)
+    if fmt not in codec.FORMATS:
+        raise ValueError(f"unknown payload format {fmt!r}")
+    return ns, parent, int(meta["tokens"]), fmt

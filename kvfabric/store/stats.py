@@ -20,6 +20,7 @@ class TierCounters:
     demotions: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    bytes_saved: int = 0  # SSD in fp8: native bytes minus the bytes written
 
 
 @dataclass
@@ -43,6 +44,7 @@ class TierStats:
     demotions: int
     bytes_in: int
     bytes_out: int
+    bytes_saved: int = 0  # SSD in fp8: native bytes minus the bytes written
     corrupt_records: int = 0  # SSD only: records skipped or refused, never served
     torn_records: int = 0
 

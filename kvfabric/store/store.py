@@ -47,10 +47,12 @@ from kvfabric.lookup import LookupResult
 from kvfabric.memory.arena import SharedArena
 from kvfabric.memory.copy import Piece
 from kvfabric.spec import Namespace
+from kvfabric.store.codec import FP8
 from kvfabric.store.config import StoreConfig
 from kvfabric.store.factory import AnyTier, build_tier
 from kvfabric.store.handles import ObjectReader, ObjectWriter, _Lease
-from kvfabric.store.index import ABORTED, MOVING, READY_ALL, REMOVED, Entry, LocalIndex
+from kvfabric.store.index import (ABORTED, FP8_ON_DISK, MOVING, READY_ALL, REMOVED, Entry,
+                                     LocalIndex)
 from kvfabric.store.placement import Placement, decode_meta
 from kvfabric.store.shards import HeadRange, HeadShards, head_mask
 from kvfabric.store.stats import (NamespaceCounters, NamespaceStats, StoreStats, TierCounters,
@@ -507,7 +509,7 @@ class TieredStore:
         assert disk is not None
         for record in disk.scan():
             try:
-                ns, parent, num_tokens = decode_meta(record.meta)
+                ns, parent, num_tokens, fmt = decode_meta(record.meta)
             except (KVFabricError, ValueError, TypeError, KeyError) as exc:
                 log.warning("SSD record %s has unreadable metadata (%s); dropped",
                             record.key.hex(), exc)
@@ -516,6 +518,8 @@ class TieredStore:
             entry = Entry(record.key, parent, self._intern(ns), num_tokens,
                           self._disk_index, record.extent)  # type: ignore[arg-type]
             entry.ready = READY_ALL
+            if fmt == FP8:
+                entry.flags |= FP8_ON_DISK
             self._index.add(entry)
 
     # ------------------------------------------------------------------ helpers
@@ -566,7 +570,8 @@ class TieredStore:
                     capacity_bytes=tier.capacity_bytes, used_bytes=tier.used_bytes,
                     objects=self._index.tier_count(i), hit_tokens=c.hit_tokens,
                     hit_chunks=c.hit_chunks, evictions=c.evictions, promotions=c.promotions,
-                    demotions=c.demotions, bytes_in=c.bytes_in, bytes_out=c.bytes_out, **extra))
+                    demotions=c.demotions, bytes_in=c.bytes_in, bytes_out=c.bytes_out,
+                    bytes_saved=c.bytes_saved, **extra))
             count = self._count
             return StoreStats(
                 tiers=tuple(tiers), objects=len(self._index), lookups=count["lookups"],

@@ -1,0 +1,80 @@
+"""How the SSD tier keeps an object's payload: as is, or quantized to fp8.
+
+With an SSD tier's ``format: fp8``, a bf16 / fp16 / fp32 chunk goes to disk in
+:mod:`kvfabric.convert.fp8`'s serialized form, layer by layer (e4m3 values with a float32
+scale per (layer, k|v, head)): about half the bytes of bf16, within the error bound that
+module documents, and decoded back to the namespace's dtype when the chunk is read back into
+memory. Readers never see fp8: memory tiers always hold the namespace's dtype. A chunk of
+any other dtype stays native. The record's metadata says which form it is in, so a restart
+decodes correctly whatever the tier's format is by then.
+
+Pure functions over page pieces; torch is imported only when fp8 is in use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvfabric.memory.copy import Piece, copy_pieces
+from kvfabric.spec import KVDtype, KVSpec
+
+NATIVE = "native"
+FP8 = "fp8"
+FORMATS = (NATIVE, FP8)
+_QUANTIZABLE = (KVDtype.BFLOAT16, KVDtype.FLOAT16, KVDtype.FLOAT32)
+
+
+def encodable(spec: KVSpec) -> bool:
+    return spec.dtype in _QUANTIZABLE
+
+
+def encoded_nbytes(spec: KVSpec, num_tokens: int) -> int:
+    from kvfabric.convert import fp8
+
+    return fp8.chunk_nbytes(spec, num_tokens)
+
+
+def encode(spec: KVSpec, num_tokens: int, pieces: list[Piece]) -> np.ndarray:
+    """The chunk held in ``pieces`` (native canonical payload) in fp8 serialized form."""
+    from kvfabric.convert import fp8
+
+    native = np.empty(spec.layout(num_tokens).nbytes, dtype=np.uint8)
+    copy_pieces([native], pieces)
+    out = np.empty(encoded_nbytes(spec, num_tokens), dtype=np.uint8)
+    for src, dst in _layer_slices(spec, num_tokens):
+        fp8.encode_layer(_layer_tensor(spec, num_tokens, native[src]), out=out[dst])
+    return out
+
+
+def decode_into(spec: KVSpec, num_tokens: int, raw: np.ndarray, pieces: list[Piece]) -> None:
+    """Decode an fp8 serialized chunk into ``pieces`` (the native payload's pages)."""
+    from kvfabric.convert import fp8
+
+    native = np.empty(spec.layout(num_tokens).nbytes, dtype=np.uint8)
+    for src, dst in _layer_slices(spec, num_tokens):
+        target = _layer_tensor(spec, num_tokens, native[src])
+        fp8.decode_layer(raw[dst], tuple(target.shape), target.dtype, out=target)
+    copy_pieces(pieces, [native])
+
+
+def _layer_slices(spec: KVSpec, num_tokens: int) -> list[tuple[slice, slice]]:
+    """Per layer: (its bytes in the native payload, its bytes in the fp8 form)."""
+    from kvfabric.convert import fp8
+
+    layout = spec.layout(num_tokens)
+    encoded = fp8.serialized_nbytes(_shape(spec, num_tokens))
+    return [(slice(layer * layout.layer_bytes, (layer + 1) * layout.layer_bytes),
+             slice(layer * encoded, (layer + 1) * encoded)) for layer in range(spec.num_layers)]
+
+
+def _shape(spec: KVSpec, num_tokens: int) -> tuple[int, int, int, int]:
+    return (spec.kv_planes, spec.num_kv_heads, num_tokens, spec.head_dim)
+
+
+def _layer_tensor(spec: KVSpec, num_tokens: int, raw: np.ndarray) -> Any:
+    import torch
+
+    return torch.from_numpy(raw).view(getattr(torch, spec.dtype.value)).view(
+        _shape(spec, num_tokens))
