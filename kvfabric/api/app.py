@@ -223,6 +223,7 @@ class TierStatsBody(BaseModel):
     demotions: int
     bytes_in: int
     bytes_out: int
+    bytes_saved: int = Field(0, description="SSD tier in fp8: native bytes minus bytes written")
     corrupt_records: int
     torn_records: int
 
