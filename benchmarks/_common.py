@@ -12,6 +12,8 @@ import gc
 import json
 import math
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -186,6 +188,42 @@ def daemon_process(data_dir: Path, *settings: str, ready_timeout_s: float = 60.0
                 raise RuntimeError(f"the daemon did not come up:\n{log_path.read_text()[-4000:]}")
             time.sleep(0.02)
         yield json.loads(ready.read_text())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def redis_server(workdir: Path) -> Iterator[str]:
+    """A private ``redis-server`` on a free loopback port, no persistence; yields its URL."""
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not on PATH")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port, socket_timeout=0.2, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {port}") from None
+                time.sleep(0.02)
+        client.close()
+        yield f"redis://127.0.0.1:{port}"
     finally:
         proc.kill()
         proc.wait()

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import (daemon_process, limit_torch_threads, measure, median, percentile, report,
+from _common import (daemon_process, limit_torch_threads, measure, median, percentile,
+                     redis_server, report,
                      tokens, touched)
 # isort: on
 
@@ -47,8 +48,6 @@ import argparse
 import multiprocessing
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -106,39 +105,6 @@ FULL = Settings(rounds=10, lookups=5_000, records=200_000)
 
 
 # -- processes ------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def redis_server(workdir: Path) -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server is not on PATH")
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        client = redis.Redis(port=port, socket_timeout=0.2, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {port}") from None
-                time.sleep(0.02)
-        client.close()
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
-
-
 @contextmanager
 def daemon(data_dir: Path, *settings: str) -> Iterator[str]:
     """A ``kvfabric serve`` child process; yields its socket path, killed when done."""

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import daemon_process, limit_torch_threads, measure, median, report
+from _common import (daemon_process, free_port, limit_torch_threads, measure, median,
+                     redis_server, report)
 # isort: on
 
 import argparse
@@ -83,41 +84,6 @@ FIGURES = [
     ("get_ms_kvfabric", "one batch get, kvfabric (ms)"),
     ("chunk_mib", "size of one chunk (MiB)"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def redis_process(workdir: Path) -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server is not on PATH")
-    import redis
-
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        client = redis.Redis(port=port, socket_timeout=0.2, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.02)
-        client.close()
-        yield f"redis://127.0.0.1:{port}"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @contextmanager
@@ -280,7 +246,7 @@ def run(root: Path, cfg: Config) -> dict[str, float]:
         results["kvfabric"] = run_one(lambda: Backend("kvfabric", overrides, "kvfabric",
                                                       cpu_gib), cfg)
     (root / "redis").mkdir()
-    with redis_process(root / "redis") as url:
+    with redis_server(root / "redis") as url:
         results["redis"] = run_one(lambda: Backend("redis", {"remote_url": url}, None,
                                                    cpu_gib), cfg)
     with lm_server_process(root) as url:
