@@ -7,7 +7,10 @@
   never share a chunk: the namespace seed is mixed into every chunk hash.
 * :class:`ChunkLayout` maps the canonical payload layout
   ``[layer][k|v][kv_head][token][head_dim]`` to byte ranges. Head-major inside a layer makes
-  every tensor-parallel head range one contiguous run per (layer, k|v).
+  every tensor-parallel head range one contiguous run per (layer, k|v). A float8 (e4m3)
+  payload stores each (layer, k|v, head) as its float32 scale followed by its values
+  (``[layer][k|v][kv_head]{scale, [token][head_dim]}``, see :mod:`kvfabric.convert.fp8`), so a
+  head range still is one run per (layer, k|v) and carries its own scales.
 
 Everything here is a frozen value; validation raises :class:`~kvfabric.errors.SpecError`.
 """
@@ -48,6 +51,12 @@ class KVDtype(str, enum.Enum):
         return _ITEMSIZE[self]
 
     @property
+    def scale_bytes(self) -> int:
+        """Bytes of the per-(layer, k|v, head) scale stored in front of each head's values:
+        4 (float32) for float8, 0 for the dtypes that need none."""
+        return _SCALE_BYTES.get(self, 0)
+
+    @property
     def code(self) -> int:
         """Small stable integer used in binary encodings (fingerprints, disk records)."""
         return _CODES[self]
@@ -66,6 +75,7 @@ class KVDtype(str, enum.Enum):
 
 
 _ITEMSIZE = {KVDtype.BFLOAT16: 2, KVDtype.FLOAT16: 2, KVDtype.FLOAT32: 4, KVDtype.FLOAT8_E4M3: 1}
+_SCALE_BYTES = {KVDtype.FLOAT8_E4M3: 4}
 _CODES = {KVDtype.BFLOAT16: 1, KVDtype.FLOAT16: 2, KVDtype.FLOAT32: 3, KVDtype.FLOAT8_E4M3: 4}
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
             "float": "float32", "fp8": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn"}
@@ -163,6 +173,8 @@ class ChunkLayout:
     """Byte geometry of one chunk payload in the canonical layout.
 
     ``[layer][plane][kv_head][token][head_dim]``, planes being K and V (MHA) or the latent (MLA).
+    ``head_bytes`` is one (plane, head) record: its dtype's scale (float8 only) then its
+    ``[token][head_dim]`` values.
     """
 
     spec: KVSpec
@@ -174,7 +186,8 @@ class ChunkLayout:
 
     def __post_init__(self) -> None:
         _positive("num_tokens", self.num_tokens, self.spec.chunk_tokens)
-        head = self.num_tokens * self.spec.head_dim * self.spec.dtype.itemsize
+        dtype = self.spec.dtype
+        head = dtype.scale_bytes + self.num_tokens * self.spec.head_dim * dtype.itemsize
         object.__setattr__(self, "head_bytes", head)
         object.__setattr__(self, "plane_bytes", head * self.spec.num_kv_heads)
         object.__setattr__(self, "layer_bytes", self.plane_bytes * self.spec.kv_planes)

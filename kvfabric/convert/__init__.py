@@ -1,7 +1,8 @@
 """Conversions of canonical KV for heterogeneous consumers.
 
 * :mod:`kvfabric.convert.dtype` -- bfloat16 / float16 / float32 conversion on read, straight
-  from a reader's zero-copy pieces (a view when nothing changes).
+  from a reader's zero-copy pieces (a view when nothing changes), and on write
+  (:func:`write_layer`); float8 objects are dequantized / quantized there too.
 * :mod:`kvfabric.convert.fp8` -- an fp8 (e4m3) storage format with per-(layer, k|v, head)
   float32 scales, its serialized form and its error bound.
 """
@@ -15,6 +16,7 @@ from kvfabric.convert.dtype import (
                                     read_layer,
                                     read_payload,
                                     torch_dtype,
+                                    write_layer,
 )
 from kvfabric.convert.fp8 import (
                                     QuantizedLayer,
@@ -26,11 +28,14 @@ from kvfabric.convert.fp8 import (
                                     error_bound,
                                     pack,
                                     quantize,
+                                    read_pieces,
                                     serialized_nbytes,
                                     unpack,
+                                    write_pieces,
 )
 
 __all__ = ["QuantizedLayer", "bytes_saved", "chunk_nbytes", "coalesce", "convert_pieces",
            "convert_tensor", "decode_layer", "dequantize", "encode_layer", "error_bound",
            "kv_dtype", "layer_shape", "pack", "quantize", "read_layer", "read_payload",
-           "serialized_nbytes", "torch_dtype", "unpack"]
+           "read_pieces", "serialized_nbytes", "torch_dtype", "unpack", "write_layer",
+           "write_pieces"]

@@ -14,11 +14,16 @@ fp16-only accelerator reading bf16 KV) converts while it copies the KV out of th
 * :func:`read_layer` / :func:`read_payload` do the same from a reader, taking the stored dtype
   and the shape from the reader's layout: ``[planes, heads, tokens, head_dim]`` for a layer
   (or a head range of it), ``[layers, planes, heads, tokens, head_dim]`` for a payload.
+* :func:`write_layer` is the producer's side: a canonical tensor in any of those dtypes into
+  a writer's layer (or head range), converted to the stored dtype on the way.
 * :func:`convert_tensor` converts a canonical tensor already in memory (a view when nothing
   changes).
 
-float8 payloads are not converted here: they need their per-head scales
-(:mod:`kvfabric.convert.fp8`). Unknown dtypes raise :class:`~kvfabric.errors.SpecError`;
+A float8 (e4m3) namespace stores per-head scales with its values (:mod:`kvfabric.convert.fp8`):
+:func:`read_layer` / :func:`read_payload` dequantize it to the requested dtype (which it
+must name: there is no plain float8 tensor to hand out) and :func:`write_layer` quantizes
+into it; the piece-level functions here refuse it. Unknown dtypes raise
+:class:`~kvfabric.errors.SpecError`;
 pieces or buffers whose byte count does not match the requested shape raise
 :class:`~kvfabric.errors.PayloadSizeError` (both are ``ValueError``).
 """
@@ -34,8 +39,8 @@ import numpy as np
 import torch
 
 from kvfabric.errors import PayloadSizeError, SpecError
-from kvfabric.memory.copy import Piece, nbytes_of
-from kvfabric.payload import HeadRange, PayloadReader
+from kvfabric.memory.copy import Piece, copy_pieces, nbytes_of
+from kvfabric.payload import HeadRange, PayloadReader, PayloadWriter
 from kvfabric.spec import ChunkLayout, KVDtype
 
 # Dtypes converted here; float8 needs scales (kvfabric.convert.fp8).
@@ -153,10 +158,34 @@ def read_layer(reader: PayloadReader, layer: int, *, heads: HeadRange | None = N
                dtype: Any = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One committed layer (or heads ``[a, b)`` of it) as ``[planes, heads, tokens, head_dim]``
     in ``dtype`` (default: the stored dtype); a view of the reader's pages when that needs no
-    copy (valid while the object stays pinned), else a copy (into ``out`` when given)."""
+    copy (valid while the object stays pinned), else a copy (into ``out`` when given).
+    A float8 object is dequantized (``dtype`` required)."""
     pieces = reader.layer_pieces(layer, heads)
-    return convert_pieces(pieces, reader.layout.spec.dtype, dtype,
-                          layer_shape(reader.layout, heads), out=out)
+    shape = layer_shape(reader.layout, heads)
+    if _quantized(reader.layout, dtype):
+        return _fp8().read_pieces(pieces, shape, dtype, out=out)
+    return convert_pieces(pieces, reader.layout.spec.dtype, dtype, shape, out=out)
+
+
+def write_layer(writer: PayloadWriter, layer: int, data: torch.Tensor, *,
+                heads: HeadRange | None = None) -> None:
+    """Canonical ``data`` ``[planes, heads, tokens, head_dim]`` (bf16 / fp16 / fp32) into a
+    writer's layer (or heads ``[a, b)`` of it; a head-range writer's own range by default),
+    converted to the stored dtype: a plain copy when it already is, quantized for a float8
+    object."""
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(data).__name__}")
+    pieces = writer.layer_pieces(layer, heads)
+    own = heads if heads is not None else writer.heads
+    shape = layer_shape(writer.layout, own)
+    if tuple(data.shape) != shape:
+        raise PayloadSizeError(f"layer {layer} is {list(shape)}, got {list(data.shape)}")
+    convertible(data.dtype)
+    if writer.layout.spec.dtype is KVDtype.FLOAT8_E4M3:
+        _fp8().write_pieces(pieces, data)
+        return
+    converted = convert_tensor(data, writer.layout.spec.dtype).contiguous()
+    copy_pieces(pieces, [converted.view(-1).view(torch.uint8)])
 
 
 def read_payload(reader: PayloadReader, *, heads: HeadRange | None = None, dtype: Any = None,
@@ -170,6 +199,8 @@ def read_payload(reader: PayloadReader, *, heads: HeadRange | None = None, dtype
     reader); otherwise converted from one strided view, or layer by layer."""
     layout = reader.layout
     spec = layout.spec
+    if _quantized(layout, dtype):
+        return _read_quantized_payload(reader, heads, dtype, out)
     if heads is None:
         shape = (spec.num_layers, *layer_shape(layout))
         return convert_pieces(reader.pieces(), spec.dtype, dtype, shape, out=out)
@@ -195,6 +226,42 @@ def read_payload(reader: PayloadReader, *, heads: HeadRange | None = None, dtype
     for layer in range(spec.num_layers):
         convert_pieces(reader.layer_pieces(layer, heads), src, dst, shape[1:], out=out[layer])
     return out
+
+
+def _read_quantized_payload(reader: PayloadReader, heads: HeadRange | None, dtype: Any,
+                            out: torch.Tensor | None) -> torch.Tensor:
+    """A float8 object (or a head range of it) dequantized layer by layer into one tensor."""
+    layout = reader.layout
+    if heads is not None:
+        layout.head_ranges(0, *heads)  # validates the range
+    shape = (layout.spec.num_layers, *layer_shape(layout, heads))
+    target = convertible(dtype)
+    pieces = reader.pieces()  # also: the object must be complete
+    if out is None:
+        device = _as_tensor(pieces[0]).device if pieces else torch.device("cpu")
+        out = torch.empty(shape, dtype=target, device=device)
+    else:
+        _check_out(out, shape, target)
+    for layer in range(layout.spec.num_layers):
+        _fp8().read_pieces(reader.layer_pieces(layer, heads), shape[1:], target,
+                           out=out[layer])
+    return out
+
+
+def _quantized(layout: ChunkLayout, dtype: Any) -> bool:
+    """Whether reads of ``layout`` dequantize; a float8 read must name its dtype."""
+    if layout.spec.dtype is not KVDtype.FLOAT8_E4M3:
+        return False
+    if dtype is None:
+        raise SpecError("a float8_e4m3fn object is read dequantized: pass dtype= (bfloat16, "
+                        "float16 or float32)")
+    return True
+
+
+def _fp8() -> Any:
+    from kvfabric.convert import fp8  # fp8 builds on this module's piece helpers
+
+    return fp8
 
 
 def _copy_head_runs(pieces: Sequence[np.ndarray], layout: ChunkLayout, heads: HeadRange,

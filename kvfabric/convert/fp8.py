@@ -16,15 +16,23 @@ Non-finite inputs (inf, NaN) are rejected: e4m3fn has no infinity.
 
 Serialized form of one layer (:func:`pack` / :func:`unpack`, :func:`encode_layer` /
 :func:`decode_layer`), ``serialized_nbytes(shape) = planes * heads * (4 + tokens * head_dim)``
-bytes, no header (the spec and token count give the shape)::
+bytes, no header (the spec and token count give the shape): one record per (plane, head), in
+``[plane][head]`` order, each ::
 
-    [scales: float32 little-endian, planes * heads, plane-major ([plane][head])]
-    [data:   e4m3 bytes, planes * heads * tokens * head_dim, canonical order]
+    [scale: float32 little-endian][values: tokens * head_dim e4m3 bytes, [token][head_dim]]
 
-Scales first: they are 4-byte aligned whenever the layer starts at a 4-byte boundary, and a
-reader of heads ``[a, b)`` finds their scales at ``4 * (plane * heads + a)`` and their data as
-one contiguous run per plane (like the canonical layout). A chunk is its layers' serialized
-forms back to back (:func:`chunk_nbytes`), so layer ``l`` starts at ``l * serialized_nbytes``.
+This is also the payload of a namespace whose :class:`~kvfabric.spec.KVSpec` dtype is
+``float8_e4m3fn`` (its :class:`~kvfabric.spec.ChunkLayout` counts a head as ``4 + tokens *
+head_dim`` bytes), and of a chunk an SSD tier keeps in fp8: a chunk is its layers' serialized
+forms back to back (:func:`chunk_nbytes`). Scale next to values keeps the canonical layout's
+property: heads ``[a, b)`` of a layer are one contiguous run per plane, scales included, and
+those runs back to back are the serialized form of the ``[planes, b - a, tokens, head_dim]``
+sub-layer, so a tensor-parallel rank reads (and writes) only its heads' values and scales.
+
+Stored objects are read and written through page pieces with :func:`read_pieces` /
+:func:`write_pieces`; :func:`kvfabric.convert.read_layer` / ``read_payload`` /
+``write_layer`` call them for a float8 namespace, so producers hand over bf16 / fp16 / fp32
+tensors (quantized on the way in) and consumers get them back in their own dtype.
 
 Error bound (per element; derivation)
 -------------------------------------
@@ -60,19 +68,22 @@ subnormals included) and multiplies by ``scale`` times that power of two: bit-id
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from kvfabric.convert.dtype import _as_tensor, convertible, kv_dtype
+from kvfabric.convert.dtype import _as_tensor, _copy_runs, coalesce, convertible
 from kvfabric.errors import PayloadSizeError, SpecError
-from kvfabric.spec import KVSpec
+from kvfabric.memory.copy import Piece, copy_pieces, nbytes_of
+from kvfabric.spec import KVDtype, KVSpec
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 MIN_SCALE = 2.0 ** -126  # smallest normal float32: keeps 1 / scale finite
-SCALE_BYTES = 4  # float32
+SCALE_BYTES = KVDtype.FLOAT8_E4M3.scale_bytes  # float32, in front of each head's values
 
 # Unit roundoff of each output dtype (half an ULP relative to the value).
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
@@ -104,10 +115,9 @@ def serialized_nbytes(shape: Any) -> int:
 
 
 def chunk_nbytes(spec: KVSpec, num_tokens: int | None = None) -> int:
-    """Bytes of a whole chunk in fp8 (every layer's serialized form)."""
-    layout = spec.layout(num_tokens)
-    return spec.num_layers * serialized_nbytes(
-        (spec.kv_planes, spec.num_kv_heads, layout.num_tokens, spec.head_dim))
+    """Bytes of a whole chunk in fp8 (every layer's serialized form): the payload size of
+    ``spec`` with its dtype made float8."""
+    return dataclasses.replace(spec, dtype=KVDtype.FLOAT8_E4M3).layout(num_tokens).nbytes
 
 
 def bytes_saved(spec: KVSpec, num_tokens: int | None = None, *,
@@ -115,9 +125,10 @@ def bytes_saved(spec: KVSpec, num_tokens: int | None = None, *,
     """Bytes a chunk saves in fp8 (scales included) against ``baseline`` (default bfloat16):
     ``baseline bytes - fp8 bytes``, a gauge-friendly integer (negative only for absurdly short
     heads, where the scales outweigh the halving)."""
-    itemsize = kv_dtype(baseline).itemsize
+    itemsize = convertible(baseline).itemsize
     layout = spec.layout(num_tokens)
-    elements = layout.nbytes // spec.dtype.itemsize
+    elements = spec.num_layers * spec.kv_planes * spec.num_kv_heads * layout.num_tokens \
+        * spec.head_dim
     return elements * itemsize - chunk_nbytes(spec, num_tokens)
 
 
@@ -141,18 +152,23 @@ def quantize(layer: torch.Tensor, *, out: QuantizedLayer | None = None) -> Quant
     """Canonical ``layer`` (bf16 / fp16 / fp32 ``[planes, heads, tokens, head_dim]``) to fp8.
 
     ``out``, when given, receives the result (``data`` e4m3 and ``scales`` float32 of the
-    right shapes, contiguous; e.g. :func:`unpack` views of a serialized buffer)."""
+    right shapes, contiguous). :func:`encode_layer` quantizes into a serialized buffer."""
     scales = compute_scales(layer)
     if out is None:
         out = QuantizedLayer(torch.empty(layer.shape, dtype=FP8, device=layer.device), scales)
     else:
         _check_quantized(out, tuple(layer.shape))
         out.scales.copy_(scales)
+    _scale_into(layer, scales, out.data)
+    return out
+
+
+def _scale_into(layer: torch.Tensor, scales: torch.Tensor, data: torch.Tensor) -> None:
+    """``data`` (e4m3, any strides) = ``layer / scales``, rounded to nearest even."""
     inverse = (1.0 / scales.to(torch.float64)).to(torch.float32)  # <= 2**126: finite
     # x * (1 / s) computed in float32 whatever the input dtype, cast (saturating) to e4m3
     # on the way out: one pass over the input, no float32 temporary of the whole layer.
-    torch.mul(layer, inverse[:, :, None, None], out=out.data)
-    return out
+    torch.mul(layer, inverse[:, :, None, None], out=data)
 
 
 def dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: Any = torch.bfloat16, *,
@@ -193,30 +209,25 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: Any = torch.bflo
 
 
 def pack(layer: QuantizedLayer, out: Any = None) -> torch.Tensor:
-    """The serialized form (scales then data) of a quantized layer, as a flat uint8 tensor
-    (``out``, a flat uint8 buffer of :func:`serialized_nbytes` bytes, when given)."""
+    """The serialized form of a quantized layer, as a flat uint8 tensor (``out``, a flat
+    uint8 buffer of :func:`serialized_nbytes` bytes, when given)."""
     shape = _shape(layer.data.shape)
     _check_quantized(layer, shape)
     raw = torch.empty(serialized_nbytes(shape), dtype=torch.uint8) if out is None \
         else _byte_tensor(out)
-    target = unpack(raw, shape)
-    target.scales.copy_(layer.scales)
-    target.data.copy_(layer.data)
+    scale_bytes, data = _records(raw, shape)
+    scale_bytes.copy_(_scale_bytes(layer.scales))
+    data.copy_(layer.data)
     return raw
 
 
 def unpack(buffer: Any, shape: Any) -> QuantizedLayer:
-    """Zero-copy ``data`` / ``scales`` views of a serialized layer of ``shape``
-    (``buffer``: a flat uint8 tensor, numpy array or bytes-like of exactly that size)."""
-    planes, heads, tokens, dim = _shape(shape)
-    raw = _byte_tensor(buffer)
-    expected = serialized_nbytes((planes, heads, tokens, dim))
-    if raw.numel() != expected:
-        raise PayloadSizeError(f"a serialized fp8 layer of shape {[planes, heads, tokens, dim]} "
-                               f"is {expected} bytes, got {raw.numel()}")
-    split = planes * heads * SCALE_BYTES
-    scales = raw[:split].view(torch.float32).view(planes, heads)
-    data = raw[split:].view(FP8).view(planes, heads, tokens, dim)
+    """``data`` (a zero-copy, strided view) and ``scales`` (a copy: 4 bytes a head, not
+    necessarily 4-byte aligned) of a serialized layer of ``shape`` (``buffer``: a flat uint8
+    tensor, numpy array or bytes-like of exactly that size)."""
+    planes, heads = _shape(shape)[:2]
+    scale_bytes, data = _records(_byte_tensor(buffer), shape)
+    scales = scale_bytes.contiguous().view(torch.float32).view(planes, heads)
     return QuantizedLayer(data, scales)
 
 
@@ -226,7 +237,10 @@ def encode_layer(layer: torch.Tensor, out: Any = None) -> torch.Tensor:
     shape = _shape(layer.shape)
     raw = torch.empty(serialized_nbytes(shape), dtype=torch.uint8, device=layer.device) \
         if out is None else _byte_tensor(out)
-    quantize(layer, out=unpack(raw, shape))
+    scale_bytes, data = _records(raw, shape)
+    scales = compute_scales(layer)
+    scale_bytes.copy_(_scale_bytes(scales))
+    _scale_into(layer, scales, data)
     return raw
 
 
@@ -235,6 +249,46 @@ def decode_layer(buffer: Any, shape: Any, dtype: Any = torch.bfloat16, *,
     """A serialized layer of ``shape`` back to ``dtype`` (see :func:`dequantize`)."""
     layer = unpack(buffer, shape)
     return dequantize(layer.data, layer.scales, dtype, out=out)
+
+
+def read_pieces(pieces: Sequence[Piece], shape: Any, dtype: Any, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The serialized layer (or head range of one) held in ``pieces`` (a reader's zero-copy
+    views) dequantized to ``dtype`` as a ``shape`` tensor (into ``out`` when given).
+
+    Reads straight from the pieces when they are one run of memory, else gathers them first
+    (one copy of the fp8 bytes, half the size of the output in bf16)."""
+    convertible(dtype)
+    shape = _shape(shape)
+    total = sum(nbytes_of(piece) for piece in pieces)
+    if total != serialized_nbytes(shape):
+        raise PayloadSizeError(f"{total} bytes of fp8 records do not hold a layer of shape "
+                               f"{list(shape)} ({serialized_nbytes(shape)} bytes)")
+    runs = coalesce(pieces)
+    if len(runs) == 1:
+        raw = _as_tensor(runs[0]).reshape(-1)
+    else:
+        device = _as_tensor(runs[0]).device if runs else torch.device("cpu")
+        raw = torch.empty(total, dtype=torch.uint8, device=device)
+        _copy_runs(raw, runs)
+    return decode_layer(raw, shape, dtype, out=out)
+
+
+def write_pieces(pieces: Sequence[Piece], layer: torch.Tensor) -> None:
+    """Quantize canonical ``layer`` (bf16 / fp16 / fp32) into ``pieces`` (a writer's views
+    of a layer or head range of a float8 object), straight into them when they are one run
+    of memory, else through one fp8 buffer."""
+    shape = _shape(layer.shape)
+    total = sum(nbytes_of(piece) for piece in pieces)
+    if total != serialized_nbytes(shape):
+        raise PayloadSizeError(f"a layer of shape {list(shape)} is {serialized_nbytes(shape)} "
+                               f"bytes in fp8, the destination holds {total}")
+    runs = coalesce(pieces)
+    if len(runs) == 1 and _as_tensor(runs[0]).device == layer.device:
+        encode_layer(layer, out=_byte_tensor(runs[0]))
+        return
+    raw = encode_layer(layer)
+    copy_pieces(list(pieces), [raw.numpy() if raw.device.type == "cpu" else raw])
 
 
 def error_bound(x: torch.Tensor, scales: torch.Tensor, dtype: Any = torch.float32
@@ -264,6 +318,26 @@ def _byte_tensor(buffer: Any) -> torch.Tensor:
     return _as_tensor(np.frombuffer(buffer, dtype=np.uint8))
 
 
+def _records(raw: torch.Tensor, shape: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a serialized layer: each record's scale bytes ``[planes, heads, 4]`` (uint8)
+    and its values ``[planes, heads, tokens, head_dim]`` (e4m3)."""
+    planes, heads, tokens, dim = _shape(shape)
+    expected = serialized_nbytes((planes, heads, tokens, dim))
+    if raw.numel() != expected:
+        raise PayloadSizeError(f"a serialized fp8 layer of shape {[planes, heads, tokens, dim]} "
+                               f"is {expected} bytes, got {raw.numel()}")
+    records = raw.view(planes, heads, SCALE_BYTES + tokens * dim)
+    values = records[:, :, SCALE_BYTES:].view(FP8).unflatten(2, (tokens, dim))
+    return records[:, :, :SCALE_BYTES], values
+
+
+def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """float32 ``[planes, heads]`` scales as their bytes ``[planes, heads, 4]`` (native
+    order: little-endian on every host torch supports)."""
+    return scales.to(torch.float32).contiguous().view(torch.uint8).view(*scales.shape,
+                                                                          SCALE_BYTES)
+
+
 def _shape(shape: Any) -> tuple[int, int, int, int]:
     dims = tuple(int(n) for n in shape)
     if len(dims) != 4 or any(n < 0 for n in dims):
@@ -281,8 +355,8 @@ def _check_layer(layer: torch.Tensor) -> None:
 
 def _check_quantized(layer: QuantizedLayer, shape: tuple[int, ...]) -> None:
     data, scales = layer
-    if data.dtype != FP8 or tuple(data.shape) != shape or not data.is_contiguous():
-        raise PayloadSizeError(f"data must be a contiguous float8_e4m3fn tensor of shape "
+    if data.dtype != FP8 or tuple(data.shape) != shape:
+        raise PayloadSizeError(f"data must be a float8_e4m3fn tensor of shape "
                                f"{list(shape)}, got {data.dtype} {list(data.shape)}")
     if scales.dtype != torch.float32 or tuple(scales.shape) != shape[:2]:
         raise PayloadSizeError(f"scales must be float32 {list(shape[:2])}, got "
@@ -291,4 +365,4 @@ def _check_quantized(layer: QuantizedLayer, shape: tuple[int, ...]) -> None:
 
 __all__ = ["FP8", "FP8_MAX", "MIN_SCALE", "QuantizedLayer", "bytes_saved", "chunk_nbytes",
            "compute_scales", "decode_layer", "dequantize", "encode_layer", "error_bound",
-           "pack", "quantize", "serialized_nbytes", "unpack"]
+           "pack", "quantize", "read_pieces", "serialized_nbytes", "unpack", "write_pieces"]

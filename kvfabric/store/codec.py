@@ -4,8 +4,10 @@ With an SSD tier's ``format: fp8``, a bf16 / fp16 / fp32 chunk goes to disk in
 :mod:`kvfabric.convert.fp8`'s serialized form, layer by layer (e4m3 values with a float32
 scale per (layer, k|v, head)): about half the bytes of bf16, within the error bound that
 module documents, and decoded back to the namespace's dtype when the chunk is read back into
-memory. Readers never see fp8: memory tiers always hold the namespace's dtype. A chunk of
-any other dtype stays native. The record's metadata says which form it is in, so a restart
+memory. Readers of such a namespace never see fp8: memory tiers always hold the namespace's
+dtype. A chunk of any other dtype stays native; in particular a namespace stored in fp8 at
+put time (KVSpec dtype ``float8_e4m3fn``) already is in that very serialized form, and goes
+to disk byte for byte. The record's metadata says which form it is in, so a restart
 decodes correctly whatever the tier's format is by then.
 
 Pure functions over page pieces; torch is imported only when fp8 is in use.

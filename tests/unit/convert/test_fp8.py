@@ -188,29 +188,32 @@ def test_serialized_size(shape: tuple[int, int, int, int]) -> None:
         fp8.serialized_nbytes(shape[:3])
 
 
-def test_serialized_layout_is_scales_then_data() -> None:
+def test_serialized_layout_is_one_record_per_head_scale_first() -> None:
     x = torch.randn(2, 3, 4, 5) * torch.arange(1, 7).view(2, 3, 1, 1)
     layer = fp8.quantize(x)
     raw = fp8.encode_layer(x)
     assert raw.dtype == torch.uint8 and raw.numel() == fp8.serialized_nbytes(x.shape)
-    scales = struct.unpack("<6f", raw[:24].numpy().tobytes())  # little-endian, [plane][head]
-    assert list(scales) == layer.scales.view(-1).tolist()
-    assert raw[24:].numpy().tobytes() == layer.data.view(torch.uint8).numpy().tobytes()
+    record = 4 + 4 * 5
+    for index, (plane, head) in enumerate((p, h) for p in range(2) for h in range(3)):
+        at = raw[index * record:(index + 1) * record].numpy().tobytes()
+        (scale,) = struct.unpack("<f", at[:4])  # little-endian, [plane][head] order
+        assert scale == float(layer.scales[plane, head])
+        assert at[4:] == layer.data[plane, head].contiguous().view(torch.uint8).numpy().tobytes()
     assert torch.equal(fp8.pack(layer), raw)
-    # heads [1, 3): scales at 4 * (plane * heads + 1), data one run per plane
-    plane_bytes = 3 * 4 * 5
-    for plane in range(2):
-        offset = 24 + plane * plane_bytes + 1 * 20
-        run = raw[offset:offset + 2 * 20].view(FP8).view(2, 4, 5)
-        assert torch.equal(run.view(torch.uint8), layer.data[plane, 1:3].view(torch.uint8))
+    # heads [1, 3): one run per plane, scales included, which together are the
+    # serialized form of the [2, 2, 4, 5] sub-layer
+    runs = [raw[(plane * 3 + 1) * record:(plane * 3 + 3) * record] for plane in range(2)]
+    sub = fp8.unpack(torch.cat(runs), (2, 2, 4, 5))
+    assert torch.equal(sub.scales, layer.scales[:, 1:3])
+    assert torch.equal(sub.data.view(torch.uint8), layer.data[:, 1:3].view(torch.uint8))
 
 
-def test_unpack_is_zero_copy_and_decode_round_trips() -> None:
+def test_unpack_views_the_values_and_decode_round_trips() -> None:
     x = torch.randn(2, 2, 8, 16).to(torch.bfloat16)
     raw = fp8.encode_layer(x)
     view = fp8.unpack(raw, x.shape)
-    assert view.scales.data_ptr() == raw.data_ptr()
-    assert view.data.data_ptr() == raw.data_ptr() + 2 * 2 * 4
+    assert view.data.data_ptr() == raw.data_ptr() + 4  # after the first head's scale
+    assert torch.equal(fp8.pack(view), raw)
     assert torch.equal(fp8.decode_layer(raw, x.shape), fp8.dequantize(*fp8.quantize(x)))
     # from the bytes a store would hand back (read-only numpy, or plain bytes)
     frozen = raw.numpy().tobytes()
