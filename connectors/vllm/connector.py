@@ -57,8 +57,6 @@ class KVFabricConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise ValueError("KVFabricConnector supports tensor_parallel_size=1 for now")
         spec = spec_from_vllm(vllm_config, settings.chunk_tokens, settings.kv_dtype)
         namespaces = Namespaces(model_id_of(vllm_config, settings.model_id), spec)
         self._scheduler: SchedulerSide | None = None

@@ -3,15 +3,21 @@
 Both connector roles derive it the same way, so the scheduler's lookups and the worker's
 loads and saves address the same chunks; engines with other block sizes share them, since
 chunks are kvfabric's own (``chunk_tokens``), not engine blocks.
+
+The canonical object holds every KV head of the model, whatever an engine's tensor
+parallelism; :func:`rank_share` is the part of it one tensor-parallel rank's cache holds,
+saves and loads (see :mod:`.worker`).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvfabric.payload import HeadRange
 from kvfabric.spec import AttentionKind, KVSpec, Namespace
 
 
@@ -35,11 +41,12 @@ def spec_from_vllm(vllm_config: Any, chunk_tokens: int, kv_dtype: str | None = N
     """The canonical spec of the model this engine serves (all KV heads: the object is
     the whole layer, whatever this engine's tensor parallelism). ``kv_dtype`` is the
     fabric's storage dtype when it differs from the engine's (a bf16 prefill feeding an fp32
-    decode): the connector converts at its edge."""
+    decode, or float8_e4m3fn: quantized with per-head scales): the connector converts at
+    its edge."""
     model = vllm_config.model_config
     engine = engine_kv_dtype(vllm_config)
     stored = getattr(torch, kv_dtype) if kv_dtype else engine
-    if {engine, stored} - set(CONVERTIBLE):
+    if engine not in CONVERTIBLE or stored not in (*CONVERTIBLE, torch.float8_e4m3fn):
         raise ValueError(f"cannot convert between KV dtypes {engine} and {stored}")
     mla = bool(getattr(model, "use_mla", False))
     return KVSpec(num_layers=model.get_num_layers(vllm_config.parallel_config),
@@ -71,3 +78,42 @@ class Namespaces:
     @functools.lru_cache(maxsize=1024)  # noqa: B019 (one instance per engine)
     def get(self, tenant_salt: str, lora_id: str) -> Namespace:
         return Namespace(self.model_id, self.spec, tenant_salt, lora_id)
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """The part of the canonical object one tensor-parallel rank's KV cache holds.
+
+    ``heads``: its KV-head range, or None for all of them (no tensor parallelism, or MLA's
+    latent, which every rank replicates). ``saves``: whether this rank writes its range; of
+    ranks holding the same heads (replicas) only the first does. ``pushes``: whether it
+    pushes a producer's chunks on to another node (one rank does that for all)."""
+
+    heads: HeadRange | None
+    saves: bool
+    pushes: bool
+
+    def num_heads(self, spec: KVSpec) -> int:
+        """KV heads in this rank's cache."""
+        return spec.num_kv_heads if self.heads is None else self.heads[1] - self.heads[0]
+
+
+def rank_share(spec: KVSpec, tp_rank: int, tp_size: int) -> RankShare:
+    """Rank ``tp_rank`` of ``tp_size``: with ``tp_size`` dividing the KV heads H, heads
+    ``[r*H/tp, (r+1)*H/tp)``; with ``tp_size`` a multiple of H (each head replicated on
+    tp/H ranks, as vLLM shards GQA), head ``r // (tp/H)``, saved by its first replica; with
+    MLA (or a single KV head), the whole object, saved by rank 0."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size}")
+    heads = spec.num_kv_heads
+    lead = tp_rank == 0
+    if spec.kind is AttentionKind.MLA or heads == 1 or tp_size == 1:
+        return RankShare(None, lead, lead)  # every rank holds the whole object
+    if heads % tp_size == 0:
+        per = heads // tp_size
+        return RankShare((tp_rank * per, (tp_rank + 1) * per), True, lead)
+    if tp_size % heads == 0:
+        replicas = tp_size // heads
+        head = tp_rank // replicas
+        return RankShare((head, head + 1), tp_rank % replicas == 0, lead)
+    raise ValueError(f"{heads} KV heads cannot be split over tensor_parallel_size={tp_size}")

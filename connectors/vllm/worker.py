@@ -17,6 +17,18 @@ Runs in each model worker. Per step, with the metadata the scheduler side built:
 
 Conversion between the engine's block layout and kvfabric's canonical one happens here, at
 the edge (:mod:`.layout`).
+
+Tensor parallelism: the canonical object holds every KV head of the model, so engines with
+different tensor parallelism share it. Each rank's cache holds a share of it
+(:func:`.namespace.rank_share`, from vLLM's tensor-parallel rank and size): with TP
+dividing the KV heads H, rank r holds heads ``[r*H/TP, (r+1)*H/TP)``; with TP a multiple
+of H (each head replicated on TP/H ranks), rank r holds head ``r // (TP/H)``; MLA's latent
+(and a single KV head) is replicated on every rank. A rank saves only its range, with its
+own writer of the shared object (``reserve_many(..., heads=)``); of replicas only the
+first saves; rank 0 alone pushes. A layer of the object becomes readable once every range
+of it landed, so a rank loading its range never sees another rank's half-written heads,
+and the daemon counts the object as a hit only once it is complete. Every rank loads its
+own range, whatever the producer's parallelism was.
 """
 
 from __future__ import annotations
@@ -32,14 +44,14 @@ from typing import Any
 import torch
 
 from kvfabric.client import RemoteReader, RemoteWriter
-from kvfabric.convert.dtype import read_layer
+from kvfabric.convert.dtype import read_layer, write_layer
 from kvfabric.errors import AlreadyExistsError, KVFabricError
 from kvfabric.hashing import ChunkRef
 
 from ..link import DaemonLink
 from .layout import PagedLayout, layout_for_vllm_cache
 from .metadata import ChunkSlice, KVFabricMetadata, RequestTransfer
-from .namespace import Namespaces
+from .namespace import Namespaces, RankShare, rank_share
 from .settings import ConnectorSettings
 from .stats import TransferCounters
 
@@ -58,12 +70,14 @@ class _Item:
 
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings, namespaces: Namespaces, block_size: int,
-                 engine_dtype: torch.dtype) -> None:
+                 engine_dtype: torch.dtype, share: RankShare | None = None) -> None:
+        """``share``: this rank's part of the canonical object; None asks vLLM for this
+        process's tensor-parallel rank."""
         self.settings = settings
         self.namespaces = namespaces
         self.block_size = block_size  # the scheduler's: block_ids index tokens by it
         spec = namespaces.spec
-        self._dtype = getattr(torch, spec.dtype.value)  # as the fabric stores it
+        self.share = share if share is not None else rank_share(spec, *_tensor_parallel_rank())
         self._engine_dtype = engine_dtype  # as the engine's cache holds it
         self.link = DaemonLink(settings.socket_path, settings.token,
                                timeout=settings.load_timeout_s, engine="vllm")
@@ -104,7 +118,7 @@ class WorkerSide:
             # thread exists, the engine's first AMX attention kernel died with SIGILL
             torch.cpu._init_amx()
         self._layout = layout_for_vllm_cache(
-            first, block_size=self.block_size, num_kv_heads=spec.num_kv_heads,
+            first, block_size=self.block_size, num_kv_heads=self.share.num_heads(spec),
             head_dim=spec.head_dim, device_type=first.device.type,
             isa=_cpu_isa(self._engine_dtype, self.block_size, spec.head_dim) if cpu else None)
 
@@ -160,7 +174,7 @@ class WorkerSide:
 
     def save_layer(self, meta: KVFabricMetadata, layer_name: str, kv_layer: torch.Tensor
                    ) -> None:
-        if not meta.saves:
+        if not meta.saves or not self.share.saves:
             return
         if self._saving is None:
             self._saving = self._reserve(meta.saves)
@@ -173,8 +187,9 @@ class WorkerSide:
             for item in live:
                 chunk = item.chunk
                 canonical = self._layout.gather(kv_layer, item.blocks, chunk.start,
-                                                chunk.num_tokens).to(self._dtype)
-                item.handle.write_layer(layer, canonical)  # type: ignore[union-attr]
+                                                chunk.num_tokens)
+                # into the fabric's dtype on the way (converted, or quantized for fp8)
+                write_layer(item.handle, layer, canonical)  # type: ignore[arg-type]
             self.link.client().commit_layer_many([i.handle for i in live], layer)  # type: ignore[misc]
         except (KVFabricError, OSError, ValueError) as exc:
             self._abandon_saves(exc)
@@ -206,7 +221,7 @@ class WorkerSide:
             ns = self.namespaces.get(transfer.tenant_salt, transfer.lora_id)
             refs = [ChunkRef(c.key, c.parent, c.num_tokens) for c in transfer.chunks]
             try:
-                results = self.link.client().reserve_many(ns, refs)
+                results = self.link.client().reserve_many(ns, refs, heads=self.share.heads)
             except (KVFabricError, OSError) as exc:
                 self.link.failed(exc)
                 self.counters.add(save_errors=len(refs))
@@ -221,7 +236,7 @@ class WorkerSide:
                     self.counters.add(save_errors=1)
                     log.warning("kvfabric: cannot save a chunk of %s: %s", transfer.req_id,
                                 result)
-            if transfer.push_to:
+            if transfer.push_to and self.share.pushes:
                 self._pushes.submit(self._push, transfer)
         return items
 
@@ -364,9 +379,10 @@ class _LayerLoad:
         assert isinstance(reader, RemoteReader)
         try:
             reader.wait_layer(layer, timeout=self._left())
-            # [2, heads, tokens, head_dim] in the engine's dtype: a view of the shared
-            # pages when nothing needs converting
-            canonical = read_layer(reader, layer, dtype=self.worker._engine_dtype)
+            # [2, this rank's heads, tokens, head_dim] in the engine's dtype: a view of
+            # the shared pages when nothing needs converting (all heads, same dtype)
+            canonical = read_layer(reader, layer, heads=self.worker.share.heads,
+                                   dtype=self.worker._engine_dtype)
             chunk = item.chunk
             layout.scatter(cache, item.blocks, chunk.start + chunk.begin,
                            canonical[:, :, chunk.begin:chunk.stop])
@@ -398,6 +414,16 @@ def _loaded_blocks(item: _Item, block_size: int) -> set[int]:
     first = item.chunk.start + item.chunk.begin
     last = item.chunk.start + item.chunk.stop - 1
     return set(item.transfer.block_ids[first // block_size:last // block_size + 1])
+
+
+def _tensor_parallel_rank() -> tuple[int, int]:
+    """This worker's tensor-parallel rank and world size."""
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
 def _cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:

@@ -31,6 +31,7 @@ this module is the API, the leases, lookups, statistics and the lifecycle.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -358,7 +359,9 @@ class TieredStore:
     # ------------------------------------------------------------------ queries
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
-        """Longest prefix of the chain ``keys`` stored in ``ns`` (in-flight writes count).
+        """Longest prefix of the chain ``keys`` stored in ``ns`` (in-flight writes count,
+        except objects tensor-parallel ranks write by head range: those count once every
+        range landed, since a rank that never reserves its range leaves no lease to expire).
 
         A namespace the store has never held is a plain miss: lookups never create state,
         so callers cannot grow the store's tables by asking about made-up namespaces.
@@ -366,6 +369,7 @@ class TieredStore:
         with self._lock:
             known = self._namespaces.get(ns.seed)
             entries = [] if known is None else self._index.longest_prefix(known, keys)
+            entries = list(itertools.takewhile(lambda e: e.shards is None, entries))
             per_tier = [0] * len(self._tiers)
             for entry in entries:
                 per_tier[entry.tier] += entry.num_tokens
