@@ -150,8 +150,6 @@ def arena_bytes(payload_bytes: int, page_size: int) -> int:
     return -(-payload_bytes * 4 // (3 * page_size)) * page_size
 
 
-
-
 def gb_s(seconds: float) -> float:
     return OBJECT_BYTES / seconds / 1e9
 

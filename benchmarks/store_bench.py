@@ -128,8 +128,6 @@ FULL = Settings(rounds=21, lookups=50_000, hash_calls=10, ssd_records=64, demote
                 metadata_objects=20_000)
 
 
-
-
 def page_views(buf: np.ndarray) -> list[np.ndarray]:
     """Page-sized views: the pieces the store hands the SSD tier (and reads back into)."""
     return [buf[i:i + PAGE] for i in range(0, buf.nbytes, PAGE)]

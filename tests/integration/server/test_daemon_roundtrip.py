@@ -102,6 +102,36 @@ def test_head_range_read(daemon) -> None:
             out = np.empty(2 * 2 * SPEC.layout().head_bytes, dtype=np.uint8)
             reader.read_into(out, layer=3, heads=(2, 4))
             assert np.array_equal(out.reshape(2, 2, -1), canonical[3, :, 2:4])
+            # or in place: views of the daemon's pages holding just that range
+            pieces = reader.layer_pieces(3, heads=(2, 4))
+            assert sum(p.nbytes for p in pieces) == out.nbytes
+            assert np.array_equal(np.concatenate(pieces).reshape(2, 2, -1),
+                                  canonical[3, :, 2:4])
+            arena_views = [a.array for a in reader._session.arenas._arenas.values()]
+            assert all(any(np.shares_memory(p, a) for a in arena_views) for p in pieces)
+
+
+def test_context_managers_release_and_abort_when_the_body_raises(daemon) -> None:
+    with Client(daemon.socket) as client:
+        (key,) = put_prompt(client, 1)
+        used = client.stats()["tiers"][0]["used_bytes"]
+        with pytest.raises(RuntimeError, match="engine failed"):
+            with client.get(NS, key) as reader:
+                raise RuntimeError("engine failed")
+        assert reader.closed
+        # a pinned object's pages outlive its delete; these are freed at once: no pin left
+        assert client.delete(NS, key)
+        assert client.stats()["tiers"][0]["used_bytes"] == used - SPEC.chunk_bytes
+
+        fresh = chunk_keys(NS, list(range(90_000, 90_000 + SPEC.chunk_tokens)))[0]
+        with pytest.raises(RuntimeError, match="engine failed"):
+            with client.reserve(NS, fresh) as writer:
+                writer.write_layer(0, payload(fresh).reshape(SPEC.num_layers, -1)[0])
+                writer.commit_layer(0)
+                raise RuntimeError("engine failed")
+        assert writer.closed
+        assert client.contains(NS, [fresh]) == [False]  # aborted, not half-published
+        assert client.stats()["tiers"][0]["used_bytes"] == used - SPEC.chunk_bytes
 
 
 def test_many_clients_at_once(daemon) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfabric.api.metrics import OTHER_TENANT, Metrics, error_kind
@@ -198,3 +199,25 @@ def test_every_metric_is_documented_and_every_documented_metric_exists() -> None
     documented = set(re.findall(r"^\| `(kvfabric_\w+)`", DOCS.read_text(), re.MULTILINE))
     assert exposed == documented
     assert all(name.startswith("kvfabric_") for name in exposed)
+
+
+def _exposed_types_and_labels(metrics: Metrics) -> dict[str, tuple[str, frozenset[str]]]:
+    # Event metrics may have no samples yet: their declared label names are the truth.
+    declared = {w._name: frozenset(w._labelnames) for w in vars(metrics).values()
+                if isinstance(w, MetricWrapperBase)}
+    out = {}
+    for family in metrics.registry.collect():
+        labels = declared.get(family.name,
+                              frozenset(k for s in family.samples for k in s.labels) - {"le"})
+        name = f"{family.name}_total" if family.type == "counter" else family.name
+        out[name] = (family.type, labels)
+    return out
+
+
+def test_every_documented_metric_has_its_real_type_and_labels() -> None:
+    exposed = _exposed_types_and_labels(Metrics(FixedStats()))
+    rows = re.findall(r"^\| `(kvfabric_\w+)` \| (\w+) \| ([^|]*) \|", DOCS.read_text(),
+                      re.MULTILINE)
+    documented = {name: (kind, frozenset(re.findall(r"`(\w+)`", labels)))
+                  for name, kind, labels in rows}
+    assert documented == exposed

@@ -73,9 +73,12 @@ def test_head_range_read_returns_only_that_range(store: TieredStore) -> None:
     data = payload(key)
     layout = SPEC.layout()
     canonical = data.reshape(SPEC.num_layers, 2, SPEC.num_kv_heads, -1)  # [L][k|v][head][tok*dim]
+    arena = store._tiers[0].arena.array  # type: ignore[union-attr]
     with store.get(NS, key) as reader:
         pieces = reader.layer_pieces(2, heads=(1, 3))
         assert sum(p.nbytes for p in pieces) == 2 * 2 * layout.head_bytes
+        # the range is read in place: views of the arena, nothing of the rest copied
+        assert all(np.shares_memory(piece, arena) for piece in pieces)
         got = np.concatenate(pieces).reshape(2, 2, -1)
         assert np.array_equal(got, canonical[2, :, 1:3])
         out = np.empty(2 * 2 * layout.head_bytes, dtype=np.uint8)
