@@ -20,17 +20,20 @@ push_to             node id every prefill pushes to            none (per request
 expect_timeout_s    how long a consumer waits for KV a         5
                     producer announced (``kv_transfer_params``)
 kv_dtype            the fabric's storage dtype (bfloat16,      the engine's KV dtype
-                    float16, float32), converted at the edge
-                    when the engine's differs
+                    float16, float32, or float8_e4m3fn alias
+                    fp8 / float8_e4m3: e4m3 with per-head
+                    scales), converted at the edge when the
+                    engine's differs (fp8: quantized at save,
+                    dequantized at load)
 ==================  =========================================  =============================
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from kvfabric.spec import DEFAULT_CHUNK_TOKENS
+from kvfabric.spec import DEFAULT_CHUNK_TOKENS, KVDtype
 
 from ..settings import positive_seconds, refuse_unknown, with_daemon_defaults
 
@@ -55,9 +58,8 @@ class ConnectorSettings:
         if isinstance(settings.chunk_tokens, bool) or not isinstance(settings.chunk_tokens, int) \
                 or settings.chunk_tokens <= 0:
             raise ValueError("chunk_tokens must be a positive integer")
-        if settings.kv_dtype not in (None, "bfloat16", "float16", "float32"):
-            raise ValueError(f"kv_dtype must be bfloat16, float16 or float32, "
-                             f"got {settings.kv_dtype!r}")
+        if settings.kv_dtype is not None:  # one spelling per dtype: the namespace's
+            settings = replace(settings, kv_dtype=KVDtype.parse(settings.kv_dtype).value)
         for name in ("load_timeout_s", "save_timeout_s", "expect_timeout_s"):
             positive_seconds(name, getattr(settings, name))
         return settings
