@@ -193,6 +193,8 @@ class NodePrefixBody(BaseModel):
     epoch: int
     chunks: int = Field(description="leading chunks of the chain this node holds")
     tier_chunks: dict[str, int] = Field(description="of those, how many per tier")
+    hardware_class: str = Field(description="the node's declared hardware class "
+                                "(cluster.hardware_class), for routing")
 
 
 class LookupResponse(BaseModel):
@@ -468,11 +470,8 @@ def lookup(body: LookupRequest, daemon: Daemon, caller: Caller) -> LookupRespons
         keys = (chunk_keys(ns, body.token_ids, include_partial=False)
                 if body.token_ids is not None else
                 [bytes.fromhex(h) for h in body.chunk_hashes or ()])
-        found = daemon.cluster.lookup(ns, keys)
-        response.nodes = [NodePrefixBody(node_id=p.node_id, epoch=p.epoch, chunks=p.chunks,
-                                         tier_chunks=dict(p.tier_chunks))
-                          for p in found.nodes().values()]
-        response.stale = found.stale
+        nodes, response.stale = daemon.cluster.node_prefixes(ns, keys)
+        response.nodes = [NodePrefixBody(**node) for node in nodes]
     return response
 
 

@@ -99,8 +99,20 @@ class Metrics:
         self._engine_bytes = Counter(
             f"{PREFIX}engine_bytes", "KV payload bytes pinned for reading (read) or reserved "
             "for writing (written), by engine.", ["engine", "direction"], registry=reg)
+        self._conversions = Counter(
+            f"{PREFIX}read_conversions", "Chunks pinned for a read that converts them, by "
+            "engine and conversion (dtype, heads, layout).", ["engine", "conversion"],
+            registry=reg)
+        self._node_info = Gauge(
+            f"{PREFIX}node_info", "This node's id and declared hardware class (always 1).",
+            ["node_id", "hardware_class"], registry=reg)
+        self._push_chunks = Counter(
+            f"{PREFIX}push_chunks", "Chunks this node pushed, by the target's hardware class "
+            "and outcome (pushed, already_there, failed).", ["target_class", "outcome"],
+            registry=reg)
         self._tenants = _CappedLabel(max_tenants)
         self._engines = _CappedLabel(max_tenants)
+        self._classes = _CappedLabel(max_tenants)
         if store is not None:
             reg.register(StoreCollector(store))
 
@@ -141,7 +153,8 @@ class Metrics:
         return self._tenants.label(tenant)
 
     def count_engine_traffic(self, engine: str, lookup_tokens: int = 0, hit_tokens: int = 0,
-                             bytes_read: int = 0, bytes_written: int = 0) -> None:
+                             bytes_read: int = 0, bytes_written: int = 0,
+                             conversions: tuple[tuple[str, int], ...] = ()) -> None:
         """Traffic of one request of a session that said it serves ``engine`` (its hello's
         ``client``: "vllm", "sglang", "lmcache", ...)."""
         label = self._engines.label(engine or "unknown")
@@ -153,6 +166,19 @@ class Metrics:
             self._engine_bytes.labels(label, "read").inc(bytes_read)
         if bytes_written:
             self._engine_bytes.labels(label, "written").inc(bytes_written)
+        for kind, chunks in conversions:
+            self._conversions.labels(label, kind).inc(chunks)
+
+    def describe_node(self, node_id: str, hardware_class: str) -> None:
+        self._node_info.labels(node_id, hardware_class).set(1)
+
+    def count_push(self, target_class: str, pushed: int, already_there: int,
+                   failed: int) -> None:
+        label = self._classes.label(target_class or "unknown")
+        for outcome, chunks in (("pushed", pushed), ("already_there", already_there),
+                                ("failed", failed)):
+            if chunks:
+                self._push_chunks.labels(label, outcome).inc(chunks)
 
     # ------------------------------------------------------------------ exposition
 

@@ -202,13 +202,13 @@ class AsyncClient:
         await self.commit_many(writers)
         return [isinstance(r, AsyncRemoteWriter) for r in results]
 
-    async def get_many(self, ns: Any, keys: Sequence[bytes], *, timeout: float | None = None
-                       ) -> list[AsyncRemoteReader | None]:
+    async def get_many(self, ns: Any, keys: Sequence[bytes], *, timeout: float | None = None,
+                       want: ReadSpec | None = None) -> list[AsyncRemoteReader | None]:
         session, items = await self._call_on_session(
-            Op.GET_BATCH, requests.get_batch_args(ns, keys, timeout))
+            Op.GET_BATCH, requests.get_batch_args(ns, keys, timeout, want))
         results = requests.item_results(items)
         readers = [None if isinstance(r, KVFabricError) else
-                   AsyncRemoteReader(session, ns, k, r) for k, r in zip(keys, results)]
+                   AsyncRemoteReader(session, ns, k, r, want=want) for k, r in zip(keys, results)]
         failures = [r for r in results
                     if isinstance(r, KVFabricError) and not isinstance(r, NotFoundError)]
         if failures:
@@ -223,10 +223,11 @@ class AsyncClient:
             items = await session.call(Op.RELEASE_BATCH, requests.leases_args(live))
             requests.raise_first(requests.item_results(items))
 
-    async def get(self, ns: Any, key: bytes, *, timeout: float | None = None
-                  ) -> AsyncRemoteReader:
-        session, reply = await self._call_on_session(Op.GET, requests.get_args(ns, key, timeout))
-        return AsyncRemoteReader(session, ns, key, reply)
+    async def get(self, ns: Any, key: bytes, *, timeout: float | None = None,
+                  want: ReadSpec | None = None) -> AsyncRemoteReader:
+        session, reply = await self._call_on_session(
+            Op.GET, requests.get_args(ns, key, timeout, want))
+        return AsyncRemoteReader(session, ns, key, reply, want=want)
 
     async def contains(self, ns: Any, keys: Sequence[bytes]) -> list[bool]:
         return list(await self._call(Op.CONTAINS, requests.keys_args(ns, keys)))

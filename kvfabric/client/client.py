@@ -34,6 +34,7 @@ from kvfabric.hashing import ROOT, ChunkRef
 from kvfabric.lookup import LookupResult
 from kvfabric.payload import HeadRange
 from kvfabric.protocol.messages import Op
+from kvfabric.readspec import ReadSpec
 from kvfabric.spec import Namespace
 
 DEFAULT_SOCKET = "./kvfabric-data/kvfabric.sock"
@@ -171,12 +172,14 @@ class Client:
         return [isinstance(r, RemoteWriter) for r in results]
 
     def get_many(self, ns: Namespace, keys: Sequence[bytes], *,
-                 timeout: float | None = None) -> list[RemoteReader | None]:
+                 timeout: float | None = None, want: ReadSpec | None = None
+                 ) -> list[RemoteReader | None]:
         """Pin many chunks in one round trip; ``None`` where the node does not hold one."""
         session, items = self._call_on_session(Op.GET_BATCH,
-                                               requests.get_batch_args(ns, keys, timeout))
+                                               requests.get_batch_args(ns, keys, timeout, want))
         results = requests.item_results(items)
-        readers = [None if isinstance(r, KVFabricError) else RemoteReader(session, ns, k, r)
+        readers = [None if isinstance(r, KVFabricError)
+                   else RemoteReader(session, ns, k, r, want=want)
                    for k, r in zip(keys, results)]
         failures = [r for r in results if isinstance(r, KVFabricError) and
                     not isinstance(r, NotFoundError)]
@@ -191,9 +194,12 @@ class Client:
         if live:
             requests.raise_first(_batch(live, Op.RELEASE_BATCH))
 
-    def get(self, ns: Namespace, key: bytes, *, timeout: float | None = None) -> RemoteReader:
-        session, reply = self._call_on_session(Op.GET, requests.get_args(ns, key, timeout))
-        return RemoteReader(session, ns, key, reply)
+    def get(self, ns: Namespace, key: bytes, *, timeout: float | None = None,
+            want: ReadSpec | None = None) -> RemoteReader:
+        """Pin one chunk; ``want`` is how this consumer reads it (its dtype, KV-head range,
+        layout: see :mod:`kvfabric.readspec`), validated by the daemon before it pins."""
+        session, reply = self._call_on_session(Op.GET, requests.get_args(ns, key, timeout, want))
+        return RemoteReader(session, ns, key, reply, want=want)
 
     def contains(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
         return list(self._call(Op.CONTAINS, requests.keys_args(ns, keys)))

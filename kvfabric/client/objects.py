@@ -21,6 +21,7 @@ from kvfabric.client.arenas import PageViewer
 from kvfabric.errors import LeaseExpiredError, UnavailableError
 from kvfabric.payload import HeadRange, PayloadAccess, PayloadReader, PayloadWriter
 from kvfabric.protocol.messages import Op
+from kvfabric.readspec import ReadSpec
 from kvfabric.spec import Namespace
 
 READY_ALL = -1
@@ -121,9 +122,12 @@ class AsyncRemoteWriter(_WriterBase):
 
 
 class _ReaderBase(_RemoteLease, PayloadReader):
-    def __init__(self, session: Any, ns: Namespace, key: bytes, reply: dict[str, Any]) -> None:
+    def __init__(self, session: Any, ns: Namespace, key: bytes, reply: dict[str, Any], *,
+                 want: ReadSpec | None = None) -> None:
         super().__init__(session, ns, key, reply)
         self.ready_mask = int(reply["ready"])
+        # how the consumer asked to read it (kvfabric.convert.request reads it that way)
+        self.want = want
 
     def ready(self, layer: int) -> bool:
         return self.ready_mask == READY_ALL or bool(self.ready_mask >> layer & 1)

@@ -10,6 +10,7 @@ from kvfabric.hashing import ROOT, ChunkRef, as_token_array
 from kvfabric.lookup import LookupResult
 from kvfabric.payload import HeadRange
 from kvfabric.protocol.messages import encode_namespace
+from kvfabric.readspec import ReadSpec
 from kvfabric.spec import Namespace
 
 
@@ -64,12 +65,10 @@ def _reserve_item(key: bytes, parent: bytes, num_tokens: int | None,
     return item
 
 
-def get_batch_args(ns: Namespace, keys: Sequence[bytes], timeout: float | None
-                   ) -> dict[str, Any]:
+def get_batch_args(ns: Namespace, keys: Sequence[bytes], timeout: float | None,
+                   want: ReadSpec | None = None) -> dict[str, Any]:
     args: dict[str, Any] = {"ns": encode_namespace(ns), "keys": list(keys)}
-    if timeout is not None:
-        args["timeout"] = timeout
-    return args
+    return _read_options(args, ns, timeout, want)
 
 
 def item_results(items: list[dict[str, Any]]) -> list[Any]:
@@ -84,10 +83,20 @@ def item_results(items: list[dict[str, Any]]) -> list[Any]:
     return out
 
 
-def get_args(ns: Namespace, key: bytes, timeout: float | None) -> dict[str, Any]:
-    args: dict[str, Any] = {"ns": encode_namespace(ns), "key": key}
+def get_args(ns: Namespace, key: bytes, timeout: float | None,
+             want: ReadSpec | None = None) -> dict[str, Any]:
+    return _read_options({"ns": encode_namespace(ns), "key": key}, ns, timeout, want)
+
+
+def _read_options(args: dict[str, Any], ns: Namespace, timeout: float | None,
+                  want: ReadSpec | None) -> dict[str, Any]:
     if timeout is not None:
         args["timeout"] = timeout
+    if want is not None:  # checked here too: a bad spec never costs a round trip
+        if not isinstance(want, ReadSpec):
+            raise TypeError(f"want must be a ReadSpec, got {type(want).__name__}")
+        want.check(ns.spec)
+        args["want"] = want.to_wire()
     return args
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from kvfabric.cluster import EmbeddedIndex, EmbeddedState
 from kvfabric.cluster.index import (ChunkRecord, GlobalIndex, GlobalLookup, Location, NodeInfo,
@@ -31,6 +33,8 @@ from kvfabric.spec import Namespace
 from kvfabric.store.store import RemovedObject, StoredObject, TieredStore
 
 log = logging.getLogger(__name__)
+
+NODE_CLASSES_CACHE_S = 2.0
 
 
 class ClusterLink:
@@ -57,6 +61,8 @@ class ClusterLink:
         self._epoch = 0  # the epoch this link last registered; 0: not registered yet
         self._closed = threading.Event()
         self._unavailable_logged = False
+        self._classes_lock = threading.Lock()
+        self._classes: tuple[float, dict[str, str]] = (0.0, {})  # (good until, classes)
         self._try_register()
         # Replayed under the store lock with the subscription: nothing is missed or reordered.
         store.add_inventory_listener(self._on_inventory, replay=True)
@@ -152,6 +158,33 @@ class ClusterLink:
             return self._index.lookup(ns.seed, keys)
         except UnavailableError:
             return self._local_lookup(ns, keys)
+
+    def node_prefixes(self, ns: Namespace, keys: Sequence[bytes]
+                      ) -> tuple[list[dict[str, Any]], bool]:
+        """What a router weighs, per live node holding a prefix of ``keys``: its epoch,
+        declared hardware class, leading chunks held and those per tier; and whether the
+        answer is stale (see :meth:`lookup`)."""
+        found = self.lookup(ns, keys)
+        classes = self._hardware_classes()
+        return [{"node_id": p.node_id, "epoch": p.epoch, "chunks": p.chunks,
+                 "tier_chunks": dict(p.tier_chunks),
+                 "hardware_class": classes.get(p.node_id, "")}
+                for p in found.nodes().values()], found.stale
+
+    def _hardware_classes(self) -> dict[str, str]:
+        """Node id -> hardware class, re-read from the index at most every
+        :data:`NODE_CLASSES_CACHE_S` (classes change only when nodes (re)join)."""
+        now = time.monotonic()
+        with self._classes_lock:
+            if now < self._classes[0]:
+                return self._classes[1]
+        try:
+            classes = {n.node_id: n.hardware_class for n in self._index.nodes()}
+        except UnavailableError:
+            classes = {self.node_id: self._info.hardware_class}
+        with self._classes_lock:
+            self._classes = (now + NODE_CLASSES_CACHE_S, classes)
+        return classes
 
     def _local_lookup(self, ns: Namespace, keys: Sequence[bytes]) -> GlobalLookup:
         # tier_of, not store.lookup: the caller has counted this lookup in the stats already

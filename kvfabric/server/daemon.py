@@ -40,7 +40,7 @@ from kvfabric.errors import ConfigError
 from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.control import ControlServer
 from kvfabric.server.handlers import Context
-from kvfabric.server.instrumented import InstrumentedStore
+from kvfabric.server.instrumented import InstrumentedPusher, InstrumentedStore
 from kvfabric.server.peers import PeerLinks
 from kvfabric.server.puller import Puller
 from kvfabric.server.pusher import Pusher
@@ -66,6 +66,7 @@ class Daemon:
                               "0 picks a free port): peers pull this node's chunks through it")
         self._raw_store = TieredStore(config.store)
         self.metrics = Metrics(self._raw_store)
+        self.metrics.describe_node(config.node_id, config.cluster.hardware_class)
         self.store = InstrumentedStore(self._raw_store, self.metrics)
         self._tcp: socket.socket | None = None
         self.transport: Transport | None = None
@@ -90,7 +91,8 @@ class Daemon:
         self._links = None if self.transport is None else PeerLinks(
             self.cluster, self.transport, config.auth.admin_token)
         self.puller = None if self._links is None else Puller(self.store, self._links)
-        self.pusher = None if self._links is None else Pusher(self.store, self._links)
+        self.pusher = None if self._links is None else InstrumentedPusher(
+            Pusher(self.store, self._links), self.metrics)
         self._executor = ThreadPoolExecutor(config.limits.request_threads,
                                             thread_name_prefix="kvfabric-request")
         self.control = ControlServer(

@@ -28,8 +28,10 @@ from kvfabric.hashing import ROOT, chunk_keys
 from kvfabric.protocol.messages import (MAX_KEYS, MAX_TOKENS, PROTOCOL_VERSION, Op, arg_float,
                                         arg_head_range, arg_int, arg_key, arg_keys, arg_list,
                                         arg_str, arg_tokens, item_error, item_ok)
+from kvfabric.readspec import ReadSpec
 from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.puller import Puller
+from kvfabric.server.instrumented import InstrumentedPusher
 from kvfabric.server.pusher import Pusher
 from kvfabric.server.session import Session
 from kvfabric.store.handles import ObjectReader, ObjectWriter
@@ -37,6 +39,8 @@ from kvfabric.store.handles import ObjectReader, ObjectWriter
 DEFAULT_WAIT_S = 30.0
 DEFAULT_PREFETCH_S = 10.0
 DEFAULT_PUSH_S = 10.0
+# Local reads convert in the consumer, from the pinned pages: the daemon never copies them.
+CONVERT_AT_CONSUMER = "consumer"
 
 
 class StoreAPI(Protocol):  # what handlers need: a TieredStore or its instrumented wrapper
@@ -53,7 +57,7 @@ class Context:
     max_leases: int
     cluster: ClusterLink | None = None  # None: cluster-scope lookups are refused
     puller: Puller | None = None  # None: prefetch is refused (no peer transport)
-    pusher: Pusher | None = None  # None: push is refused (no peer transport)
+    pusher: Pusher | InstrumentedPusher | None = None  # None: push is refused (no transport)
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,8 @@ def _tenant_of(auth: AuthConfig, token: str | None) -> str | None:
 
 def lookup(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     """Local longest prefix; with ``scope: "cluster"`` also ``nodes`` (per node: its epoch,
-    leading chunks held, and those per tier) and ``stale`` from the global index."""
+    hardware class, leading chunks held, and those per tier) and ``stale`` from the global
+    index."""
     scope = arg_str(args, "scope", default="local")
     if scope not in ("local", "cluster"):
         raise ProtocolError(f"scope must be 'local' or 'cluster', got {scope!r}")
@@ -117,10 +122,7 @@ def lookup(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, An
             keys = chunk_keys(ns, tokens, include_partial=False)
     if scope == "cluster":
         assert ctx.cluster is not None
-        found = ctx.cluster.lookup(ns, keys)
-        out["nodes"] = [{"node_id": p.node_id, "epoch": p.epoch, "chunks": p.chunks,
-                         "tier_chunks": dict(p.tier_chunks)} for p in found.nodes().values()]
-        out["stale"] = found.stale
+        out["nodes"], out["stale"] = ctx.cluster.node_prefixes(ns, keys)
     return out
 
 
@@ -190,22 +192,40 @@ def abort(ctx: Context, session: Session, args: dict[str, Any]) -> None:
 
 
 def get(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
-    return _get_one(ctx, session, session.namespace(args.get("ns")),
-                    (args.get("key"), arg_float(args, "timeout")))
+    """Pin one chunk. ``want`` (optional: :class:`~kvfabric.readspec.ReadSpec`'s wire form)
+    is how the consumer will read it; checked against the namespace before pinning. The
+    reply's ``conversions`` name what that read converts (empty: zero copy) and
+    ``convert_at`` where it runs (the consumer, straight from the pinned pages)."""
+    ns = session.namespace(args.get("ns"))
+    return _get_one(ctx, session, ns, (args.get("key"), arg_float(args, "timeout"),
+                                       _conversions(ns, args)))
 
 
 def get_batch(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
     ns = session.namespace(args.get("ns"))
     timeout = arg_float(args, "timeout")
-    return [_item(_get_one, ctx, session, ns, (key, timeout)) for key in arg_list(args, "keys")]
+    conversions = _conversions(ns, args)
+    return [_item(_get_one, ctx, session, ns, (key, timeout, conversions))
+            for key in arg_list(args, "keys")]
 
 
-def _get_one(ctx: Context, session: Session, ns: Any, item: tuple[Any, float | None]
-             ) -> dict[str, Any]:
-    key, timeout = item
+def _conversions(ns: Any, args: dict[str, Any]) -> list[str]:
+    if "want" not in args:
+        return []
+    want = ReadSpec.from_wire(args["want"])
+    want.check(ns.spec)
+    return [c.value for c in want.conversions(ns.spec)]
+
+
+def _get_one(ctx: Context, session: Session, ns: Any,
+             item: tuple[Any, float | None, list[str]]) -> dict[str, Any]:
+    key, timeout, conversions = item
     reader = ctx.store.get(ns, arg_key({"key": key}, "key"), timeout=timeout)
     result = _placement(session.add_lease(reader), reader)
     result["ready"] = reader.ready_mask
+    if conversions:
+        result["conversions"] = conversions
+        result["convert_at"] = CONVERT_AT_CONSUMER
     return result
 
 

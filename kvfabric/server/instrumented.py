@@ -1,4 +1,5 @@
-"""A :class:`~kvfabric.store.TieredStore` wrapped with metrics, without touching its code.
+"""A :class:`~kvfabric.store.TieredStore` (and the pusher) wrapped with metrics, without
+touching their code.
 
 :class:`InstrumentedStore` has the store's method names and signatures and delegates every
 call. Around ``lookup``, ``lookup_tokens``, ``reserve``, ``put``, ``get``, ``pin``,
@@ -27,6 +28,7 @@ from typing import Any
 from kvfabric.errors import WouldBlockError
 from kvfabric.api.metrics import Metrics, error_kind
 from kvfabric.hashing import ROOT
+from kvfabric.server.pusher import Pusher, PushResult
 from kvfabric.spec import Namespace
 from kvfabric.store import LookupResult, ObjectReader, ObjectWriter, TieredStore
 from kvfabric.store.shards import HeadRange
@@ -114,3 +116,19 @@ class InstrumentedStore:
     def pin(self, ns: Namespace, key: bytes, lease_s: float) -> ObjectReader:
         with self._observed("pin"):
             return self._store.pin(ns, key, lease_s)
+
+
+class InstrumentedPusher:
+    """Delegates pushes to a :class:`~kvfabric.server.pusher.Pusher`; counts their chunks
+    per outcome and target hardware class (``kvfabric_push_chunks_total``)."""
+
+    def __init__(self, pusher: Pusher, metrics: Metrics) -> None:
+        self._pusher = pusher
+        self._metrics = metrics
+
+    def push(self, ns: Namespace, keys: Sequence[bytes], target: str, timeout: float
+             ) -> PushResult:
+        result = self._pusher.push(ns, keys, target, timeout)
+        self._metrics.count_push(result.target_class, result.pushed, result.already_there,
+                                 result.failed)
+        return result

@@ -59,15 +59,17 @@ PIN_MARGIN_S = 5.0
 @dataclass(frozen=True)
 class PushResult:
     """Outcome of one push, in distinct chunks: fully committed on the target, held (or
-    being received) there already, and not pushed (not held here, refused, or failed)."""
+    being received) there already, and not pushed (not held here, refused, or failed);
+    ``target_class`` is the target's declared hardware class ("" when it is unknown)."""
 
     pushed: int
     already_there: int
     failed: int
+    target_class: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"pushed": self.pushed, "already_there": self.already_there,
-                "failed": self.failed}
+                "failed": self.failed, "target_class": self.target_class}
 
 
 @dataclass
@@ -104,6 +106,8 @@ class Pusher:
         if target == self._links.cluster.node_id:
             raise ProtocolError("push: the target is this node")
         end = time.monotonic() + timeout
+        node = next((n for n in self._links.nodes() if n.node_id == target), None)
+        target_class = "" if node is None else node.hardware_class
         wanted = list(dict.fromkeys(keys))  # a key twice would be reserved twice
         readers: dict[bytes, ObjectReader] = {}
         try:
@@ -116,22 +120,21 @@ class Pusher:
             pushed = already = 0
             if readers:
                 try:
-                    pushed, already = self._push(ns, readers, target, end)
+                    if node is None:
+                        raise UnavailableError(f"node {target} is not registered")
+                    pushed, already = self._push(ns, readers, target, node.epoch, end)
                 except KVFabricError as exc:
                     log.warning("pushing %d chunk(s) to %s failed: %s", len(readers), target,
                                 exc)
-            return PushResult(pushed, already, len(wanted) - pushed - already)
+            return PushResult(pushed, already, len(wanted) - pushed - already, target_class)
         finally:
             for reader in readers.values():
                 reader.release()
 
     def _push(self, ns: Namespace, readers: dict[bytes, ObjectReader], target: str,
-              end: float) -> tuple[int, int]:
+              epoch: int, end: float) -> tuple[int, int]:
         """(pushed, already there); raises KVFabricError when the push failed as a whole
         (what it reserved is aborted by then)."""
-        epoch = next((n.epoch for n in self._links.nodes() if n.node_id == target), None)
-        if epoch is None:
-            raise UnavailableError(f"node {target} is not registered")
         link = self._links.link(target, epoch, end)
         items = [{"key": key, "parent": reader.parent, "num_tokens": reader.num_tokens}
                  for key, reader in readers.items()]

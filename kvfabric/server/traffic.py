@@ -16,6 +16,8 @@ class Traffic:
     hit_tokens: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    # per conversion kind a read asked for ("dtype", "heads", "layout"): chunks converted
+    conversions: tuple[tuple[str, int], ...] = ()
 
 
 def traffic_of(op: Op, result: Any) -> Traffic | None:
@@ -23,14 +25,24 @@ def traffic_of(op: Op, result: Any) -> Traffic | None:
         return Traffic(lookup_tokens=int(result.get("requested_tokens", 0)),
                        hit_tokens=int(result["tokens"]))
     if op is Op.GET:
-        return Traffic(bytes_read=int(result["nbytes"]))
+        return Traffic(bytes_read=int(result["nbytes"]),
+                       conversions=_conversions([result]))
     if op is Op.GET_BATCH:
-        return Traffic(bytes_read=_batch_bytes(result))
+        pinned = [item["result"] for item in result if item.get("ok")]
+        return Traffic(bytes_read=_batch_bytes(result), conversions=_conversions(pinned))
     if op is Op.RESERVE:
         return Traffic(bytes_written=int(result["nbytes"]))
     if op is Op.RESERVE_BATCH:
         return Traffic(bytes_written=_batch_bytes(result))
     return None
+
+
+def _conversions(pinned: list[dict[str, Any]]) -> tuple[tuple[str, int], ...]:
+    counts: dict[str, int] = {}
+    for reply in pinned:
+        for kind in reply.get("conversions", ()):
+            counts[kind] = counts.get(kind, 0) + 1
+    return tuple(sorted(counts.items()))
 
 
 def _batch_bytes(items: list[dict[str, Any]]) -> int:

@@ -83,6 +83,8 @@ def test_puts_deletes_and_evictions_on_a_show_in_lookups_on_b(redis_server,
     assert seen["matched_chunks"] == 0  # B's local fields are untouched: B holds nothing
     on_control = control_lookup(b, keys)  # the control op gives the same cluster view
     assert holders(on_control) == holders(seen) and on_control["stale"] is False
+    # routers weigh nodes by their declared hardware class
+    assert [n["hardware_class"] for n in seen["nodes"] + on_control["nodes"]] == ["test"] * 2
     assert on_control["chunks"] == 0
     with Client(b.socket) as client:  # the default, local scope: no cluster fields
         local = client._call(Op.LOOKUP, client_requests.lookup_args(NS, None, keys))

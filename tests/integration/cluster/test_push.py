@@ -8,10 +8,12 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import urllib.request
 from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvfabric.client import Client
 from kvfabric.client.objects import RemoteReader
@@ -36,6 +38,14 @@ def node_settings(redis_url: str, node_id: str, transport: str, *extra: str) -> 
     return [*SMALL, f"node_id={node_id}", "cluster.index=redis",
             f"cluster.redis_url={redis_url}", "cluster.lease_ttl_s=10",
             "cluster.heartbeat_s=0.2", "tcp.port=0", f"cluster.transport={transport}", *extra]
+
+
+def push_chunks_counted(node) -> dict[tuple[str, str], float]:
+    text = urllib.request.urlopen(node.http_url + "/metrics", timeout=10).read().decode()
+    return {(s.labels["target_class"], s.labels["outcome"]): s.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "kvfabric_push_chunks" for s in family.samples
+            if s.name.endswith("_total")}
 
 
 def put_chain(socket: str, n_chunks: int) -> tuple[list[bytes], list[bytes]]:
@@ -88,11 +98,12 @@ def test_push_copies_a_committed_chain_byte_exact_and_releases_the_pins(
     a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
     # other page size on the target: local and remote page ranges must be sliced apart
     b = start_daemon(*node_settings(redis_server.url, "node-b", transport,
-                                    "store.tiers.dram.page_size=4KiB"))
+                                    "store.tiers.dram.page_size=4KiB",
+                                    "cluster.hardware_class=decode-cpu"))
     keys, payloads = put_chain(a.socket, 3)
     with Client(a.socket) as producer:
         assert producer.push(NS, keys, "node-b", timeout=DEADLINE_S) == {
-            "pushed": 3, "already_there": 0, "failed": 0}
+            "pushed": 3, "already_there": 0, "failed": 0, "target_class": "decode-cpu"}
         with Client(b.socket) as decode:
             hit = decode.lookup(NS, keys=keys)
             assert (hit.matched_chunks, hit.tier_tokens) == (3, {"dram": 3 * SPEC.chunk_tokens})
@@ -101,7 +112,9 @@ def test_push_copies_a_committed_chain_byte_exact_and_releases_the_pins(
                     assert reader.complete
                     assert reader.to_bytes() == data
         assert producer.push(NS, keys, "node-b", timeout=DEADLINE_S) == {
-            "pushed": 0, "already_there": 3, "failed": 0}
+            "pushed": 0, "already_there": 3, "failed": 0, "target_class": "decode-cpu"}
+        assert push_chunks_counted(a) == {("decode-cpu", "pushed"): 3,
+                                          ("decode-cpu", "already_there"): 3}
         # a pin left behind would keep its pages taken after the delete
         for key in keys:
             assert producer.delete(NS, key)
@@ -133,7 +146,8 @@ def test_the_target_reads_layer_0_while_later_layers_are_not_computed_yet(
                     arrived = time.monotonic()
                     assert not reader.complete
             pusher.join(DEADLINE_S + 5)
-            assert results == [{"pushed": 1, "already_there": 0, "failed": 0}]
+            assert results == [{"pushed": 1, "already_there": 0, "failed": 0,
+                                "target_class": "generic"}]
             reader.wait_complete(DEADLINE_S)
             assert committed[0] <= arrived < committed[1]  # streamed, not sent at the end
             assert reader.to_bytes() == b"".join(layers)
@@ -162,7 +176,8 @@ def test_a_target_killed_mid_push_costs_only_the_deadline(redis_server,
             writer.commit_layer(layer)
         pusher.join(DEADLINE_S + 5)
         assert time.monotonic() - started < DEADLINE_S + 1
-        assert results == [{"pushed": 0, "already_there": 0, "failed": 1}]
+        assert results == [{"pushed": 0, "already_there": 0, "failed": 1,
+                                "target_class": "generic"}]
         # A serves on, and the push's pin is gone: deleting the chunk frees its pages
         with producer.get(STREAM_NS, key) as local:
             assert local.to_bytes() == b"".join(layers)
@@ -207,7 +222,8 @@ def test_a_frozen_target_costs_the_pusher_only_the_deadline_and_its_pins(
             pusher.join(DEADLINE_S + 5)
             # the deadline, plus the short grace an abort of the target's reservations gets
             assert time.monotonic() - started < DEADLINE_S + 2
-            assert results == [{"pushed": 0, "already_there": 0, "failed": 1}]
+            assert results == [{"pushed": 0, "already_there": 0, "failed": 1,
+                                "target_class": "generic"}]
             # the push's pin is gone: deleting the chunk frees its pages
             with producer.get(STREAM_NS, key) as local:
                 assert local.to_bytes() == b"".join(layers)
