@@ -119,11 +119,13 @@ class ReadSpec:
             raise SpecError(f"heads [{self.heads[0]}, {self.heads[1]}) outside the "
                             f"{spec.num_kv_heads} KV heads of the namespace")
         convertible = (KVDtype.BFLOAT16, KVDtype.FLOAT16, KVDtype.FLOAT32)
+        readable = (*convertible, KVDtype.FLOAT8_E4M3)  # float8 objects are dequantized
         if self.dtype is not None and self.dtype != spec.dtype and (
-                self.dtype not in convertible or spec.dtype not in convertible):
+                self.dtype not in convertible or spec.dtype not in readable):
             raise SpecError(f"no conversion from {spec.dtype.value} to {self.dtype.value} on "
                             f"read; conversions run between "
-                            f"{', '.join(d.value for d in convertible)}")
+                            f"{', '.join(d.value for d in convertible)} and from "
+                            f"{KVDtype.FLOAT8_E4M3.value} to those")
 
     def conversions(self, spec: KVSpec) -> tuple[Conversion, ...]:
         """What reading an object of ``spec`` this way changes (empty: a zero-copy read)."""

@@ -15,7 +15,9 @@ import torch
 from kvfabric.client import Client
 from kvfabric.convert import fp8
 from kvfabric.convert.dtype import read_layer, read_payload, write_layer
+from kvfabric.convert.request import read_as
 from kvfabric.hashing import chunk_hashes
+from kvfabric.readspec import ReadSpec
 from kvfabric.spec import KVSpec, Namespace
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=4, head_dim=32, dtype="float8_e4m3", chunk_tokens=32)
@@ -66,6 +68,12 @@ def test_put_quantized_get_converted(daemon, source: torch.dtype) -> None:
                         [fp8.dequantize(*fp8.quantize(x), dtype=dtype) for x in chunk]))
                 part = read_layer(reader, 1, heads=(2, 4), dtype=torch.float32)
                 assert torch.equal(part, read_payload(reader, dtype=torch.float32)[1, :, 2:4])
+            # the consumer's dtype and heads in the get request: the daemon accepts them
+            want = ReadSpec(dtype="float16", heads=(0, 2))
+            with consumer.get(NS, ref.key, want=want) as reader:
+                got = read_as(reader)
+                assert got.dtype == torch.float16 and got.shape[2] == 2
+                assert within_bound(got, chunk[:, :, 0:2], torch.float16)
         bf16 = dataclasses.replace(SPEC, dtype="bfloat16")
         assert SPEC.chunk_bytes / bf16.chunk_bytes < 0.51
 

@@ -15,8 +15,10 @@ import torch
 
 from kvfabric.convert import fp8
 from kvfabric.convert.dtype import layer_shape, read_layer, read_payload, write_layer
+from kvfabric.convert.request import read_as, read_layer_as
 from kvfabric.errors import PayloadSizeError, SpecError
 from kvfabric.hashing import chunk_hashes
+from kvfabric.readspec import ReadSpec
 from kvfabric.spec import KVDtype, KVSpec, Namespace
 from kvfabric.store import StoreConfig, TierConfig, TieredStore
 from kvfabric.tiers.base import TierKind
@@ -221,3 +223,20 @@ def test_write_layer_converts_into_plain_dtypes_too(tmp_path: Path) -> None:
             writer.commit()
         with store.get(plain, ref.key) as reader:
             assert torch.equal(read_payload(reader), data.to(torch.bfloat16))
+
+
+def test_a_consumers_read_spec_names_its_dtype_heads_and_layout(tmp_path: Path) -> None:
+    data = kv(torch.bfloat16, seed=6)
+    with open_store(tmp_path, 4096) as store:
+        key = put(store, data)
+        with store.get(NS, key) as reader:
+            whole = read_payload(reader, dtype=torch.float32)
+            want = ReadSpec(dtype="float32", heads=(1, 3), layout="nhd")
+            assert torch.equal(read_layer_as(reader, 2, want),
+                               whole[2, :, 1:3].transpose(1, 2))
+            assert torch.equal(read_as(reader, ReadSpec(dtype="bf16")),
+                               whole.to(torch.bfloat16))
+            with pytest.raises(SpecError):  # no plain fp8 tensor to hand out
+                read_as(reader, ReadSpec(dtype="fp8"))
+    with pytest.raises(SpecError, match="no conversion"):  # quantizing is the writer's job
+        ReadSpec(dtype="fp8").check(dataclasses.replace(SPEC, dtype="bfloat16"))
