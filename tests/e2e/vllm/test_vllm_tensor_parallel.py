@@ -1,0 +1,184 @@
+"""KVFabricConnector with tensor parallelism on a real vLLM (CPU): TP=2 engines save and load
+their ranks' KV-head ranges of the canonical object, and TP=1 engines share it with them.
+
+The tiny model has 2 KV heads, so a TP=2 engine's ranks hold one head each: rank 0 writes
+head 0 and rank 1 head 1 of every chunk, as two writers of one object. vLLM's CPU workers of
+a TP=2 engine need an OpenMP binding per rank (``VLLM_CPU_OMP_THREADS_BIND``, one CPU list
+per rank): its automatic binding wants one NUMA node per rank.
+
+Claims, all on greedy outputs of fresh engines against their own no-connector runs:
+
+* a TP=2 producer's KV loads into a TP=1 consumer and into a TP=2 consumer, a TP=1
+  producer's into a TP=2 consumer, and each output equals that engine's no-connector run;
+* the object a TP=2 producer stored carries each head where a TP=1 producer puts it: per
+  head, it is close to the TP=1 engine's KV of the same tokens (its ranks compute the same
+  heads with other reduction orders) and far from the other head (a swapped range);
+* negative control: KV corrupted in the fabric, loaded by a TP=2 consumer, changes its output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfabric.client import Client
+from kvfabric.convert.dtype import read_payload
+from kvfabric.hashing import chunk_hashes
+from kvfabric.spec import KVSpec, Namespace
+
+CHUNK = 256
+PROMPT_LEN = 700  # two full chunks and a partial one of 188 tokens
+SMALL = ["store.tiers.dram.capacity=256MiB", "store.tiers.ssd.capacity=1GiB"]
+REFERENCE_TENANT = "tp1-reference"
+# relative L2 distance of a TP=2 head from the TP=1 engine's same head (bf16 rounding of
+# other reduction orders, growing with depth) must stay under this; another head is ~1.4
+CLOSE = 0.3
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(PROMPT_LEN)]
+
+
+PA, PB, PC = prompt(21), prompt(22), prompt(23)  # TP=2 producer, TP=1 producers
+
+
+def connector(socket: str) -> dict:
+    return {"kv_connector": "KVFabricConnector",
+            "kv_connector_module_path": "kvfabric_connectors.vllm", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"socket_path": socket}}
+
+
+def tp2(engine: dict) -> dict:
+    return {**engine, "llm_kwargs": {"tensor_parallel_size": 2}}
+
+
+def tp2_env() -> dict:
+    """One CPU per rank (both ranks share one when the machine lends a single CPU)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[min(1, len(cpus) - 1)]}"}
+
+
+def outputs(result: dict, engine: str) -> list[dict]:
+    return next(e for e in result["engines"] if e["name"] == engine)["outputs"]
+
+
+def tokens(result: dict, engine: str) -> list[list[int]]:
+    return [o["token_ids"] for o in outputs(result, engine)]
+
+
+def cached(result: dict, engine: str) -> list[int]:
+    return [o["num_cached_tokens"] for o in outputs(result, engine)]
+
+
+def namespace(model: Path, tenant: str = "") -> Namespace:
+    """The namespace the connector derives for the tiny model (served name = its path)."""
+    config = json.loads((model / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    spec = KVSpec(num_layers=config["num_hidden_layers"],
+                  num_kv_heads=config["num_key_value_heads"],
+                  head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                  dtype="bfloat16", chunk_tokens=CHUNK)
+    return Namespace(str(model), spec, tenant)
+
+
+def stored_kv(socket: str, ns: Namespace, tokens_: list[int]) -> torch.Tensor:
+    """A prompt's stored KV, chunks joined along tokens: [layers, 2, heads, tokens, dim]."""
+    with Client(socket) as client:
+        readers = client.get_many(ns, [r.key for r in chunk_hashes(ns, tokens_)])
+        try:
+            assert all(r is not None and r.complete for r in readers)
+            return torch.cat([read_payload(r).float() for r in readers], dim=3)
+        finally:
+            client.release_many(readers)
+
+
+def corrupt(socket: str, ns: Namespace, tokens_: list[int]) -> None:
+    """Replace a prompt's full chunks with plausible KV noise."""
+    noise = torch.Generator().manual_seed(0)
+    with Client(socket) as client:
+        for ref in chunk_hashes(ns, tokens_)[:2]:
+            assert client.delete(ns, ref.key)
+            values = ns.spec.layout(ref.num_tokens).nbytes // 2
+            payload = torch.randn(values, generator=noise).to(torch.bfloat16)
+            assert client.put(ns, ref.key, payload, parent=ref.parent,
+                              num_tokens=ref.num_tokens)
+
+
+@pytest.fixture(scope="module")
+def node(start_module_daemon):
+    return start_module_daemon("vllm-tp", *SMALL)
+
+
+@pytest.fixture(scope="module")
+def runs(node, job_runner, tiny_model, tmp_path_factory) -> dict:
+    """Three jobs against one daemon: TP=2 reference runs and producer, TP=1 consumer and
+    producers, then (after PC's KV is corrupted) a fresh TP=2 consumer."""
+    both = connector(node.socket)
+    env = tp2_env()
+    first = job_runner(tmp_path_factory.mktemp("tp2-produce"), {"env": env, "engines": [
+        tp2({"name": "plain2", "prompts": [PA, PB, PC]}),
+        tp2({"name": "store2", "kv_transfer_config": both, "prompts": [PA]}),
+    ]})
+    second = job_runner(tmp_path_factory.mktemp("tp1"), {"engines": [
+        {"name": "plain1", "prompts": [PA]},
+        {"name": "reuse1", "kv_transfer_config": both, "prompts": [PA]},
+        {"name": "reference1", "kv_transfer_config": both, "prompts": [PA],
+         "cache_salt": REFERENCE_TENANT},
+        {"name": "store1", "kv_transfer_config": both, "prompts": [PB, PC]},
+    ]})
+    corrupt(node.socket, namespace(tiny_model), PC)
+    third = job_runner(tmp_path_factory.mktemp("tp2-consume"), {"env": env, "engines": [
+        tp2({"name": "reuse2", "kv_transfer_config": both, "prompts": [PA, PB, PC],
+             "reset_prefix_cache_after": [0, 1]}),
+    ]})
+    return {**{e["name"]: first for e in first["engines"]},
+            **{e["name"]: second for e in second["engines"]},
+            **{e["name"]: third for e in third["engines"]}}
+
+
+def test_tp2_producer_saves_without_changing_its_output(runs, node, tiny_model) -> None:
+    assert cached(runs["store2"], "store2") == [0]
+    assert tokens(runs["store2"], "store2") == tokens(runs["plain2"], "plain2")[:1]
+    ns = namespace(tiny_model)
+    with Client(node.socket) as client:  # both ranks' ranges landed: complete objects
+        keys = [r.key for r in chunk_hashes(ns, PA)]
+        assert client.lookup(ns, keys=keys).matched_chunks == 3
+
+
+def test_tp1_consumer_loads_tp2_kv(runs) -> None:
+    assert cached(runs["reuse1"], "reuse1") == [PROMPT_LEN - 1]
+    assert tokens(runs["reuse1"], "reuse1") == tokens(runs["plain1"], "plain1")
+
+
+def test_tp2_consumer_loads_tp2_and_tp1_kv(runs) -> None:
+    assert cached(runs["store1"], "store1") == [0, 0]
+    assert cached(runs["reuse2"], "reuse2") == [PROMPT_LEN - 1] * 3
+    assert tokens(runs["reuse2"], "reuse2")[:2] == tokens(runs["plain2"], "plain2")[:2]
+
+
+def test_negative_control_corrupted_kv_changes_the_tp2_output(runs) -> None:
+    assert tokens(runs["reuse2"], "reuse2")[2] != tokens(runs["plain2"], "plain2")[2]
+
+
+def test_each_rank_wrote_its_own_heads(runs, node, tiny_model) -> None:
+    assert cached(runs["reference1"], "reference1") == [0]  # its own tenant: computed
+    by_tp2 = stored_kv(node.socket, namespace(tiny_model), PA)
+    by_tp1 = stored_kv(node.socket, namespace(tiny_model, REFERENCE_TENANT), PA)
+    heads = by_tp1.shape[2]
+    assert heads == 2
+    measured = []
+    for layer in range(by_tp1.shape[0]):
+        for head in range(heads):
+            want = by_tp1[layer, :, head]
+            same = float((by_tp2[layer, :, head] - want).norm() / want.norm())
+            swapped = float((by_tp2[layer, :, 1 - head] - want).norm() / want.norm())
+            measured.append((layer, head, round(same, 4), round(swapped, 4)))
+            assert same < CLOSE < 1.0 < swapped, measured[-1]
+    print("\n(layer, head, TP=2 vs TP=1 rel. L2, swapped head rel. L2):", measured)
