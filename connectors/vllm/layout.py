@@ -29,9 +29,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
+
+from kvfabric.memory import strided
 
 # key, value ([num_tokens, num_kv_heads, head_dim]), key_cache, value_cache (each a
 # [num_blocks, num_kv_heads, block_size, head_dim] chunk of the cache viewed as
@@ -75,14 +78,30 @@ class _Geometry:
 
 @dataclass(frozen=True)
 class _TokenSlots:
-    """Block id and in-block offset of each token of a range, on the cache's device; and the
-    same range as runs (block id, first offset, first token, tokens), one per block touched:
-    a run is one strided slice, so layouts that can copy by runs do a few large copies
-    instead of per-token indexing."""
+    """Tokens ``[start, end)`` of a request as runs (block id, first offset, first token,
+    tokens), one per block touched: a run is one strided slice, so layouts that can copy by
+    runs do a few large copies instead of per-token indexing. ``blocks`` and ``offsets``, the
+    block id and in-block offset of each token on the cache's device, are built on first use:
+    only the per-element paths need them, and building them costs more than a run's copy."""
 
-    blocks: torch.Tensor
-    offsets: torch.Tensor
-    runs: tuple[tuple[int, int, int, int], ...] = ()
+    runs: tuple[tuple[int, int, int, int], ...]
+    block_ids: torch.Tensor
+    start: int
+    end: int
+    block_size: int
+    device: torch.device
+
+    @cached_property
+    def _positions(self) -> torch.Tensor:
+        return torch.arange(self.start, self.end, device=self.device)
+
+    @cached_property
+    def blocks(self) -> torch.Tensor:
+        return self.block_ids.to(self.device)[self._positions // self.block_size]
+
+    @cached_property
+    def offsets(self) -> torch.Tensor:
+        return self._positions % self.block_size
 
 
 class PagedLayout(ABC):
@@ -170,20 +189,15 @@ class PagedLayout(ABC):
             raise ValueError(
                 f"tokens [{start}, {end}) need {end_block} block ids, got {block_ids.numel()}"
             )
-        covered = block_ids[first_block:end_block]
-        if num_tokens and (int(covered.min()) < 0 or int(covered.max()) >= num_blocks):
+        covered = block_ids[first_block:end_block].tolist() if num_tokens else []
+        if covered and (min(covered) < 0 or max(covered) >= num_blocks):
             raise ValueError(f"block ids of tokens [{start}, {end}) not in [0, {num_blocks})")
-        positions = torch.arange(start, end, device=device)
         runs = []
-        for index, block in enumerate(covered.tolist(), start=first_block):
+        for index, block in enumerate(covered, start=first_block):
             first = max(start, index * self.block_size)
             last = min(end, (index + 1) * self.block_size)
             runs.append((block, first - index * self.block_size, first - start, last - first))
-        return _TokenSlots(
-            blocks=block_ids.to(device)[positions // self.block_size],
-            offsets=positions % self.block_size,
-            runs=tuple(runs) if num_tokens else (),
-        )
+        return _TokenSlots(tuple(runs), block_ids, start, end, self.block_size, device)
 
     def _check_cache_dtype(self, kv_layer: torch.Tensor) -> None:
         if kv_layer.dtype != self.dtype:
@@ -343,8 +357,7 @@ class CpuBlockLayout(PagedLayout):
 
     def _gather_into(self, kv_layer: torch.Tensor, slots: _TokenSlots, out: torch.Tensor) -> None:
         if self.is_transposed_k:
-            for half, blocked in enumerate(self._transposed_k_views(kv_layer)):
-                _gather_tokens(blocked, slots, out[half])
+            self._copy_transposed_k(kv_layer, slots, out, into_cache=False)
         else:
             torch.take(kv_layer, self._element_indices(slots), out=out)
 
@@ -352,24 +365,45 @@ class CpuBlockLayout(PagedLayout):
         self, kv_layer: torch.Tensor, slots: _TokenSlots, canonical: torch.Tensor
     ) -> None:
         if self.is_transposed_k:
-            for half, blocked in enumerate(self._transposed_k_views(kv_layer)):
-                _scatter_tokens(blocked, slots, canonical[half])
+            self._copy_transposed_k(kv_layer, slots, canonical, into_cache=True)
         elif self.write_kernel is not None and canonical.stride(-1) == 1:
-            if slots.blocks.numel():
+            if slots.runs:
                 _kernel_write(self.write_kernel, kv_layer, slots, canonical)
         else:
             kv_layer.view(-1).index_put_((self._element_indices(slots),), canonical)
 
-    def _transposed_k_views(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the transposed-K layout as [H, nb, bs, D] views of the cache memory."""
+    def _copy_transposed_k(
+        self, kv_layer: torch.Tensor, slots: _TokenSlots, canonical: torch.Tensor, *,
+        into_cache: bool
+    ) -> None:
+        """Copy between the cache and canonical [2, H, T, D] (any strides) in the transposed-K
+        layout: per block run, K as one [H, tokens, D] transposed copy (each head's block is
+        [D, bs]) and V as one plain one, addressed by offsets and strides: building views
+        would cost more than a run's copy."""
         g = self._geometry
-        shape = (g.num_kv_heads, kv_layer.shape[0], g.block_size, g.head_dim)
-        head, block = 2 * g.block_size * g.head_dim, g.block_numel
-        offset = kv_layer.storage_offset()
-        return (
-            kv_layer.as_strided(shape, (head, block, 1, g.block_size), offset),
-            kv_layer.as_strided(shape, (head, block, g.head_dim, 1), offset + head // 2),
-        )
+        head = 2 * g.block_size * g.head_dim  # elements of one (block, head): K then V
+        plane, head_stride, token_stride, dim_stride = canonical.stride()
+        canonical_strides = (head_stride, token_stride, dim_stride)
+        key_strides = (head, 1, g.block_size)
+        value_strides = (head, g.head_dim, 1)
+        regions = []
+        for block, offset, token, count in slots.runs:
+            shape = (g.num_kv_heads, count, g.head_dim)
+            key_at = block * g.block_numel + offset
+            value_at = block * g.block_numel + head // 2 + offset * g.head_dim
+            at = token * token_stride
+            if into_cache:
+                regions += [strided.Region(key_at, key_strides, at, canonical_strides, shape),
+                            strided.Region(value_at, value_strides, plane + at,
+                                           canonical_strides, shape)]
+            else:
+                regions += [strided.Region(at, canonical_strides, key_at, key_strides, shape),
+                            strided.Region(plane + at, canonical_strides, value_at,
+                                           value_strides, shape)]
+        if into_cache:
+            strided.copy(kv_layer, canonical, regions)
+        else:
+            strided.copy(canonical, kv_layer, regions)
 
     def _element_indices(self, slots: _TokenSlots) -> torch.Tensor:
         """Flat cache element index of every canonical element, shaped [2, H, T, D]."""

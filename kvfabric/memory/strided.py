@@ -1,0 +1,127 @@
+"""Strided 3-D copies between two tensors; transposed ones through a compiled kernel.
+
+Contract: :func:`copy` copies, for each :class:`Region`, the ``shape`` elements ``src``
+addresses with ``(src_offset, src_strides)`` into those ``dst`` addresses with
+``(dst_offset, dst_strides)``: what ``dst.as_strided(shape, dst_strides, dst.storage_offset()
++ dst_offset).copy_(...)`` of the matching ``src`` view does, bit for bit, without building
+the views (building two views costs more than copying a 128-token block here). Offsets and
+strides are in elements, relative to each tensor's first element, and must be non-negative.
+Every addressed element must lie within its tensor's extent (its first to its last element),
+else ``ValueError`` before anything is copied, on every path.
+
+CPU tensors of one dtype among bfloat16, float16 and float32 go through the compiled kernel
+``_strided.c`` (cache-tiled SIMD when the two sides have unit stride along different dims, a
+transposed copy; memcpy of rows when both have it along the last; an element loop otherwise)
+unless a region of ``dst`` overlaps itself or its ``src`` region. Everything else, and
+installs that did not build the kernel (no C compiler), goes through ``Tensor.copy_`` of the
+two views.
+
+Why: torch and numpy copy a transposed view one element at a time, several times slower
+than a plain copy, and vLLM's CPU cache stores K transposed inside each block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+
+Strides = tuple[int, int, int]
+Shape = tuple[int, int, int]
+
+_KERNEL_ITEMSIZE = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
+
+
+class Region(NamedTuple):
+    """One strided copy: ``shape`` elements, at an offset with strides on each side."""
+
+    dst_offset: int
+    dst_strides: Strides
+    src_offset: int
+    src_strides: Strides
+    shape: Shape
+
+
+def _load_kernel() -> ModuleType | None:
+    try:
+        from kvfabric.memory import _strided  # built by `pip install` (setup.py)
+    except ImportError:
+        return None
+    return _strided
+
+
+# The compiled module, or None where it was not built (tests set it to None to run the
+# fallback).
+kernel: ModuleType | None = _load_kernel()
+
+
+def copy(dst: torch.Tensor, src: torch.Tensor, regions: Sequence[Region]) -> None:
+    """Copy each region of ``src`` into ``dst``; see the module docstring."""
+    dst_extent, src_extent = _extent(dst), _extent(src)
+    checked = []  # the non-empty regions and their last elements (dst, src), in elements
+    for region in regions:
+        dst_offset, dst_strides, src_offset, src_strides, shape = region
+        n0, n1, n2 = shape
+        if n0 < 0 or n1 < 0 or n2 < 0:
+            raise ValueError(f"shape must be non-negative, got {shape}")
+        if n0 and n1 and n2:
+            checked.append((region, _last(dst_extent, "dst", dst_offset, dst_strides, shape),
+                            _last(src_extent, "src", src_offset, src_strides, shape)))
+    itemsize = _KERNEL_ITEMSIZE.get(dst.dtype)
+    compiled = kernel if itemsize is not None and src.dtype is dst.dtype and dst.is_cpu \
+        and src.is_cpu and not (dst.requires_grad or src.requires_grad) else None
+    if compiled is not None and itemsize is not None:
+        dst_ptr, src_ptr = dst.data_ptr(), src.data_ptr()
+        rest = []
+        for region, dst_last, src_last in checked:
+            dst_offset, dst_strides, src_offset, src_strides, shape = region
+            to = dst_ptr + dst_offset * itemsize
+            start = src_ptr + src_offset * itemsize
+            if (to + (dst_last + 1) * itemsize <= start or start + (src_last + 1) * itemsize <= to) \
+                    and not _self_overlapping(dst_strides, shape):
+                compiled.copy(to, start, itemsize, *shape, *dst_strides, *src_strides)
+            else:
+                rest.append((region, dst_last, src_last))
+        checked = rest
+    for region, _, _ in checked:
+        dst.as_strided(region.shape, region.dst_strides,
+                       dst.storage_offset() + region.dst_offset).copy_(
+            src.as_strided(region.shape, region.src_strides,
+                           src.storage_offset() + region.src_offset))
+
+
+def _extent(tensor: torch.Tensor) -> int:
+    """Elements from the tensor's first to just past its last (0 when empty)."""
+    if tensor.is_contiguous():
+        return tensor.numel()
+    if not tensor.numel():
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+
+
+def _last(extent: int, name: str, offset: int, strides: Strides, shape: Shape) -> int:
+    """Elements from a non-empty region's first to its last; ValueError unless the region
+    lies within a tensor of ``extent`` elements."""
+    s0, s1, s2 = strides
+    if offset < 0 or s0 < 0 or s1 < 0 or s2 < 0:
+        raise ValueError(f"{name}: offset and strides must be non-negative")
+    last = (shape[0] - 1) * s0 + (shape[1] - 1) * s1 + (shape[2] - 1) * s2
+    if offset + last >= extent:
+        raise ValueError(f"{name}: elements [{offset}, {offset + last}] lie outside the "
+                         f"tensor's {extent}")
+    return last
+
+
+def _self_overlapping(strides: Strides, shape: Shape) -> bool:
+    """Whether two indices may address one element (a sufficient test, by sorted strides)."""
+    s0, s1, s2 = strides
+    if s2 == 1 and s1 >= shape[2] and s0 >= shape[1] * s1:
+        return False  # row-major with gaps: the common case, decided without sorting
+    reach = 0  # offset of the last element the dims so far address
+    for stride, size in sorted((s, n) for s, n in zip(strides, shape) if n > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
