@@ -6,11 +6,17 @@ Each simulated rank is a :class:`WorkerSide` with its own connections and its ow
 cache (vLLM's block layout, holding only the rank's KV heads), as a tensor-parallel worker
 process would have. Producers of R ranks save a prompt, consumers of S ranks load it into
 fresh caches; every consumer rank must end up with exactly its heads of the reference KV.
+Across two nodes (real daemons, a real redis-server): only rank 0 pushes a producer's
+chunks, and consumer ranks that all ask their daemon to pull the same chunks at once each
+get their heads.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,10 +172,11 @@ def group(socket: str, namespaces: Namespaces, tp: int) -> list[Rank]:
     return [Rank(socket, namespaces, rank_share(namespaces.spec, r, tp)) for r in range(tp)]
 
 
-def transfer(ns: Namespace, req_id: str) -> RequestTransfer:
+def transfer(ns: Namespace, req_id: str, *, push_to: str | None = None,
+             background: bool = False) -> RequestTransfer:
     chunks = tuple(ChunkSlice(ref.key, ref.parent, i * CHUNK, ref.num_tokens)
                    for i, ref in enumerate(chunk_hashes(ns, PROMPT)))
-    return RequestTransfer(req_id, ns.tenant_salt, "", BLOCK_IDS, chunks)
+    return RequestTransfer(req_id, ns.tenant_salt, "", BLOCK_IDS, chunks, push_to, background)
 
 
 def matched_chunks(socket: str, ns: Namespace) -> int:
@@ -178,20 +185,21 @@ def matched_chunks(socket: str, ns: Namespace) -> int:
         return client.lookup(ns, keys=keys).matched_chunks
 
 
-def produce(socket: str, namespaces: Namespaces, tp: int, kv: list[torch.Tensor]
-            ) -> list[float]:
-    """A producer of ``tp`` ranks computes and saves the prompt; saved chunks per rank."""
+def produce(socket: str, namespaces: Namespaces, tp: int, kv: list[torch.Tensor], *,
+            push_to: str | None = None, counter: str = "saved_chunks") -> list[float]:
+    """A producer of ``tp`` ranks computes and saves the prompt (pushing it when asked);
+    ``counter`` of each rank once every rank closed (pushes ended)."""
     ns = namespaces.get("", "")
-    meta = KVFabricMetadata(saves=(transfer(ns, "prefill"),))
+    meta = KVFabricMetadata(saves=(transfer(ns, "prefill", push_to=push_to),))
     ranks = group(socket, namespaces, tp)
     try:
         for rank in ranks:  # in an engine they run concurrently, any order
             rank.fill(kv)
             rank.save(meta)
-        return [rank.worker.counters.totals().get("saved_chunks", 0) for rank in ranks]
     finally:
         for rank in ranks:
             rank.close()
+    return [rank.worker.counters.totals().get(counter, 0) for rank in ranks]
 
 
 def consume(socket: str, namespaces: Namespaces, tp: int, kv: list[torch.Tensor]) -> None:
@@ -266,3 +274,69 @@ def test_loading_another_ranks_heads_would_be_caught(daemon) -> None:
         assert torch.equal(wrong.held()[0], kv[0][:, 2:4])
     finally:
         wrong.close()
+
+
+# -- across nodes: a TP producer's push, TP consumer ranks pulling at once --------------------
+
+
+def _cluster_fixtures():
+    path = Path(__file__).parents[3] / "unit" / "cluster" / "conftest.py"
+    spec_ = importlib.util.spec_from_file_location("kvf_cluster_fixtures_tp", path)
+    assert spec_ is not None and spec_.loader is not None
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    return module
+
+
+redis_server = _cluster_fixtures().redis_server  # a real redis-server on a random port
+
+
+def node(start_daemon, redis_url: str, name: str):
+    return start_daemon("store.tiers.dram.capacity=64MiB", f"node_id={name}",
+                        "cluster.index=redis", f"cluster.redis_url={redis_url}",
+                        "cluster.heartbeat_s=0.2", "tcp.port=0", "cluster.transport=socket")
+
+
+def test_only_rank_zero_pushes_and_the_target_gets_whole_objects(start_daemon,
+                                                                 redis_server) -> None:
+    prefill = node(start_daemon, redis_server.url, "prefill-a")
+    decode = node(start_daemon, redis_server.url, "decode-b")
+    namespaces = Namespaces("tp-push", spec(4))
+    kv = reference_kv(namespaces.spec, seed=31)
+    assert produce(prefill.socket, namespaces, 2, kv, push_to="decode-b",
+                   counter="pushed_chunks") == [3, 0]
+    prefill.kill()  # what the consumer loads can only have come by push
+    assert matched_chunks(decode.socket, namespaces.get("", "")) == 3
+    consume(decode.socket, namespaces, 2, kv)
+
+
+def test_consumer_ranks_pull_together_in_the_background(start_daemon, redis_server) -> None:
+    prefill = node(start_daemon, redis_server.url, "prefill-a")
+    decode = node(start_daemon, redis_server.url, "decode-b")
+    namespaces = Namespaces("tp-pull", spec(4))
+    ns = namespaces.get("", "")
+    kv = reference_kv(namespaces.spec, seed=41)
+    produce(prefill.socket, namespaces, 2, kv)
+    keys = [ref.key for ref in chunk_hashes(ns, PROMPT)]
+    with Client(decode.socket) as client:  # the global index learns of them
+        deadline = time.monotonic() + 10
+        while client.lookup(ns, keys=keys, scope="cluster").cluster_chunks != 3:
+            assert time.monotonic() < deadline, "the chunks never reached the global index"
+            time.sleep(0.1)
+    meta = KVFabricMetadata(loads=(transfer(ns, "decode", background=True),))
+    ranks = group(decode.socket, namespaces, 2)
+    try:
+        for rank in ranks:  # both ranks ask the daemon to pull the same chunks at once
+            rank.worker.start_load(meta)
+        for rank in ranks:
+            deadline = time.monotonic() + 20
+            while "decode" not in rank.worker.take_finished_loads():
+                assert time.monotonic() < deadline, "background load never ended"
+                time.sleep(0.05)
+            assert rank.worker.take_failed_blocks() == set()
+            for held, want in zip(rank.held(), kv):
+                assert torch.equal(held, rank.own(want)), rank.share
+    finally:
+        for rank in ranks:
+            rank.close()
+    assert matched_chunks(decode.socket, ns) == 3
