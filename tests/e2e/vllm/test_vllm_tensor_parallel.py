@@ -13,11 +13,15 @@ Claims, all on greedy outputs of fresh engines against their own no-connector ru
 * the object a TP=2 producer stored carries each head where a TP=1 producer puts it: per
   head, it is close to the TP=1 engine's KV of the same tokens (its ranks compute the same
   heads with other reduction orders) and far from the other head (a swapped range);
-* negative control: KV corrupted in the fabric, loaded by a TP=2 consumer, changes its output.
+* negative control: KV corrupted in the fabric, loaded by a TP=2 consumer, changes its output;
+* a model with a single KV head, which vLLM replicates on both ranks (rank 0 alone saves
+  the whole object, rank 1 skips; tests/unit/connectors/vllm/test_tensor_parallel.py counts
+  that): a fresh request loads it back into both ranks and decodes as the computed one did.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -46,6 +50,7 @@ def prompt(seed: int) -> list[int]:
 
 
 PA, PB, PC = prompt(21), prompt(22), prompt(23)  # TP=2 producer, TP=1 producers
+BUILDER = Path(__file__).resolve().parents[2] / "models" / "build_tiny_llama.py"
 
 
 def connector(socket: str) -> dict:
@@ -182,3 +187,30 @@ def test_each_rank_wrote_its_own_heads(runs, node, tiny_model) -> None:
             measured.append((layer, head, round(same, 4), round(swapped, 4)))
             assert same < CLOSE < 1.0 < swapped, measured[-1]
     print("\n(layer, head, TP=2 vs TP=1 rel. L2, swapped head rel. L2):", measured)
+
+
+@pytest.fixture(scope="module")
+def single_kv_head_model(tmp_path_factory) -> Path:
+    spec = importlib.util.spec_from_file_location("kvfabric_tests_build_tiny_llama_tp", BUILDER)
+    assert spec is not None and spec.loader is not None
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    return builder.build_tiny_llama(tmp_path_factory.mktemp("mqa") / "model", kv_heads=1)
+
+
+def test_replicated_kv_head_is_saved_by_rank_zero_and_loaded_by_both(
+        node, job_runner, single_kv_head_model, tmp_path) -> None:
+    tokens_ = prompt(24)
+    result = job_runner(tmp_path, {"model": str(single_kv_head_model), "env": tp2_env(),
+                                   "engines": [
+        tp2({"name": "mqa", "kv_transfer_config": connector(node.socket),
+             "prompts": [tokens_, tokens_], "reset_prefix_cache_after": [0]}),
+    ]})
+    assert cached(result, "mqa") == [0, PROMPT_LEN - 1]
+    first, second = tokens(result, "mqa")
+    assert first == second  # the first computed everything: no-connector output
+    ns = namespace(single_kv_head_model)
+    assert ns.spec.num_kv_heads == 1
+    with Client(node.socket) as client:
+        keys = [r.key for r in chunk_hashes(ns, tokens_)]
+        assert client.lookup(ns, keys=keys).matched_chunks == 3
