@@ -32,7 +32,7 @@ from kvfabric.client.objects import RemoteReader
 from kvfabric.convert.dtype import read_layer
 from kvfabric.errors import KVFabricError, SpecError, UnsupportedError
 from kvfabric.hashing import ChunkRef, chunk_hashes
-from kvfabric.spec import DEFAULT_CHUNK_TOKENS, AttentionKind, KVSpec, Namespace
+from kvfabric.spec import DEFAULT_CHUNK_TOKENS, AttentionKind, KVDtype, KVSpec, Namespace
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -100,7 +100,7 @@ def load_past_key_values(client: Client, ns: Namespace, token_ids: Sequence[int]
     prefix is all there is). Each chunk is pinned while it is copied out and released after;
     a chunk still being written is read layer by layer as its layers are committed. The
     whole call (pins, pull, waits) takes at most about ``timeout`` seconds. ``dtype``
-    converts (default: the stored dtype); ``config`` (the model's) is checked against the
+    converts (default: the stored dtype; bfloat16 for fp8); ``config`` (the model's) is checked against the
     namespace's spec and passed to the cache.
     """
     spec = ns.spec
@@ -206,8 +206,8 @@ def _copy_out(readers: Sequence[RemoteReader | None], refs: Sequence[ChunkRef], 
     """Per layer (K, V), each [1, kv_heads, tokens, head_dim], from canonical payloads."""
     if tokens == 0:
         return []
-    stored = torch_dtype(spec)
-    target = dtype or stored
+    # fp8 objects have no plain tensor form: they come back dequantized, bf16 by default
+    target = dtype or (torch.bfloat16 if spec.dtype is KVDtype.FLOAT8_E4M3 else torch_dtype(spec))
     heads, dim = spec.num_kv_heads, spec.head_dim
     out = []
     for layer in range(spec.num_layers):
@@ -220,7 +220,8 @@ def _copy_out(readers: Sequence[RemoteReader | None], refs: Sequence[ChunkRef], 
             if take <= 0:
                 break
             reader.wait_layer(layer, timeout=_left(deadline))
-            canonical = read_layer(reader, layer)  # [2, heads, tokens, dim], a view
+            # [2, heads, tokens, dim]: a view when nothing converts
+            canonical = read_layer(reader, layer, dtype=target)
             kv[:, 0, :, start:start + take].copy_(canonical[:, :, :take])
             start += take
         out.append((kv[0], kv[1]))

@@ -35,6 +35,7 @@ Every engine runs in one engine_runner job (building the first vLLM engine of a 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -46,6 +47,8 @@ import pytest
 import torch
 
 from kvfabric.client import Client
+from kvfabric.convert import fp8
+from kvfabric.convert.dtype import write_layer
 from kvfabric.hashing import chunk_hashes
 from kvfabric.spec import KVSpec, Namespace
 from kvfabric_connectors.hf import (decode_from_fabric, greedy_decode, load_past_key_values,
@@ -400,3 +403,37 @@ def test_round_trip_of_transformers_kv_is_exact(start_daemon, ns, models) -> Non
         assert torch.equal(gap.past_key_values.layers[0].keys,
                            cache.layers[0].keys[:, :, :CHUNK].float())
         assert client.stats()["objects"] == 2
+
+
+def test_an_fp8_namespace_loads_dequantized_within_the_bound(start_daemon, ns, models) -> None:
+    """KV stored in fp8 at put time comes back as bf16 past_key_values (the default) within
+    fp8's documented bound, and a decode continues from it."""
+    model = models[torch.bfloat16]
+    tokens = prompt(23, 2 * CHUNK)
+    with torch.inference_mode():
+        cache = model(torch.tensor([tokens]), use_cache=True).past_key_values
+    kv = torch.stack([torch.stack([layer.keys[0], layer.values[0]])
+                      for layer in cache.layers])  # [layer, k|v, head, token, dim]
+    fp8_ns = dataclasses.replace(ns, spec=dataclasses.replace(ns.spec, dtype="float8_e4m3"))
+    refs = chunk_hashes(fp8_ns, tokens)
+    daemon = start_daemon("store.tiers.dram.capacity=64MiB")
+    with Client(daemon.socket) as client:
+        for i, ref in enumerate(refs):
+            with client.reserve(fp8_ns, ref.key, parent=ref.parent,
+                                num_tokens=ref.num_tokens) as writer:
+                for layer in range(fp8_ns.spec.num_layers):
+                    write_layer(writer, layer, kv[layer, :, :, i * CHUNK:(i + 1) * CHUNK])
+                    writer.commit_layer(layer)
+        loaded = load_past_key_values(client, fp8_ns, tokens, config=model.config)
+        assert loaded.num_tokens == 2 * CHUNK
+        for layer, (got, want) in enumerate(zip(loaded.past_key_values.layers, cache.layers)):
+            assert got.keys.dtype == torch.bfloat16
+            for i in range(2):
+                piece = kv[layer, :, :, i * CHUNK:(i + 1) * CHUNK]
+                bound = fp8.error_bound(piece, fp8.compute_scales(piece), torch.bfloat16)
+                got_kv = torch.stack([got.keys[0], got.values[0]])
+                got_kv = got_kv[:, :, i * CHUNK:(i + 1) * CHUNK]
+                assert bool(((got_kv.double() - piece.double()).abs() <= bound).all())
+            assert not torch.equal(got.keys, want.keys)  # it really went through fp8
+        run = decode_from_fabric(client, fp8_ns, model, tokens, STEPS)
+        assert run.prefix_tokens == len(tokens) - 1 and len(run.token_ids) == STEPS
