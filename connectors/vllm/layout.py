@@ -184,7 +184,8 @@ class PagedLayout(ABC):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         end = start + num_tokens
-        first_block, end_block = start // self.block_size, -(-end // self.block_size)
+        block_size = self._geometry.block_size
+        first_block, end_block = start // block_size, -(-end // block_size)
         if block_ids.numel() < end_block:
             raise ValueError(
                 f"tokens [{start}, {end}) need {end_block} block ids, got {block_ids.numel()}"
@@ -194,10 +195,10 @@ class PagedLayout(ABC):
             raise ValueError(f"block ids of tokens [{start}, {end}) not in [0, {num_blocks})")
         runs = []
         for index, block in enumerate(covered, start=first_block):
-            first = max(start, index * self.block_size)
-            last = min(end, (index + 1) * self.block_size)
-            runs.append((block, first - index * self.block_size, first - start, last - first))
-        return _TokenSlots(tuple(runs), block_ids, start, end, self.block_size, device)
+            first = max(start, index * block_size)
+            last = min(end, (index + 1) * block_size)
+            runs.append((block, first - index * block_size, first - start, last - first))
+        return _TokenSlots(tuple(runs), block_ids, start, end, block_size, device)
 
     def _check_cache_dtype(self, kv_layer: torch.Tensor) -> None:
         if kv_layer.dtype != self.dtype:
@@ -381,16 +382,18 @@ class CpuBlockLayout(PagedLayout):
         [D, bs]) and V as one plain one, addressed by offsets and strides: building views
         would cost more than a run's copy."""
         g = self._geometry
-        head = 2 * g.block_size * g.head_dim  # elements of one (block, head): K then V
+        heads, block_size, head_dim = g.num_kv_heads, g.block_size, g.head_dim
+        head = 2 * block_size * head_dim  # elements of one (block, head): K then V
+        block_numel = heads * head
         plane, head_stride, token_stride, dim_stride = canonical.stride()
         canonical_strides = (head_stride, token_stride, dim_stride)
-        key_strides = (head, 1, g.block_size)
-        value_strides = (head, g.head_dim, 1)
+        key_strides = (head, 1, block_size)
+        value_strides = (head, head_dim, 1)
         regions = []
         for block, offset, token, count in slots.runs:
-            shape = (g.num_kv_heads, count, g.head_dim)
-            key_at = block * g.block_numel + offset
-            value_at = block * g.block_numel + head // 2 + offset * g.head_dim
+            shape = (heads, count, head_dim)
+            key_at = block * block_numel + offset
+            value_at = key_at + head // 2 + offset * (head_dim - 1)
             at = token * token_stride
             if into_cache:
                 regions += [strided.Region(key_at, key_strides, at, canonical_strides, shape),

@@ -22,6 +22,7 @@ than a plain copy, and vLLM's CPU cache stores K transposed inside each block.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from types import ModuleType
 from typing import NamedTuple
@@ -58,38 +59,38 @@ kernel: ModuleType | None = _load_kernel()
 
 
 def copy(dst: torch.Tensor, src: torch.Tensor, regions: Sequence[Region]) -> None:
-    """Copy each region of ``src`` into ``dst``; see the module docstring."""
+    """Copy each region of ``src`` into ``dst``, in order; see the module docstring."""
     dst_extent, src_extent = _extent(dst), _extent(src)
-    checked = []  # the non-empty regions and their last elements (dst, src), in elements
+    itemsize = _KERNEL_ITEMSIZE.get(dst.dtype)
+    compiled = kernel if itemsize is not None and src.dtype is dst.dtype and dst.is_cpu \
+        and src.is_cpu and not (dst.requires_grad or src.requires_grad) else None
+    dst_ptr, src_ptr = (dst.data_ptr(), src.data_ptr()) if compiled is not None else (0, 0)
+    planned = []  # (the kernel's arguments, or None for torch; the region), all checked first
     for region in regions:
         dst_offset, dst_strides, src_offset, src_strides, shape = region
         n0, n1, n2 = shape
         if n0 < 0 or n1 < 0 or n2 < 0:
             raise ValueError(f"shape must be non-negative, got {shape}")
-        if n0 and n1 and n2:
-            checked.append((region, _last(dst_extent, "dst", dst_offset, dst_strides, shape),
-                            _last(src_extent, "src", src_offset, src_strides, shape)))
-    itemsize = _KERNEL_ITEMSIZE.get(dst.dtype)
-    compiled = kernel if itemsize is not None and src.dtype is dst.dtype and dst.is_cpu \
-        and src.is_cpu and not (dst.requires_grad or src.requires_grad) else None
-    if compiled is not None and itemsize is not None:
-        dst_ptr, src_ptr = dst.data_ptr(), src.data_ptr()
-        rest = []
-        for region, dst_last, src_last in checked:
-            dst_offset, dst_strides, src_offset, src_strides, shape = region
+        if not (n0 and n1 and n2):
+            continue
+        dst_last = _last(dst_extent, "dst", dst_offset, dst_strides, shape)
+        src_last = _last(src_extent, "src", src_offset, src_strides, shape)
+        args = None
+        if compiled is not None and itemsize is not None:
             to = dst_ptr + dst_offset * itemsize
             start = src_ptr + src_offset * itemsize
             if (to + (dst_last + 1) * itemsize <= start or start + (src_last + 1) * itemsize <= to) \
                     and not _self_overlapping(dst_strides, shape):
-                compiled.copy(to, start, itemsize, *shape, *dst_strides, *src_strides)
-            else:
-                rest.append((region, dst_last, src_last))
-        checked = rest
-    for region, _, _ in checked:
-        dst.as_strided(region.shape, region.dst_strides,
-                       dst.storage_offset() + region.dst_offset).copy_(
-            src.as_strided(region.shape, region.src_strides,
-                           src.storage_offset() + region.src_offset))
+                args = (to, start, itemsize, n0, n1, n2, *dst_strides, *src_strides)
+        planned.append((args, region))
+    for args, region in planned:
+        if args is not None and compiled is not None:
+            compiled.copy(*args)
+        else:
+            dst.as_strided(region.shape, region.dst_strides,
+                           dst.storage_offset() + region.dst_offset).copy_(
+                src.as_strided(region.shape, region.src_strides,
+                               src.storage_offset() + region.src_offset))
 
 
 def _extent(tensor: torch.Tensor) -> int:
@@ -114,11 +115,9 @@ def _last(extent: int, name: str, offset: int, strides: Strides, shape: Shape) -
     return last
 
 
+@functools.lru_cache(maxsize=256)  # a caller repeats a few (strides, shape) pairs
 def _self_overlapping(strides: Strides, shape: Shape) -> bool:
     """Whether two indices may address one element (a sufficient test, by sorted strides)."""
-    s0, s1, s2 = strides
-    if s2 == 1 and s1 >= shape[2] and s0 >= shape[1] * s1:
-        return False  # row-major with gaps: the common case, decided without sorting
     reach = 0  # offset of the last element the dims so far address
     for stride, size in sorted((s, n) for s, n in zip(strides, shape) if n > 1):
         if stride <= reach:
