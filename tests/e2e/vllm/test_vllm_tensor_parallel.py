@@ -40,8 +40,9 @@ PROMPT_LEN = 700  # two full chunks and a partial one of 188 tokens
 SMALL = ["store.tiers.dram.capacity=256MiB", "store.tiers.ssd.capacity=1GiB"]
 REFERENCE_TENANT = "tp1-reference"
 # relative L2 distance of a TP=2 head from the TP=1 engine's same head (bf16 rounding of
-# other reduction orders, growing with depth) must stay under this; another head is ~1.4
-CLOSE = 0.3
+# other reduction orders, growing with depth) must stay under this; measured here: 0 at
+# layer 0 (bit-exact), 0.007 / 0.015 / 0.024 at layers 1-3; another head is ~1.4
+CLOSE = 0.1
 
 
 def prompt(seed: int) -> list[int]:
