@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from kvfabric.errors import PayloadSizeError, SpecError
-from kvfabric.memory.copy import Piece, copy_pieces, nbytes_of
+from kvfabric.memory.copy import Piece, copy_pieces, gather_runs, nbytes_of
 from kvfabric.payload import HeadRange, PayloadReader, PayloadWriter
 from kvfabric.spec import ChunkLayout, KVDtype
 
@@ -267,28 +267,11 @@ def _fp8() -> Any:
 def _copy_head_runs(pieces: Sequence[np.ndarray], layout: ChunkLayout, heads: HeadRange,
                     into: np.ndarray) -> None:
     """Copy heads ``[a, b)`` of every (layer, plane) of a payload held in host ``pieces``
-    into flat ``into``: one ``copyto`` per run (per page a run crosses), finding the pieces
-    by their sizes alone (asking numpy for addresses costs a microsecond each)."""
+    into flat ``into``: one run per (layer, plane), all in one :func:`gather_runs` call."""
     spec = layout.spec
-    length = (heads[1] - heads[0]) * layout.head_bytes
-    start = heads[0] * layout.head_bytes
-    index, piece_start = 0, 0  # the piece holding the current position, and its offset
-    piece_end = pieces[0].nbytes if pieces else 0
-    offset = 0
-    for layer in range(spec.num_layers):
-        for plane in range(spec.kv_planes):
-            position = layer * layout.layer_bytes + plane * layout.plane_bytes + start
-            remaining = length
-            while remaining:
-                while position >= piece_end:
-                    index += 1
-                    piece_start, piece_end = piece_end, piece_end + pieces[index].nbytes
-                n = min(remaining, piece_end - position)
-                inner = position - piece_start
-                np.copyto(into[offset:offset + n], pieces[index][inner:inner + n])
-                offset += n
-                position += n
-                remaining -= n
+    gather_runs(into, pieces, heads[0] * layout.head_bytes,
+                (spec.num_layers, layout.layer_bytes), (spec.kv_planes, layout.plane_bytes),
+                (heads[1] - heads[0]) * layout.head_bytes)
 
 
 def coalesce(pieces: Sequence[Piece]) -> list[Piece]:

@@ -49,8 +49,9 @@ static inline void tile16(const uint16_t *s, Py_ssize_t src_row, uint16_t *d, Py
         b[4 * k + 3] = _mm_unpackhi_epi32(a[4 * k + 1], a[4 * k + 3]);
     }
     for (int k = 0; k < 4; k++) {
-        _mm_storeu_si128((__m128i *)(d + 2 * k * dst_row), _mm_unpacklo_epi64(b[k], b[k + 4]));
-        _mm_storeu_si128((__m128i *)(d + (2 * k + 1) * dst_row), _mm_unpackhi_epi64(b[k], b[k + 4]));
+        __m128i lo = _mm_unpacklo_epi64(b[k], b[k + 4]), hi = _mm_unpackhi_epi64(b[k], b[k + 4]);
+        _mm_storeu_si128((__m128i *)(d + 2 * k * dst_row), lo);
+        _mm_storeu_si128((__m128i *)(d + (2 * k + 1) * dst_row), hi);
     }
 }
 
@@ -114,7 +115,8 @@ DEFINE_TRANSPOSE(transpose32, uint32_t, W32, TILE32)
         for (Py_ssize_t a = 0; a < n[0]; a++)                                                      \
             for (Py_ssize_t b = 0; b < n[1]; b++)                                                  \
                 for (Py_ssize_t c = 0; c < n[2]; c++)                                              \
-                    dst[a * ds[0] + b * ds[1] + c * ds[2]] = src[a * ss[0] + b * ss[1] + c * ss[2]]; \
+                    dst[a * ds[0] + b * ds[1] + c * ds[2]] =                              \
+                        src[a * ss[0] + b * ss[1] + c * ss[2]];                                    \
     }
 
 DEFINE_ELEMENTS(elements16, uint16_t)
@@ -186,9 +188,97 @@ static PyObject *copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
     Py_RETURN_NONE;
 }
 
+/* gather_runs(into, pieces, first, outer, outer_stride, inner, inner_stride, length): the
+ * runs of `length` bytes at first + a*outer_stride + b*inner_stride (a < outer, b < inner) of
+ * the concatenation of the byte buffers `pieces`, back to back into the writable buffer
+ * `into`. Every run must lie within the pieces and `into` must hold them all, else
+ * ValueError before anything is copied. */
+static PyObject *gather_runs(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t v[6];
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "gather_runs takes 8 arguments");
+        return NULL;
+    }
+    for (int k = 0; k < 6; k++) {
+        v[k] = PyLong_AsSsize_t(args[k + 2]);
+        if (v[k] == -1 && PyErr_Occurred())
+            return NULL;
+        if (v[k] < 0) {
+            PyErr_SetString(PyExc_ValueError, "offsets, counts and strides must be non-negative");
+            return NULL;
+        }
+    }
+    Py_ssize_t first = v[0], outer = v[1], outer_stride = v[2], inner = v[3];
+    Py_ssize_t inner_stride = v[4], length = v[5];
+    PyObject *seq = PySequence_Fast(args[1], "pieces must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *views = PyMem_Calloc(count + 1, sizeof(Py_buffer));
+    Py_ssize_t acquired = 0, total = 0;
+    PyObject *result = NULL;
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (PyObject_GetBuffer(args[0], &views[count], PyBUF_WRITABLE) < 0)
+        goto done;
+    for (; acquired < count; acquired++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, acquired), &views[acquired],
+                               PyBUF_SIMPLE) < 0)
+            goto done;
+        total += views[acquired].len;
+    }
+    if (outer && inner && length) {
+        Py_ssize_t last = first + (outer - 1) * outer_stride + (inner - 1) * inner_stride;
+        if (last + length > total || outer * inner * length > views[count].len) {
+            PyErr_SetString(PyExc_ValueError, "a run lies outside the pieces or the destination");
+            goto done;
+        }
+        char *to = views[count].buf;
+        Py_BEGIN_ALLOW_THREADS
+        Py_ssize_t index = 0, piece_start = 0; /* the piece holding `position` */
+        for (Py_ssize_t a = 0; a < outer; a++)
+            for (Py_ssize_t b = 0; b < inner; b++) {
+                Py_ssize_t position = first + a * outer_stride + b * inner_stride;
+                Py_ssize_t remaining = length;
+                if (position < piece_start) /* runs go backwards: search from the start */
+                    index = 0, piece_start = 0;
+                while (remaining) {
+                    while (position >= piece_start + views[index].len)
+                        piece_start += views[index++].len;
+                    Py_ssize_t inside = position - piece_start;
+                    Py_ssize_t n = views[index].len - inside;
+                    if (n > remaining)
+                        n = remaining;
+                    memcpy(to, (const char *)views[index].buf + inside, (size_t)n);
+                    to += n;
+                    position += n;
+                    remaining -= n;
+                }
+            }
+        Py_END_ALLOW_THREADS
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (views != NULL) {
+        for (Py_ssize_t k = 0; k < acquired; k++)
+            PyBuffer_Release(&views[k]);
+        if (views[count].obj != NULL)
+            PyBuffer_Release(&views[count]);
+        PyMem_Free(views);
+    }
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL,
      "copy(dst, src, itemsize, n0, n1, n2, d0, d1, d2, s0, s1, s2)"},
+    {"gather_runs", (PyCFunction)(void (*)(void))gather_runs, METH_FASTCALL,
+     "gather_runs(into, pieces, first, outer, outer_stride, inner, inner_stride, length)"},
     {NULL, NULL, 0, NULL},
 };
 

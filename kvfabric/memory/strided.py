@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from types import ModuleType
 from typing import NamedTuple
 
 import torch
+
+from kvfabric.memory import native
 
 Strides = tuple[int, int, int]
 Shape = tuple[int, int, int]
@@ -45,24 +46,11 @@ class Region(NamedTuple):
     shape: Shape
 
 
-def _load_kernel() -> ModuleType | None:
-    try:
-        from kvfabric.memory import _strided  # built by `pip install` (setup.py)
-    except ImportError:
-        return None
-    return _strided
-
-
-# The compiled module, or None where it was not built (tests set it to None to run the
-# fallback).
-kernel: ModuleType | None = _load_kernel()
-
-
 def copy(dst: torch.Tensor, src: torch.Tensor, regions: Sequence[Region]) -> None:
     """Copy each region of ``src`` into ``dst``, in order; see the module docstring."""
     dst_extent, src_extent = _extent(dst), _extent(src)
     itemsize = _KERNEL_ITEMSIZE.get(dst.dtype)
-    compiled = kernel if itemsize is not None and src.dtype is dst.dtype and dst.is_cpu \
+    compiled = native.kernel if itemsize is not None and src.dtype is dst.dtype and dst.is_cpu \
         and src.is_cpu and not (dst.requires_grad or src.requires_grad) else None
     dst_ptr, src_ptr = (dst.data_ptr(), src.data_ptr()) if compiled is not None else (0, 0)
     planned = []  # (the kernel's arguments, or None for torch; the region), all checked first

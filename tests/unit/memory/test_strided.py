@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfabric.memory import strided
+from kvfabric.memory import native, strided
 from kvfabric.memory.strided import Region
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -16,14 +16,14 @@ BITS = {2: torch.int16, 4: torch.int32}
 @pytest.fixture(params=["kernel", "fallback"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "fallback":
-        monkeypatch.setattr(strided, "kernel", None)
+        monkeypatch.setattr(native, "kernel", None)
     return request.param
 
 
 def test_the_install_built_the_kernel() -> None:
     # `pip install -e .` compiles kvfabric/memory/_strided.c; without it every copy below
     # would silently take the slow fallback.
-    assert strided.kernel is not None
+    assert native.kernel is not None
 
 
 def _random_bits(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from kvfabric.memory import strided
+from kvfabric.memory import native, strided
 
 _MODULE = "kvfabric_connectors.vllm.layout"
 
@@ -41,9 +41,9 @@ BLOCK_IDS = torch.tensor([5, 2, 7, 0, 3], dtype=torch.int64)
 
 @pytest.fixture(params=["kernel", "fallback"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    assert strided.kernel is not None  # the install builds it: both paths really run
+    assert native.kernel is not None  # the install builds it: both paths really run
     if request.param == "fallback":
-        monkeypatch.setattr(strided, "kernel", None)
+        monkeypatch.setattr(native, "kernel", None)
     return request.param
 
 
@@ -100,6 +100,6 @@ def test_kernel_and_fallback_agree_on_a_large_gather(monkeypatch: pytest.MonkeyP
     cache = _random_bits((16, 8, 128, 256), torch.bfloat16, seed=3)
     ids = torch.tensor([11, 3, 14], dtype=torch.int64)
     by_kernel = paged.gather(cache, ids, 77, 300)
-    monkeypatch.setattr(strided, "kernel", None)
+    monkeypatch.setattr(native, "kernel", None)
     by_torch = paged.gather(cache, ids, 77, 300)
     assert torch.equal(by_kernel.view(torch.int16), by_torch.view(torch.int16))

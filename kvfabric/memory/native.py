@@ -1,0 +1,21 @@
+"""The compiled copy routines of ``_strided.c``, or None where the install did not build them.
+
+``pip install`` compiles the extension (setup.py) when a C compiler is there; without one the
+install still succeeds and every caller takes its pure-Python/torch path. Callers read
+:data:`kernel` at call time, so tests can set it to None to run those paths.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+
+def _load() -> ModuleType | None:
+    try:
+        from kvfabric.memory import _strided
+    except ImportError:
+        return None
+    return _strided
+
+
+kernel: ModuleType | None = _load()
