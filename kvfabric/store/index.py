@@ -11,6 +11,11 @@ Per tier, candidates are kept in LRU order. An entry that becomes a candidate be
 last child left goes to the LRU end, so the rest of that chain follows it before a hot leaf
 elsewhere does.
 
+Lookups (:meth:`LocalIndex.prefix_counts`) are on every request's path, so they do not walk
+entries attribute by attribute in Python: a side map gives each key a :class:`LookupTag`
+(namespace, tier, tokens) shared by every full chunk of one namespace in one tier, so a
+chain's tags are fetched and grouped into runs in C and only each run is looked at here.
+
 Not thread-safe: the store calls it under its lock. Entries are mutable records owned by the
 index (``__slots__`` keep them small: the index budget is a few hundred bytes per object).
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from itertools import groupby
 from typing import Any, Union
 
 from kvfabric.spec import Namespace
@@ -50,7 +56,9 @@ class Entry:
         self.pins = 0  # readers and the writer's reservation
         self.kids: Kids = None  # stored children: None, one Entry, or a list (branch points)
         self.flags = 0
-        self.shards: Any = None  # HeadShards while tensor-parallel ranks write head ranges
+        # HeadShards while tensor-parallel ranks write head ranges: set before the entry is
+        # indexed, only ever cleared after (lookup tags rely on it)
+        self.shards: Any = None
 
     @property
     def complete(self) -> bool:
@@ -67,6 +75,19 @@ class Entry:
 
 
 Kids = Union[None, Entry, list[Entry]]
+
+
+class LookupTag:
+    """What a lookup counts of an entry: its namespace, tier and tokens.
+
+    Entries holding a full chunk of one namespace in one tier share one instance, so equal
+    tags are the same object and a run of them compares by identity.
+    """
+
+    __slots__ = ("ns", "tier", "num_tokens")
+
+    def __init__(self, ns: Namespace, tier: int, num_tokens: int) -> None:
+        self.ns, self.tier, self.num_tokens = ns, tier, num_tokens
 
 
 def _add_kid(kids: Kids, child: Entry) -> Kids:
@@ -106,6 +127,12 @@ class LocalIndex:
         self._orphans: dict[tuple[bytes, bytes], Kids] = {}
         self._tier_counts = [0] * num_tiers
         self._last = num_tiers - 1
+        # key -> tag of its entry in ``_entries`` (not the side map); None while the object
+        # is written by head ranges, or was until a lookup finds it complete and re-tags it
+        # (the store clears ``Entry.shards`` when the last range lands, without telling us)
+        self._tags: dict[bytes, LookupTag | None] = {}
+        # the shared full-chunk tags, by (namespace seed, tier): at most namespaces x tiers
+        self._shared_tags: dict[tuple[bytes, int], LookupTag] = {}
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._shadow)
@@ -155,6 +182,57 @@ class LocalIndex:
             append(entry)
         return out
 
+    def prefix_counts(self, ns: Namespace, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        """Chunks and tokens per tier of the prefix of ``keys`` a lookup reports: the
+        :meth:`longest_prefix`, cut before the first object still written by head ranges
+        (``Entry.shards``: it counts once every range landed)."""
+        chunks = [0] * len(self._tier_counts)
+        tokens = [0] * len(self._tier_counts)
+        if self._shadow:  # keys replayed by another namespace: find each one the slow way
+            for entry in self.longest_prefix(ns, keys):
+                if entry.shards is not None:
+                    break
+                chunks[entry.tier] += 1
+                tokens[entry.tier] += entry.num_tokens
+            return chunks, tokens
+        tags: list[LookupTag | None] = []
+        try:
+            tags.extend(map(self._tags.__getitem__, keys))
+        except KeyError:
+            pass  # the prefix ends at the first absent key; ``tags`` holds the ones before
+        start = 0
+        for tag, run in groupby(tags):
+            count = len(list(run))
+            if tag is None:
+                for key in keys[start:start + count]:
+                    tag = self._retag(self._entries[key])
+                    if tag is None or tag.ns is not ns:
+                        return chunks, tokens
+                    chunks[tag.tier] += 1
+                    tokens[tag.tier] += tag.num_tokens
+            elif tag.ns is not ns:  # another namespace's key is a miss in this one
+                break
+            else:
+                chunks[tag.tier] += count
+                tokens[tag.tier] += count * tag.num_tokens
+            start += count
+        return chunks, tokens
+
+    def _retag(self, entry: Entry) -> LookupTag | None:
+        """Set (and return) the tag of ``entry``, which is in ``_entries``."""
+        tag = None
+        if entry.shards is None:
+            ns, tier = entry.ns, entry.tier
+            if entry.num_tokens == ns.spec.chunk_tokens:
+                tag = self._shared_tags.get((ns.seed, tier))
+                if tag is None or tag.ns is not ns:
+                    tag = self._shared_tags[(ns.seed, tier)] = LookupTag(ns, tier,
+                                                                         entry.num_tokens)
+            else:  # a partial chunk: its own tag (sizes would multiply the shared ones)
+                tag = LookupTag(ns, tier, entry.num_tokens)
+        self._tags[entry.key] = tag
+        return tag
+
     def add(self, entry: Entry) -> None:
         key, ns = entry.key, entry.ns
         if self.find(ns, key) is not None:
@@ -163,6 +241,7 @@ class LocalIndex:
             self._shadow[(ns.seed, key)] = entry
         else:
             self._entries[key] = entry
+            self._retag(entry)
         entry.kids = self._orphans.pop((ns.seed, key), None)
         self._tier_counts[entry.tier] += 1
         parent = self.find(ns, entry.parent)
@@ -178,6 +257,7 @@ class LocalIndex:
         key, ns = entry.key, entry.ns
         if self._entries.get(key) is entry:
             del self._entries[key]
+            del self._tags[key]
         elif self._shadow.get((ns.seed, key)) is entry:
             del self._shadow[(ns.seed, key)]
         else:
@@ -218,6 +298,8 @@ class LocalIndex:
         entry.tier = tier
         entry.handle = handle
         if indexed:
+            if self._entries.get(entry.key) is entry:
+                self._retag(entry)
             self._refresh(entry, front=False)
             parent = self.find(entry.ns, entry.parent)
             if parent is not None:

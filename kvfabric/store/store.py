@@ -31,7 +31,6 @@ this module is the API, the leases, lookups, statistics and the lifecycle.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -368,15 +367,14 @@ class TieredStore:
         """
         with self._lock:
             known = self._namespaces.get(ns.seed)
-            entries = [] if known is None else self._index.longest_prefix(known, keys)
-            entries = list(itertools.takewhile(lambda e: e.shards is None, entries))
-            per_tier = [0] * len(self._tiers)
-            for entry in entries:
-                per_tier[entry.tier] += entry.num_tokens
-            matched = sum(per_tier)
-            requested = matched + (len(keys) - len(entries)) * ns.spec.chunk_tokens
-            self._count_lookup(known, requested, matched, per_tier, entries)
-        return LookupResult(len(keys), len(entries), matched,
+            if known is None:
+                chunks, per_tier = [0] * len(self._tiers), [0] * len(self._tiers)
+            else:
+                chunks, per_tier = self._index.prefix_counts(known, keys)
+            matched, matched_chunks = sum(per_tier), sum(chunks)
+            requested = matched + (len(keys) - matched_chunks) * ns.spec.chunk_tokens
+            self._count_lookup(known, requested, matched, per_tier, chunks)
+        return LookupResult(len(keys), matched_chunks, matched,
                             {self._names[i]: n for i, n in enumerate(per_tier) if n},
                             requested_tokens=requested)
 
@@ -385,7 +383,7 @@ class TieredStore:
         return self.lookup(ns, chunk_keys(ns, tokens, include_partial=False))
 
     def _count_lookup(self, ns: Namespace | None, requested: int, matched: int,
-                      per_tier: list[int], entries: list[Entry]) -> None:
+                      per_tier: list[int], chunks: list[int]) -> None:
         count = self._count
         count["lookups"] += 1
         count["lookup_tokens"] += requested
@@ -394,7 +392,7 @@ class TieredStore:
         for i, tokens in enumerate(per_tier):
             if tokens:
                 self._tier_counters[i].hit_tokens += tokens
-                self._tier_counters[i].hit_chunks += sum(1 for e in entries if e.tier == i)
+                self._tier_counters[i].hit_chunks += chunks[i]
         if ns is None:
             return  # per-namespace counters exist only for namespaces the store holds
         nsc = self._ns_counters.setdefault((ns.model_id, ns.tenant_salt), NamespaceCounters())

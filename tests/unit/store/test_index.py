@@ -131,3 +131,43 @@ def test_a_key_replayed_by_another_namespace_neither_blocks_nor_sees_the_first()
     assert index.find(OTHER, key(2)) is squatter and index.find(NS, key(2)) is None
     index.add(owner[1])  # the owner comes back: the squatter stays where it is
     assert index.find(NS, key(2)) is owner[1] and index.find(OTHER, key(2)) is squatter
+
+
+def test_prefix_counts_per_tier_stop_at_a_miss_a_foreign_key_and_a_partial_write() -> None:
+    index = LocalIndex(2)
+    a = chain(index, [1, 2, 3, 4, 5])
+    index.move(a[4], 1, None)
+    index.move(a[3], 1, None)
+    keys = [key(i) for i in (1, 2, 3, 4, 5, 6)]
+    assert index.prefix_counts(NS, keys) == ([3, 2], [12, 8])
+    partial = Entry(key(6), key(5), NS, 3, 1, None)  # a last chunk of 3 tokens
+    index.add(partial)
+    assert index.prefix_counts(NS, keys) == ([3, 3], [12, 11])
+    assert index.prefix_counts(OTHER, keys) == ([0, 0], [0, 0])
+    index.remove(a[1])
+    assert index.prefix_counts(NS, keys) == ([1, 0], [4, 0])
+
+
+def test_prefix_counts_count_a_head_range_write_once_every_range_landed() -> None:
+    index = LocalIndex(1)
+    first = chain(index, [1])[0]
+    ranged = entry(2, 1)
+    ranged.shards = object()  # ranks still writing their head ranges
+    index.add(ranged)
+    chain_keys = [key(1), key(2)]
+    assert index.prefix_counts(NS, chain_keys) == ([1], [4])
+    ranged.shards = None  # the last range landed (the store clears it, unannounced)
+    assert index.prefix_counts(NS, chain_keys) == ([2], [8])
+    assert index.prefix_counts(NS, chain_keys) == ([2], [8])
+    index.move(first, 0, None)
+    assert index.prefix_counts(NS, chain_keys) == ([2], [8])
+
+
+def test_prefix_counts_with_a_replayed_key_stay_per_namespace() -> None:
+    index = LocalIndex(1)
+    chain(index, [1, 2])
+    squatter = Entry(key(1), ROOT, OTHER, 4, 0, None)
+    squatter.ready = READY_ALL
+    index.add(squatter)  # the side map is in use: lookups take the slow path
+    assert index.prefix_counts(NS, [key(1), key(2)]) == ([2], [8])
+    assert index.prefix_counts(OTHER, [key(1), key(2)]) == ([1], [4])
