@@ -3,16 +3,25 @@
 Every figure comes from one run of this script:
 
 * ``tp_slice_read_vs_memcpy`` -- one tensor-parallel rank's share (KV heads ``[0, H/4)`` of
-  every layer: 8 MiB of a 32 MiB Llama-3-8B-shaped chunk of 256 tokens) read out of a real
-  in-process TieredStore into a preallocated tensor, pin and release included
-  (``kvfabric.convert.read_payload(reader, heads=...)``), against ``numpy.copyto`` of as many
-  bytes. Both rotate over four objects / source buffers so neither reads from a hot cache.
-  ``tp_slice_read_per_layer_vs_memcpy`` is the same read done layer by layer
+  every layer: 8 MiB of a 32 MiB Llama-3-8B-shaped chunk of 256 tokens, 64 runs of 128 KiB)
+  read out of a real in-process TieredStore (one DRAM tier: a pre-faulted memfd arena of
+  256 KiB pages) into a preallocated tensor, lookup, pin, page views and release included
+  (``kvfabric.convert.read_payload(reader, heads=...)``), against one ``numpy.copyto`` of as
+  many bytes between two pre-faulted anonymous numpy buffers (which the kernel may back with
+  transparent huge pages; shared memory gets none where ``shmem_enabled`` is ``never``).
+  Both rotate over four objects / source buffers so neither reads from a hot cache.
+  ``tp_slice_read_vs_arena_memcpy`` compares the same read with one ``numpy.copyto`` of as
+  many bytes out of the same stored object's arena pages (its first 8 MiB, contiguous; the
+  objects stay pinned): the same memory, without the slicing and the store's per-read work.
+  ``tp_slice_read_per_layer_vs_memcpy`` is the read done layer by layer
   (``reader.layer_pieces(layer, heads=...)`` copied with ``copy_pieces``), informational.
 * ``layout_convert_vs_memcpy`` -- vLLM's CPU block layout (``CpuBlockLayout.transposed_k``,
   the "vec" ISA layout: K transposed inside each block) to canonical and back: ``gather`` then
   ``scatter`` of a 256-token chunk (8 KV heads, head_dim 128, bf16, 128-token blocks, blocks
-  out of order in a 64-block cache), against two ``Tensor.copy_`` of the same 1 MiB.
+  out of order in a 64-block cache), argument checks included, against two ``Tensor.copy_``
+  of the same 1 MiB between two contiguous tensors. The layout copies through the compiled
+  strided-copy routine (``kvfabric.memory.strided``) when the install built it:
+  ``compiled_copy_kernel`` is 1 then, 0 when every copy took the torch fallback.
 * ``fp8_quantize_gbps`` / ``fp8_dequantize_gbps`` -- input GB/s of ``fp8.quantize`` (bf16 in)
   and ``fp8.dequantize`` (e4m3 in, bf16 out) on one such layer; ``memcpy_gbps`` is the
   baseline copy rate of the same run, for scale.
@@ -52,6 +61,7 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -60,8 +70,9 @@ import numpy as np
 import torch
 
 from kvfabric.convert import fp8
-from kvfabric.convert.dtype import read_payload
+from kvfabric.convert.dtype import coalesce, read_payload
 from kvfabric.hashing import chunk_hashes
+from kvfabric.memory import native
 from kvfabric.memory.copy import copy_pieces
 from kvfabric.spec import KVSpec, Namespace
 from kvfabric.store import StoreConfig, TierConfig, TieredStore
@@ -88,14 +99,17 @@ TARGETS: dict[str, tuple[str, float]] = {
 
 FIGURES: list[tuple[str, str]] = [
     ("tp_slice_read_vs_memcpy", "read_payload(heads=1/4) of a stored 32 MiB chunk / np.copyto"),
+    ("tp_slice_read_vs_arena_memcpy", "the same read / np.copyto out of the object's pages"),
     ("tp_slice_read_per_layer_vs_memcpy", "the same, layer_pieces + copy_pieces per layer"),
     ("tp_slice_read_gbps", "TP share read, GB/s"),
     ("layout_convert_vs_memcpy", "vLLM CPU block gather + scatter (1 MiB) / 2 copy_"),
     ("layout_gather_vs_memcpy", "gather alone / copy_"),
     ("layout_scatter_vs_memcpy", "scatter alone / copy_"),
+    ("compiled_copy_kernel", "1: the compiled strided-copy routine was built and used"),
     ("fp8_quantize_gbps", "fp8.quantize, bf16 input GB/s"),
     ("fp8_dequantize_gbps", "fp8.dequantize to bf16, e4m3 input GB/s"),
     ("memcpy_gbps", "np.copyto of the TP share, GB/s (baseline)"),
+    ("arena_memcpy_gbps", "np.copyto of as many bytes out of the arena, GB/s"),
     ("fp8_bytes_ratio", "fp8 + scales bytes / bf16 bytes of a chunk"),
     ("fp8_bytes_saved_per_chunk", "bf16 - fp8 bytes of a 32 MiB chunk"),
     ("fp8_max_abs_error", "tiny-Llama K/V: max |x - dequant(quant(x))|"),
@@ -134,12 +148,21 @@ def bench_tp_slice(root: Path, cfg: Settings) -> dict[str, float]:
     payload = np.random.default_rng(2).integers(0, 256, SPEC.chunk_bytes, dtype=np.uint8)
     tier = TierConfig(TierKind.DRAM, OBJECTS * SPEC.chunk_bytes, prefault=True)
     config = StoreConfig(data_dir=str(root / "tp"), tiers=(tier,))
-    with TieredStore(config, maintenance=False) as store:
+    with TieredStore(config, maintenance=False) as store, ExitStack() as pins:
         for ref in refs:
             store.put(NS, ref.key, payload, parent=ref.parent)
+        arena_sources = []  # each object's first `share` bytes, one view of its arena pages
+        for ref in refs:
+            pages = coalesce(pins.enter_context(store.get(NS, ref.key)).pieces())
+            if len(pages) != 1:
+                raise RuntimeError("a stored object's pages are not adjacent in the arena")
+            arena_sources.append(pages[0][:share])
 
         def memcpy(i: int) -> None:
             np.copyto(dst_bytes, sources[i % OBJECTS])
+
+        def arena_memcpy(i: int) -> None:
+            np.copyto(dst_bytes, arena_sources[i % OBJECTS])
 
         def whole(i: int) -> None:
             with store.get(NS, refs[i % OBJECTS].key) as reader:
@@ -162,12 +185,15 @@ def bench_tp_slice(root: Path, cfg: Settings) -> dict[str, float]:
                 raise RuntimeError("the per-layer read returned the wrong bytes")
         rounds = []
         for r in range(cfg.rounds + 1):
-            (base_w, whole_s), (base_l, layer_s) = measure_pairs(
-                [(memcpy, whole), (memcpy, per_layer)], cfg.repeat, flip=r % 2 == 1)
+            (base_w, whole_s), (base_a, arena_s), (base_l, layer_s) = measure_pairs(
+                [(memcpy, whole), (arena_memcpy, whole), (memcpy, per_layer)], cfg.repeat,
+                flip=r % 2 == 1)
             rounds.append({"tp_slice_read_vs_memcpy": base_w / whole_s,
+                           "tp_slice_read_vs_arena_memcpy": base_a / arena_s,
                            "tp_slice_read_per_layer_vs_memcpy": base_l / layer_s,
                            "tp_slice_read_gbps": share / whole_s / 1e9,
-                           "memcpy_gbps": share / base_w / 1e9})
+                           "memcpy_gbps": share / base_w / 1e9,
+                           "arena_memcpy_gbps": share / base_a / 1e9})
     return ratios(rounds[1:])
 
 
@@ -215,7 +241,7 @@ def bench_layout(cfg: Settings) -> dict[str, float]:
         rounds.append({"layout_convert_vs_memcpy": (base_g + base_s) / (gather_s + scatter_s),
                        "layout_gather_vs_memcpy": base_g / gather_s,
                        "layout_scatter_vs_memcpy": base_s / scatter_s})
-    return ratios(rounds[1:])
+    return {**ratios(rounds[1:]), "compiled_copy_kernel": float(native.kernel is not None)}
 
 
 def bench_fp8_speed(cfg: Settings) -> dict[str, float]:
