@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvfabric.payload import HeadRange
+from kvfabric.readspec import tp_head_range, tp_writes
 from kvfabric.spec import AttentionKind, KVSpec, Namespace
 
 
@@ -99,21 +100,9 @@ class RankShare:
 
 
 def rank_share(spec: KVSpec, tp_rank: int, tp_size: int) -> RankShare:
-    """Rank ``tp_rank`` of ``tp_size``: with ``tp_size`` dividing the KV heads H, heads
-    ``[r*H/tp, (r+1)*H/tp)``; with ``tp_size`` a multiple of H (each head replicated on
-    tp/H ranks, as vLLM shards GQA), head ``r // (tp/H)``, saved by its first replica; with
-    MLA (or a single KV head), the whole object, saved by rank 0."""
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size}")
-    heads = spec.num_kv_heads
-    lead = tp_rank == 0
-    if spec.kind is AttentionKind.MLA or heads == 1 or tp_size == 1:
-        return RankShare(None, lead, lead)  # every rank holds the whole object
-    if heads % tp_size == 0:
-        per = heads // tp_size
-        return RankShare((tp_rank * per, (tp_rank + 1) * per), True, lead)
-    if tp_size % heads == 0:
-        replicas = tp_size // heads
-        head = tp_rank // replicas
-        return RankShare((head, head + 1), tp_rank % replicas == 0, lead)
-    raise ValueError(f"{heads} KV heads cannot be split over tensor_parallel_size={tp_size}")
+    """Rank ``tp_rank`` of ``tp_size``: its KV heads and whether it saves them, as
+    :func:`kvfabric.readspec.tp_head_range` / :func:`~kvfabric.readspec.tp_writes` split the
+    canonical object (GQA replication and MLA included); rank 0 pushes."""
+    heads = tp_head_range(spec, tp_rank, tp_size)
+    whole = heads == (0, spec.num_kv_heads)
+    return RankShare(None if whole else heads, tp_writes(spec, tp_rank, tp_size), tp_rank == 0)
