@@ -1,10 +1,10 @@
 /* Strided 3-D copies of 2-byte and 4-byte elements (bit moves, no conversion).
  *
- * copy(dst, src, itemsize, n0, n1, n2, d0, d1, d2, s0, s1, s2): for a < n0, b < n1, c < n2,
+ * copy_regions copies 3-D regions, for a < n0, b < n1, c < n2,
  *     dst[a*d0 + b*d1 + c*d2] = src[a*s0 + b*s1 + c*s2]
- * with addresses as integers and strides in elements. The only caller,
- * kvfabric/memory/strided.py, checks that every address lies inside the tensors it was given,
- * that dst does not overlap itself and that dst and src do not overlap.
+ * with strides in elements, after checking that every region lies inside the extents the
+ * caller (kvfabric/memory/strided.py) gives for its two tensors and that no region of dst
+ * overlaps itself or its source. gather_runs copies byte runs out of a list of buffers.
  *
  * Why it exists: torch and numpy copy a transposed view (unit stride along different dims on
  * the two sides) one element at a time, ~4 GB/s here. That case runs here in 8x8 (16-bit) or
@@ -161,31 +161,134 @@ static void copy3d(const char *src, char *dst, Py_ssize_t size, const Py_ssize_t
         elements32((const uint32_t *)src, (uint32_t *)dst, n, ds, ss);
 }
 
-static PyObject *copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+/* One region of copy_regions: offsets, strides and shape in elements. */
+typedef struct {
+    Py_ssize_t dst_offset, dst_strides[3], src_offset, src_strides[3], shape[3];
+} Region;
+
+/* Whether offset + sum((shape[k] - 1) * strides[k]) < extent, without overflowing on any
+ * non-negative input; *last gets the sum when it is. */
+static int inside(Py_ssize_t offset, const Py_ssize_t *strides, const Py_ssize_t *shape,
+                  Py_ssize_t extent, Py_ssize_t *last)
 {
-    Py_ssize_t v[12];
-    if (nargs != 12) {
-        PyErr_SetString(PyExc_TypeError, "copy takes 12 integer arguments");
+    Py_ssize_t room = extent - offset; /* the last element must lie below offset + room */
+    *last = 0;
+    if (offset >= extent)
+        return 0;
+    for (int k = 0; k < 3; k++) {
+        if (shape[k] > 1 && strides[k] > (room - 1 - *last) / (shape[k] - 1))
+            return 0;
+        *last += (shape[k] - 1) * strides[k];
+    }
+    return 1;
+}
+
+/* Whether two indices may address one element (a sufficient test, by sorted strides). */
+static int self_overlapping(const Py_ssize_t *strides, const Py_ssize_t *shape)
+{
+    Py_ssize_t s[3], n[3], count = 0, reach = 0;
+    for (int k = 0; k < 3; k++)
+        if (shape[k] > 1) { /* insertion sort by stride */
+            Py_ssize_t at = count++;
+            for (; at > 0 && s[at - 1] > strides[k]; at--)
+                s[at] = s[at - 1], n[at] = n[at - 1];
+            s[at] = strides[k], n[at] = shape[k];
+        }
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if (s[k] <= reach)
+            return 1;
+        reach += (n[k] - 1) * s[k];
+    }
+    return 0;
+}
+
+/* copy_regions(dst, dst_extent, src, src_extent, itemsize, regions): regions is a sequence of
+ * (dst_offset, (3 dst strides), src_offset, (3 src strides), (3 sizes)) in elements, relative
+ * to the addresses dst and src, whose extents (elements from the first to just past the last)
+ * every non-empty region must stay within, else ValueError. Returns False, having copied
+ * nothing, when a region of dst overlaps itself or its src region (the caller then copies by
+ * other means); True once every region is copied, in order. */
+static PyObject *copy_regions(PyObject *Py_UNUSED(module), PyObject *const *args,
+                              Py_ssize_t nargs)
+{
+    Py_ssize_t v[5];
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "copy_regions takes 6 arguments");
         return NULL;
     }
-    for (int k = 0; k < 12; k++) {
+    for (int k = 0; k < 5; k++) {
         v[k] = PyLong_AsSsize_t(args[k]);
         if (v[k] == -1 && PyErr_Occurred())
             return NULL;
     }
-    if (v[2] != 2 && v[2] != 4) {
+    Py_ssize_t dst_extent = v[1], src_extent = v[3], size = v[4];
+    if (size != 2 && size != 4) {
         PyErr_SetString(PyExc_ValueError, "itemsize must be 2 or 4");
         return NULL;
     }
-    for (int k = 3; k < 12; k++)
-        if (v[k] < 0) {
-            PyErr_SetString(PyExc_ValueError, "shape and strides must be non-negative");
-            return NULL;
+    PyObject *seq = PySequence_Fast(args[5], "regions must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq), used = 0;
+    Region *regions = PyMem_Malloc((count ? count : 1) * sizeof(Region));
+    PyObject *result = NULL;
+    int overlapping = 0;
+    if (regions == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < count; k++) {
+        Region *r = &regions[used];
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "n(nnn)n(nnn)(nnn)",
+                              &r->dst_offset, &r->dst_strides[0], &r->dst_strides[1],
+                              &r->dst_strides[2], &r->src_offset, &r->src_strides[0],
+                              &r->src_strides[1], &r->src_strides[2], &r->shape[0],
+                              &r->shape[1], &r->shape[2]))
+            goto done;
+        if (r->shape[0] < 0 || r->shape[1] < 0 || r->shape[2] < 0) {
+            PyErr_SetString(PyExc_ValueError, "shape must be non-negative");
+            goto done;
         }
-    Py_BEGIN_ALLOW_THREADS
-    copy3d((const char *)v[1], (char *)v[0], v[2], v + 3, v + 6, v + 9);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+        if (!(r->shape[0] && r->shape[1] && r->shape[2]))
+            continue; /* addresses nothing */
+        const Py_ssize_t offsets[2] = {r->dst_offset, r->src_offset};
+        const Py_ssize_t *strides[2] = {r->dst_strides, r->src_strides};
+        const Py_ssize_t extents[2] = {dst_extent, src_extent};
+        const char *names[2] = {"dst", "src"};
+        Py_ssize_t last[2];
+        for (int side = 0; side < 2; side++) {
+            if (offsets[side] < 0 || strides[side][0] < 0 || strides[side][1] < 0 ||
+                strides[side][2] < 0) {
+                PyErr_Format(PyExc_ValueError, "%s: offset and strides must be non-negative",
+                             names[side]);
+                goto done;
+            }
+            if (!inside(offsets[side], strides[side], r->shape, extents[side], &last[side])) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: a region at %zd lies outside the tensor's %zd elements",
+                             names[side], offsets[side], extents[side]);
+                goto done;
+            }
+        }
+        Py_ssize_t to = v[0] + r->dst_offset * size, from = v[2] + r->src_offset * size;
+        if (!(to + (last[0] + 1) * size <= from || from + (last[1] + 1) * size <= to) ||
+            self_overlapping(r->dst_strides, r->shape))
+            overlapping = 1;
+        used++;
+    }
+    if (!overlapping) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t k = 0; k < used; k++)
+            copy3d((const char *)v[2] + regions[k].src_offset * size,
+                   (char *)v[0] + regions[k].dst_offset * size, size, regions[k].shape,
+                   regions[k].dst_strides, regions[k].src_strides);
+        Py_END_ALLOW_THREADS
+    }
+    result = PyBool_FromLong(!overlapping);
+done:
+    PyMem_Free(regions);
+    Py_DECREF(seq);
+    return result;
 }
 
 /* gather_runs(into, pieces, first, outer, outer_stride, inner, inner_stride, length): the
@@ -231,9 +334,15 @@ static PyObject *gather_runs(PyObject *Py_UNUSED(module), PyObject *const *args,
         total += views[acquired].len;
     }
     if (outer && inner && length) {
-        Py_ssize_t last = first + (outer - 1) * outer_stride + (inner - 1) * inner_stride;
-        if (last + length > total || outer * inner * length > views[count].len) {
-            PyErr_SetString(PyExc_ValueError, "a run lies outside the pieces or the destination");
+        /* first + (outer-1)*outer_stride + (inner-1)*inner_stride + length <= total, and
+         * outer*inner*length <= len(into), checked without overflowing */
+        Py_ssize_t counts[3] = {outer, inner, 2}, strides[3] = {outer_stride, inner_stride,
+                                                                length - 1}, last;
+        Py_ssize_t room = views[count].len / length;
+        if (!inside(first, strides, counts, total, &last) || inner > room ||
+            outer > room / inner) {
+            PyErr_SetString(PyExc_ValueError,
+                            "a run lies outside the pieces or the destination");
             goto done;
         }
         char *to = views[count].buf;
@@ -275,8 +384,8 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL,
-     "copy(dst, src, itemsize, n0, n1, n2, d0, d1, d2, s0, s1, s2)"},
+    {"copy_regions", (PyCFunction)(void (*)(void))copy_regions, METH_FASTCALL,
+     "copy_regions(dst, dst_extent, src, src_extent, itemsize, regions) -> bool"},
     {"gather_runs", (PyCFunction)(void (*)(void))gather_runs, METH_FASTCALL,
      "gather_runs(into, pieces, first, outer, outer_stride, inner, inner_stride, length)"},
     {NULL, NULL, 0, NULL},

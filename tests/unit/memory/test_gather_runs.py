@@ -70,6 +70,8 @@ def test_read_only_pieces_are_read(path: str) -> None:
     ("the destination is too small", 0, (2, 100), (1, 0), 100, 199),
     ("a negative stride", 150, (2, -100), (1, 0), 10, 20),
     ("a negative length", 0, (1, 0), (1, 0), -1, 20),
+    ("strides that overflow 64 bits", 0, (3, 2**62), (3, 2**62), 10, 90),
+    ("counts that overflow 64 bits", 0, (2**40, 0), (2**40, 0), 2**10, 90),
 ])
 def test_bad_runs_are_refused_before_anything_is_copied(
     path: str, name: str, first: int, outer: tuple[int, int], inner: tuple[int, int],

@@ -99,6 +99,8 @@ def test_several_regions_in_one_call(path: str) -> None:
     ("src past the end", Region(0, (0, 10, 1), 0, (0, 1, 11), (1, 10, 10))),
     ("negative offset", Region(-1, (0, 10, 1), 0, (0, 10, 1), (1, 2, 2))),
     ("negative stride", Region(50, (0, -10, 1), 0, (0, 10, 1), (1, 2, 2))),
+    ("a stride that overflows 64 bits", Region(0, (0, 2**62, 1), 0, (0, 10, 1), (1, 5, 2))),
+    ("an offset that overflows 64 bits", Region(0, (0, 10, 1), 2**63 - 2, (0, 10, 1), (1, 2, 2))),
 ])
 def test_regions_outside_a_tensor_are_refused_before_anything_is_copied(
     path: str, name: str, region: Region
@@ -106,7 +108,7 @@ def test_regions_outside_a_tensor_are_refused_before_anything_is_copied(
     src = _random_bits(100, torch.float16, seed=6)
     dst = torch.zeros(100, dtype=torch.float16)
     fine = Region(0, (0, 10, 1), 0, (0, 1, 10), (1, 10, 10))
-    with pytest.raises(ValueError, match="outside|non-negative"):
+    with pytest.raises((ValueError, OverflowError), match="outside|non-negative|too large"):
         strided.copy(dst, src, [fine, region])
     assert not dst.any()
 
