@@ -7,8 +7,9 @@ of a request as the canonical contiguous ``[2, num_kv_heads, num_tokens, head_di
 (K then V), which is one layer's slice of kvfabric's ``[layer][k|v][kv_head][token][head_dim]``
 chunk layout. :meth:`PagedLayout.scatter` is its inverse and writes only those tokens' slots:
 the other slots of the same blocks may belong to other requests and are left untouched.
-``start`` need not be block-aligned. Both work on whole token ranges with tensor indexing,
-never a Python loop per token or per block.
+``start`` need not be block-aligned. Both work on whole token ranges: one strided copy per
+block run (the tokens a range has in one block), or tensor indexing; never a Python loop per
+token.
 
 Layouts:
 
@@ -21,7 +22,9 @@ Layouts:
   :func:`probe_cpu_layout` from the engine's own cache-write kernel. Scatter calls that kernel
   itself when the probe finds it places strided (non-contiguous) input exactly as the
   permutation says: on ISAs without a strided closed form (``amx`` packs K and V in pairs) it
-  is an order of magnitude faster than a per-element index.
+  is an order of magnitude faster than a per-element index. The "vec" ISA's layout (K stored
+  transposed per block and head) is copied by :mod:`kvfabric.memory.strided`: a compiled
+  cache-tiled transpose where the install built it, ``Tensor.copy_`` of strided views where not.
 """
 
 from __future__ import annotations
