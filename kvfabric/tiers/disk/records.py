@@ -52,7 +52,7 @@ _HEADER = struct.Struct("<8sHBB16sIQQQQ")
 HEADER_SIZE = _HEADER.size
 STATE_OFFSET = 10
 _CHECKSUM_OFFSET = 56
-_ZERO_PAGE = memoryview(bytes(ALIGN))
+_ZERO_PAGE = bytes(ALIGN)
 
 assert HEADER_SIZE == 64 and HEADER_SIZE + MAX_META <= ALIGN
 
@@ -182,7 +182,8 @@ def decode_header(
     if _header_checksum(view, view[HEADER_SIZE:meta_end]) != h_sum:
         raise CorruptRecordError("record header checksum mismatch")
     padding = view[meta_end:ALIGN]
-    if padding != _ZERO_PAGE[: len(padding)]:
+    # compared as bytes: a memoryview comparison goes item by item (~30x slower)
+    if padding.tobytes() != _ZERO_PAGE[: len(padding)]:
         raise CorruptRecordError("record header padding is not zero")
     return RecordHeader(
         version, state, key, bytes(view[HEADER_SIZE:meta_end]), payload_len, seq, p_sum

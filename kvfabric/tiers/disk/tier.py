@@ -9,6 +9,8 @@ Contract:
   (one pwritev of header page + caller pieces + padding, no payload copy) to a pool of
   writer threads. ``read_into`` preadv's straight into caller buffers and verifies the
   payload checksum; a corrupt or torn record is counted, marked DEAD and never served.
+  Reads go in batches of ``HASH_BATCH`` bytes, each hashed right after its preadv while it
+  is still in the CPU cache, instead of a second pass over the whole payload from memory.
 - Accounting: used = segment space occupied by records (live, dead, or damaged) in
   existing segments; it only shrinks when compaction unlinks a segment. Compaction copies
   bypass the capacity check (they free more than they take).
@@ -40,6 +42,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
+
+import xxhash
 
 from kvfabric.errors import CapacityError, ConfigError, CorruptRecordError, KVFabricError
 from kvfabric.tiers.disk.records import (
@@ -73,6 +77,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ZERO_PAGE = memoryview(bytes(ALIGN))
+# Bytes read per preadv then hashed at once: well inside a core's L2 cache, so the hash reads
+# what the read just wrote from cache; large enough that the extra syscalls cost nothing.
+HASH_BATCH = 512 * 1024
 
 
 class StaleExtentError(KVFabricError, LookupError):
@@ -334,10 +341,10 @@ class DiskTier:
                 f"segment {extent.segment_id} no longer exists (compacted or deleted)"
             )
         try:
-            header = self._read_record(st, extent, views)
+            header, checksum = self._read_record(st, extent, views)
             if key is not None and header.key != key:
                 raise StaleExtentError(f"record at {extent} holds another key")
-            if payload_checksum(views) != header.payload_checksum:
+            if checksum != header.payload_checksum:
                 self._refuse(st, extent, "payload checksum mismatch")
         finally:
             st.file.unpin()
@@ -372,10 +379,22 @@ class DiskTier:
 
     def _read_record(
         self, st: _Segment, extent: DiskExtent, views: list[memoryview]
-    ) -> RecordHeader:
-        """Read header page + payload in one preadv; return the header if the record is LIVE."""
+    ) -> tuple[RecordHeader, int]:
+        """Read header page + payload; return the header if the record is LIVE, and the
+        xxh3_64 of the payload as read (the caller compares it with the header's)."""
         head = bytearray(ALIGN)
-        got = st.file.readv([memoryview(head), *views], extent.offset)
+        hasher = xxhash.xxh3_64()
+        got = 0
+        offset = extent.offset
+        for i, batch in enumerate(_batches(views, HASH_BATCH)):
+            bufs = [memoryview(head), *batch] if i == 0 else batch
+            moved = st.file.readv(bufs, offset)
+            got += moved
+            offset += moved
+            if moved < sum(len(b) for b in bufs):
+                break  # end of file: refused as cut short below
+            for view in batch:
+                hasher.update(view)
         if got < ALIGN + extent.payload_len:
             self._refuse(
                 st,
@@ -391,7 +410,7 @@ class DiskTier:
             raise StaleExtentError(f"{extent} does not match the record stored there")
         if not header.live:
             raise StaleExtentError(f"record at {extent} was deleted")
-        return header
+        return header, hasher.intdigest()
 
     def _refuse(
         self, st: _Segment, extent: DiskExtent, reason: str, *, torn: bool = False
@@ -484,8 +503,8 @@ class DiskTier:
             # One buffered copy per record: it is read, verified, then written by the pool.
             buf = memoryview(bytearray(old.payload_len))
             try:
-                header = self._read_record(st, old, [buf])
-                if payload_checksum([buf]) != header.payload_checksum:
+                header, checksum = self._read_record(st, old, [buf])
+                if checksum != header.payload_checksum:
                     self._refuse(st, old, "payload checksum mismatch during compaction")
             except (StaleExtentError, CorruptRecordError):
                 continue  # deleted meanwhile, or bad (already counted and marked DEAD)
@@ -561,3 +580,21 @@ class DiskTier:
                 compactions=self._compactions,
                 ignored_files=self._ignored,
             )
+
+
+def _batches(views: Sequence[memoryview], limit: int) -> list[list[memoryview]]:
+    """``views`` cut into consecutive batches of at most ``limit`` bytes (at least one, maybe
+    empty: the header page is read with the first)."""
+    batches: list[list[memoryview]] = [[]]
+    size = 0
+    for view in views:
+        start = 0
+        while start < len(view):
+            if size == limit:
+                batches.append([])
+                size = 0
+            part = view[start:start + limit - size]
+            batches[-1].append(part)
+            size += len(part)
+            start += len(part)
+    return batches

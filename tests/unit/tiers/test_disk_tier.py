@@ -25,6 +25,7 @@ from kvfabric.tiers.disk import (
 )
 from kvfabric.tiers.disk import segments as seg_mod
 from kvfabric.tiers.disk.records import DEAD, STATE_OFFSET
+from kvfabric.tiers.disk.tier import HASH_BATCH
 
 MiB = 1 << 20
 
@@ -246,6 +247,20 @@ def test_flipped_payload_byte_is_refused_counted_and_never_served(tiers: Tiers) 
     tier.close()
     _, recs = tiers.open()
     assert [r.key for r in recs] == [key_of(2)]
+
+
+def test_reads_in_hash_batches_land_exact_and_check_every_batch(tiers: Tiers) -> None:
+    # A payload over several read-and-hash batches, pieces straddling the batch bounds.
+    n = 2 * HASH_BATCH + 12_345
+    tier, _ = tiers.open()
+    e1, e2 = put(tier, 1, n), put(tier, 2, n)
+    sizes = [HASH_BATCH - 100, 200, HASH_BATCH + 5_000, n - 2 * HASH_BATCH - 5_100]
+    assert read_back(tier, e1, sizes) == expected(1, n)
+    assert read_back(tier, e1) == expected(1, n)
+    flip_byte(seg_file(tier.path, e2.segment_id), e2.payload_offset + HASH_BATCH + 7, 0x10)
+    with pytest.raises(CorruptRecordError, match="checksum"):
+        read_back(tier, e2, sizes)  # a flip in the second batch, not only the first
+    assert tier.stats().corrupt_records == 1
 
 
 def test_truncated_tail_is_torn_and_earlier_records_intact(tiers: Tiers) -> None:
