@@ -9,21 +9,21 @@ from kvfabric.errors import SpecError, UnavailableError, error_for_kind
 from kvfabric.hashing import ROOT, ChunkRef, as_token_array
 from kvfabric.lookup import LookupResult
 from kvfabric.payload import HeadRange
-from kvfabric.protocol.messages import encode_namespace
+from kvfabric.protocol.messages import encode_namespace, pack_keys
 from kvfabric.readspec import ReadSpec
 from kvfabric.spec import Namespace
 
 
 def lookup_args(ns: Namespace, tokens: Any = None, keys: Sequence[bytes] | None = None,
                 scope: str = "local") -> dict[str, Any]:
-    """Either token ids (hashed by the daemon, full chunks only) or chunk keys."""
+    """Either token ids (hashed by the daemon, full chunks only) or chunk keys (packed)."""
     if (tokens is None) == (keys is None):
         raise SpecError("lookup takes either tokens or keys")
     args: dict[str, Any] = {"ns": encode_namespace(ns)}
     if scope != "local":
         args["scope"] = scope
     if keys is not None:
-        args["keys"] = list(keys)
+        args["keys"] = pack_keys(keys)
     else:
         args["tokens"] = as_token_array(tokens).astype("<i4").tobytes()
     return args

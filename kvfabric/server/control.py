@@ -3,8 +3,11 @@
 Per connection: frames are decoded with size limits (:mod:`kvfabric.protocol.frames`); the
 first request must be ``hello`` (authenticated when tokens are configured), and on the Unix
 socket its reply carries the arena file descriptors (SCM_RIGHTS) so the client can map the
-shared memory. After that, requests run concurrently (at most ``MAX_IN_FLIGHT`` per
-connection); replies carry the request id and may come back out of order.
+shared memory. After that, a request that can be answered without waiting (most: the store
+says when it would wait for room, an SSD read or a layer) is answered as soon as it is read,
+on the event loop; the others run concurrently as tasks, on worker threads or parked until a
+layer lands (at most ``MAX_IN_FLIGHT`` per connection). Replies carry the request id and may
+come back out of order.
 
 Bad input never takes the daemon down: a malformed request gets an error reply; a broken
 frame (garbage length, undecodable body) gets an error reply and the connection is closed,
@@ -23,6 +26,7 @@ import threading
 import time
 from array import array
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -134,9 +138,14 @@ class ControlServer:
                         if not await self._hello(session, message, writer):
                             return
                         continue
+                    started = time.perf_counter()
+                    answer = self._answer_now(session, message)
+                    if isinstance(answer, _Answer):
+                        await self._reply(writer, answer, started)
+                        continue
                     await slots.acquire()
-                    task = asyncio.create_task(self._dispatch(session, message, writer,
-                                                              blocking))
+                    task = asyncio.create_task(self._dispatch(session, answer, writer,
+                                                              blocking, started))
                     tasks.add(task)
                     task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -171,11 +180,10 @@ class ControlServer:
             await _send(writer, error_reply(request_id, exc))
             return False
 
-    async def _dispatch(self, session: Session, message: Any, writer: asyncio.StreamWriter,
-                        blocking: asyncio.Semaphore) -> None:
-        started = time.perf_counter()
-        self._begin()
-        request_id, op_name, error_kind = request_id_of(message), "invalid", None
+    def _answer_now(self, session: Session, message: Any) -> _Answer | _Pending:
+        """The answer to a request, computed on the loop; or, for one that has to wait, what
+        :meth:`_dispatch` needs to run it (as a task: the connection reads on meanwhile)."""
+        request_id, op_name = request_id_of(message), "invalid"
         try:
             request_id, op, args = parse_request(message)
             op_name = op.value
@@ -184,45 +192,60 @@ class ControlServer:
                 raise ProtocolError(f"{op.value} is only valid as a session's first request")
             if handler.local and not session.local:
                 raise ForbiddenError(f"{op.value} maps shared memory: use the local socket")
-            if handler.waits_for_layers:
-                result = await self._run_waiting(handler, session, args)
-            elif handler.blocking:
-                result = await self._run_blocking(handler, session, args, blocking)
+            if handler.waits_for_layers or handler.blocking and handler.batch:
+                # a batch's items done before a wait could not be redone
+                return _Pending(request_id, op, handler, args)
+            if handler.blocking:
+                try:
+                    with self._ctx.store.nonblocking():
+                        result = handler.fn(self._ctx, session, args)
+                except WouldBlockError:
+                    return _Pending(request_id, op, handler, args)
             else:
                 result = handler.fn(self._ctx, session, args)
-            reply = ok_reply(request_id, result)
-            traffic = traffic_of(op, result)
-            if traffic is not None:
-                self._metrics.count_engine_traffic(session.client, **vars(traffic))
-        except KVFabricError as exc:
-            error_kind = exc.kind
-            reply = error_reply(request_id, exc)
-        except Exception as exc:  # a bug must cost one request, not the daemon
-            log.exception("internal error in %s", op_name)
-            error_kind = "internal"
-            reply = error_reply(request_id, KVFabricError(f"internal error: {exc!r}"))
+            return self._ok(session, request_id, op, result)
+        except Exception as exc:
+            return _failed(request_id, op_name, exc)
+
+    async def _dispatch(self, session: Session, pending: _Pending,
+                        writer: asyncio.StreamWriter, blocking: asyncio.Semaphore,
+                        started: float) -> None:
+        """Run a request that waits: on a worker thread, or parked until a layer lands."""
+        self._begin()
+        try:
+            if pending.handler.waits_for_layers:
+                result = await self._run_waiting(pending.handler, session, pending.args)
+            else:
+                result = await self._run_blocking(pending.handler, session, pending.args,
+                                                  blocking)
+            answer = self._ok(session, pending.request_id, pending.op, result)
+        except Exception as exc:
+            answer = _failed(pending.request_id, pending.op.value, exc)
         finally:
             self._end()
+        with contextlib.suppress(ConnectionError):
+            await self._reply(writer, answer, started)
+
+    def _ok(self, session: Session, request_id: int, op: Op, result: Any) -> _Answer:
+        traffic = traffic_of(op, result)
+        if traffic is not None:
+            self._metrics.count_engine_traffic(session.client, **vars(traffic))
+        return _Answer(ok_reply(request_id, result), op.value, None)
+
+    async def _reply(self, writer: asyncio.StreamWriter, answer: _Answer,
+                     started: float) -> None:
         try:
-            await _send(writer, reply)
+            await _send(writer, answer.reply)
         except ProtocolError as exc:  # the result did not fit in a frame
-            await _send(writer, error_reply(request_id, exc))
-        except ConnectionError:
-            pass
-        self._metrics.observe_request(op_name, time.perf_counter() - started, error_kind)
+            await _send(writer, error_reply(answer.reply["id"], exc))
+        finally:
+            self._metrics.observe_request(answer.op_name, time.perf_counter() - started,
+                                          answer.error_kind)
 
     async def _run_blocking(self, handler: handlers.Handler, session: Session,
                             args: dict[str, Any], slots: asyncio.Semaphore) -> Any:
-        """Most 'blocking' requests do not actually wait (room is free, the object is in
-        memory): try on the loop first, which saves two thread hand-offs, and go to a worker
-        thread (at most ``MAX_BLOCKING_PER_SESSION`` per session) only when the store says
-        it would wait."""
-        if not handler.batch:
-            try:
-                with self._ctx.store.nonblocking():
-                    return handler.fn(self._ctx, session, args)
-            except WouldBlockError:
-                pass
+        """On a worker thread (at most ``MAX_BLOCKING_PER_SESSION`` per session): a batch, or
+        a request the store said would wait when :meth:`_answer_now` tried it on the loop."""
         async with slots:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._executor, handler.fn, self._ctx, session,
@@ -271,6 +294,30 @@ class ControlServer:
         self._in_flight -= 1
         if not self._in_flight:
             self._idle.set()
+
+
+@dataclass(frozen=True)
+class _Answer:
+    reply: dict[str, Any]
+    op_name: str  # for the request metrics: "invalid" when the envelope was not understood
+    error_kind: str | None  # None: it succeeded
+
+
+@dataclass(frozen=True)
+class _Pending:
+    request_id: int
+    op: Op
+    handler: handlers.Handler
+    args: dict[str, Any]
+
+
+def _failed(request_id: int, op_name: str, exc: Exception) -> _Answer:
+    if isinstance(exc, KVFabricError):
+        return _Answer(error_reply(request_id, exc), op_name, exc.kind)
+    # a bug must cost one request, not the daemon
+    log.exception("internal error in %s", op_name, exc_info=exc)
+    return _Answer(error_reply(request_id, KVFabricError(f"internal error: {exc!r}")),
+                   op_name, "internal")
 
 
 async def _send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:

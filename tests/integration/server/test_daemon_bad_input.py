@@ -630,6 +630,8 @@ def acceptable(op: str, field: str, value: Any) -> bool:
     if field in ("items", "leases") or (op, field) == ("get_batch", "keys"):
         return isinstance(value, list) and 0 < len(value) <= MAX_BATCH  # items: one by one
     if field == "keys":
+        if isinstance(value, bytes):  # packed: keys back to back
+            return len(value) % 16 == 0 and len(value) <= 16 * MAX_KEYS
         return isinstance(value, list) and all(isinstance(k, bytes) and len(k) == 16
                                                for k in value)
     if field == "tokens":
@@ -903,8 +905,28 @@ def test_huge_lists_are_bounded(daemon, seeded, op) -> None:
         assert_error(conn.call(op, {"ns": ns, "keys": [[b"\x01" * 16]] * 1000}), "bad_request")
         ok = conn.call(op, {"ns": ns, "keys": [b"\x01" * 16] * MAX_KEYS})  # at the limit
         assert ok["ok"], ok
+        # the packed form: its size is checked before it is cut into keys
+        for packed in (b"\x01" * 16 * (MAX_KEYS + 1), b"\x01" * (16 * 3 + 5), b"\x01" * 15):
+            assert_error(conn.call(op, {"ns": ns, "keys": packed}), "bad_request")
+        ok = conn.call(op, {"ns": ns, "keys": b"\x01" * 16 * MAX_KEYS})
+        assert ok["ok"], ok
         assert conn.ping_ok()
     check_intact(daemon, seeded)
+
+
+def test_packed_keys_get_the_answers_of_the_list_form(daemon, seeded) -> None:
+    ns = encode_namespace(SEED_NS)
+    keys = list(seeded)
+    variants = [keys, keys[:3] + [bytes(16)] + keys[3:], [bytes(16)], []]
+    with Raw(daemon.socket) as conn:
+        conn.hello()
+        for chain in variants:
+            for op in ("lookup", "contains"):
+                listed = conn.call(op, {"ns": ns, "keys": chain})
+                packed = conn.call(op, {"ns": ns, "keys": b"".join(chain)})
+                assert listed["ok"] and packed["result"] == listed["result"], (listed, packed)
+        hit = conn.call("lookup", {"ns": ns, "keys": b"".join(keys)})["result"]
+        assert hit["chunks"] == len(keys) and hit["tokens"] == 10 * SPEC.chunk_tokens + 5
 
 
 def test_token_lookups_are_bounded(daemon) -> None:

@@ -19,6 +19,7 @@ from kvfabric.errors import (
     LeaseExpiredError,
     NotFoundError,
     ProtocolError,
+    SpecError,
     UnsupportedVersionError,
     error_for_kind,
 )
@@ -44,6 +45,7 @@ from kvfabric.protocol.messages import (
     item_error,
     item_ok,
     ok_reply,
+    pack_keys,
     parse_request,
     request,
     request_id_of,
@@ -216,11 +218,13 @@ def test_arg_key_accepts_16_bytes() -> None:
     assert arg_key({"key": b"\x01" * KEY_BYTES}, "key") == b"\x01" * KEY_BYTES
 
 
-@pytest.mark.parametrize("value", [None, b"\x00" * KEY_BYTES, "keys", {"k": 1}, 3,
+@pytest.mark.parametrize("value", [None, b"\x00" * (KEY_BYTES - 1), b"\x00" * (KEY_BYTES + 1),
+                                   bytearray(KEY_BYTES), "keys", "k" * KEY_BYTES, {"k": 1}, 3,
                                    [b"\x00" * 15], [b"\x00" * KEY_BYTES, None],
                                    [b"\x00" * KEY_BYTES, "a" * KEY_BYTES],
-                                   [[b"\x00" * KEY_BYTES]]])
-def test_arg_keys_refuses_anything_but_a_list_of_keys(value) -> None:
+                                   [b"\x00" * KEY_BYTES, bytearray(KEY_BYTES)],
+                                   [b"\x00" * 15, b"\x00" * 17], [[b"\x00" * KEY_BYTES]]])
+def test_arg_keys_refuses_anything_but_a_list_of_keys_or_packed_keys(value) -> None:
     with pytest.raises(ProtocolError, match="keys"):
         arg_keys({"keys": value})
 
@@ -231,6 +235,32 @@ def test_arg_keys_bounds_the_count() -> None:
     assert len(arg_keys({"keys": [key] * MAX_KEYS})) == MAX_KEYS
     with pytest.raises(ProtocolError, match="at most"):
         arg_keys({"keys": [key] * (MAX_KEYS + 1)})
+    assert len(arg_keys({"keys": key * MAX_KEYS})) == MAX_KEYS
+    with pytest.raises(ProtocolError, match="at most"):
+        arg_keys({"keys": key * (MAX_KEYS + 1)})
+
+
+def test_packed_keys_are_the_list_form_back_to_back() -> None:
+    # zero bytes at either end survive (a fixed-width bytes dtype would strip trailing ones)
+    keys = [bytes(KEY_BYTES), b"\x00" * 15 + b"\x01", b"\x01" + b"\x00" * 15, b"\xff" * KEY_BYTES]
+    packed = pack_keys(keys)
+    assert packed == b"".join(keys)
+    assert arg_keys({"keys": packed}) == keys
+    assert arg_keys({"keys": b""}) == [] and pack_keys([]) == b""
+    assert all(type(k) is bytes for k in arg_keys({"keys": packed}))
+
+
+@FAST
+@given(st.lists(st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES), max_size=40))
+def test_packed_and_listed_keys_decode_alike(keys) -> None:
+    assert arg_keys({"keys": pack_keys(keys)}) == arg_keys({"keys": keys}) == keys
+
+
+@pytest.mark.parametrize("keys", [[b"\x00" * 15], [b"\x00" * 15, b"\x00" * 17],
+                                  ["k" * KEY_BYTES], [None], [3]])
+def test_pack_keys_refuses_keys_of_the_wrong_size_or_type(keys) -> None:
+    with pytest.raises(SpecError, match="16 bytes"):
+        pack_keys(keys)
 
 
 @pytest.mark.parametrize("value", [None, [1, 2, 3], "abcd", b"abc", b"\x00" * 5, 7,
