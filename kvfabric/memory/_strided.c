@@ -115,7 +115,7 @@ DEFINE_TRANSPOSE(transpose32, uint32_t, W32, TILE32)
         for (Py_ssize_t a = 0; a < n[0]; a++)                                                      \
             for (Py_ssize_t b = 0; b < n[1]; b++)                                                  \
                 for (Py_ssize_t c = 0; c < n[2]; c++)                                              \
-                    dst[a * ds[0] + b * ds[1] + c * ds[2]] =                              \
+                    dst[a * ds[0] + b * ds[1] + c * ds[2]] =                                       \
                         src[a * ss[0] + b * ss[1] + c * ss[2]];                                    \
     }
 
