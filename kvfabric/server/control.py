@@ -6,8 +6,9 @@ socket its reply carries the arena file descriptors (SCM_RIGHTS) so the client c
 shared memory. After that, a request that can be answered without waiting (most: the store
 says when it would wait for room, an SSD read or a layer) is answered as soon as it is read,
 on the event loop; the others run concurrently as tasks, on worker threads or parked until a
-layer lands (at most ``MAX_IN_FLIGHT`` per connection). Replies carry the request id and may
-come back out of order.
+layer lands (at most ``MAX_IN_FLIGHT`` per connection). A small batch of independent items
+(reserve_batch, get_batch) is tried on the loop too, and only its items that would wait go to
+a worker thread. Replies carry the request id and may come back out of order.
 
 Bad input never takes the daemon down: a malformed request gets an error reply; a broken
 frame (garbage length, undecodable body) gets an error reply and the connection is closed,
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 64
 MAX_BLOCKING_PER_SESSION = 4  # worker threads one session may hold: none can starve the rest
+LOOP_BATCH_ITEMS = 64  # batches up to this many items are tried on the loop first
 READ_CHUNK = 1 << 16
 
 
@@ -192,7 +194,8 @@ class ControlServer:
                 raise ProtocolError(f"{op.value} is only valid as a session's first request")
             if handler.local and not session.local:
                 raise ForbiddenError(f"{op.value} maps shared memory: use the local socket")
-            if handler.waits_for_layers or handler.blocking and handler.batch:
+            if handler.waits_for_layers or handler.blocking and handler.batch and not (
+                    handler.items and _loop_sized(args.get(handler.items))):
                 # a batch's items done before a wait could not be redone
                 return _Pending(request_id, op, handler, args)
             if handler.blocking:
@@ -201,6 +204,10 @@ class ControlServer:
                         result = handler.fn(self._ctx, session, args)
                 except WouldBlockError:
                     return _Pending(request_id, op, handler, args)
+                if handler.batch:
+                    redo = [i for i, item in enumerate(result) if _would_block(item)]
+                    if redo:
+                        return _Pending(request_id, op, handler, args, result, redo)
             else:
                 result = handler.fn(self._ctx, session, args)
             return self._ok(session, request_id, op, result)
@@ -215,6 +222,8 @@ class ControlServer:
         try:
             if pending.handler.waits_for_layers:
                 result = await self._run_waiting(pending.handler, session, pending.args)
+            elif pending.redo:
+                result = await self._redo_items(pending, session, blocking)
             else:
                 result = await self._run_blocking(pending.handler, session, pending.args,
                                                   blocking)
@@ -244,12 +253,28 @@ class ControlServer:
 
     async def _run_blocking(self, handler: handlers.Handler, session: Session,
                             args: dict[str, Any], slots: asyncio.Semaphore) -> Any:
-        """On a worker thread (at most ``MAX_BLOCKING_PER_SESSION`` per session): a batch, or
-        a request the store said would wait when :meth:`_answer_now` tried it on the loop."""
+        """On a worker thread (at most ``MAX_BLOCKING_PER_SESSION`` per session): a batch not
+        tried on the loop, or a request the store said would wait when :meth:`_answer_now`
+        tried it there."""
         async with slots:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._executor, handler.fn, self._ctx, session,
                                               args)
+
+    async def _redo_items(self, pending: _Pending, session: Session,
+                          blocking: asyncio.Semaphore) -> list[Any]:
+        """The items of a batch tried on the loop that would have waited, redone on a worker
+        thread (they did nothing: the store refuses before changing anything), in their
+        places among the others' results."""
+        field = pending.handler.items
+        items = pending.args[field]
+        redone = await self._run_blocking(
+            pending.handler, session, {**pending.args, field: [items[i] for i in pending.redo]},
+            blocking)
+        result = list(pending.done)
+        for i, item in zip(pending.redo, redone):
+            result[i] = item
+        return result
 
     async def _run_waiting(self, handler: handlers.Handler, session: Session,
                            args: dict[str, Any]) -> Any:
@@ -309,6 +334,18 @@ class _Pending:
     op: Op
     handler: handlers.Handler
     args: dict[str, Any]
+    done: list[Any] | None = None  # a batch tried on the loop: its items' results, and
+    redo: list[int] | None = None  # the positions of the items that would have waited
+
+
+def _loop_sized(items: Any) -> bool:
+    """A batch small enough to try on the loop (a big one would stall other sessions)."""
+    return isinstance(items, list) and len(items) <= LOOP_BATCH_ITEMS
+
+
+def _would_block(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("ok") is False and \
+        item["error"]["kind"] == WouldBlockError.kind
 
 
 def _failed(request_id: int, op_name: str, exc: Exception) -> _Answer:

@@ -67,6 +67,9 @@ class Handler:
     local: bool = False
     batch: bool = False  # never tried on the loop: items done before a wait cannot be redone
     waits_for_layers: bool = False  # waits on the loop for commits instead of on a thread
+    # a batch of independent items, listed in this argument: tried on the loop after all;
+    # the items that would wait (and so did nothing) are redone on a worker thread
+    items: str = ""
 
 
 def hello(ctx: Context, session: Session, args: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -447,9 +450,10 @@ HANDLERS: dict[Op, Handler] = {
     Op.GET: Handler(get, blocking=True, local=True),
     Op.WAIT_LAYER: Handler(wait_layer, blocking=True, local=True, waits_for_layers=True),
     Op.RELEASE: Handler(release, local=True),
-    Op.RESERVE_BATCH: Handler(reserve_batch, blocking=True, local=True, batch=True),
+    Op.RESERVE_BATCH: Handler(reserve_batch, blocking=True, local=True, batch=True,
+                              items="items"),
     Op.COMMIT_BATCH: Handler(commit_batch, local=True),
-    Op.GET_BATCH: Handler(get_batch, blocking=True, local=True, batch=True),
+    Op.GET_BATCH: Handler(get_batch, blocking=True, local=True, batch=True, items="keys"),
     Op.RELEASE_BATCH: Handler(release_batch, local=True),
     Op.CONTAINS: Handler(contains),
     Op.DELETE: Handler(delete),
