@@ -50,7 +50,27 @@ def _tail(path: Path, limit: int = 6000) -> str:
         return "<no log>"
 
 
-def run_job(model: Path, workdir: Path, job: dict, timeout: float | None = None) -> dict:
+class EngineResult(dict):
+    """An engine_runner result (the JSON it wrote), with accessors per engine name."""
+
+    def engine(self, name: str) -> dict:
+        return next(e for e in self["engines"] if e["name"] == name)
+
+    def outputs(self, name: str) -> list[dict]:
+        return self.engine(name)["outputs"]
+
+    def tokens(self, name: str) -> list[list[int]]:
+        return [o["token_ids"] for o in self.outputs(name)]
+
+    def cached(self, name: str) -> list[int]:
+        return [o["num_cached_tokens"] for o in self.outputs(name)]
+
+    def totals(self, name: str) -> dict:
+        return self.engine(name)["connector_totals"]
+
+
+def run_job(model: Path, workdir: Path, job: dict, timeout: float | None = None
+            ) -> EngineResult:
     """Run one engine_runner job in ``workdir``; fails the test if the child fails."""
     workdir.mkdir(parents=True, exist_ok=True)
     job = {"model": str(model), "scratch_dir": str(workdir / "scratch"), **job}
@@ -82,7 +102,7 @@ def run_job(model: Path, workdir: Path, job: dict, timeout: float | None = None)
     if not result_file.exists():
         pytest.fail(f"engine_runner exited {rc} without a result; log tail:\n"
                     f"{_tail(log_file)}")
-    result = json.loads(result_file.read_text())
+    result = EngineResult(json.loads(result_file.read_text()))
     if rc != 0 or not result.get("ok"):
         pytest.fail(f"engine_runner failed (rc={rc}): {result.get('error')}\n"
                     f"{result.get('traceback', '')}\nlog tail:\n{_tail(log_file)}")
@@ -91,17 +111,18 @@ def run_job(model: Path, workdir: Path, job: dict, timeout: float | None = None)
 
 
 @pytest.fixture(scope="session")
-def job_runner(tiny_model: Path) -> Callable[..., dict]:
+def job_runner(tiny_model: Path) -> Callable[..., EngineResult]:
     """job_runner(workdir, job, timeout=None) -> result, for fixtures of any scope."""
     return lambda workdir, job, timeout=None: run_job(tiny_model, workdir, job, timeout)
 
 
 @pytest.fixture
-def run_engines(job_runner: Callable[..., dict], tmp_path: Path) -> Callable[..., dict]:
+def run_engines(job_runner: Callable[..., EngineResult], tmp_path: Path
+                ) -> Callable[..., EngineResult]:
     """run_engines(job, timeout=None) -> result, each job in its own dir under tmp_path."""
     calls = 0
 
-    def run(job: dict, timeout: float | None = None) -> dict:
+    def run(job: dict, timeout: float | None = None) -> EngineResult:
         nonlocal calls
         calls += 1
         return job_runner(tmp_path / f"vllm-job{calls}", job, timeout)

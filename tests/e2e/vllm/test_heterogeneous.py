@@ -91,10 +91,6 @@ def connector(role: str, socket: str) -> dict:
             "kv_connector_extra_config": {"socket_path": socket}}
 
 
-def outputs(result: dict, engine: str) -> list[dict]:
-    return next(e for e in result["engines"] if e["name"] == engine)["outputs"]
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative L2 error of ``a`` against the reference ``b``."""
     a, b = a.float(), b.float()
@@ -230,7 +226,7 @@ def read_fabric(socket: str, ns: Namespace) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def test_oracle_stored_kv_matches_transformers_kv(engines, nodes, ns, models) -> None:
-    assert outputs(engines, "producer")[0]["kv_transfer_params"] == \
+    assert engines.outputs("producer")[0]["kv_transfer_params"] == \
         {"kvfabric": {"tokens": PROMPT_LEN}}
     stored, misread = read_fabric(nodes[PREFILL].socket, ns)
     assert stored.shape == (4, 2, 2, PROMPT_LEN, 64)
@@ -276,9 +272,9 @@ def test_oracle_stored_kv_matches_transformers_kv(engines, nodes, ns, models) ->
 
 
 def test_block_256_consumer_continues_a_block_128_prefill(engines) -> None:
-    (consumer,) = outputs(engines, "consumer-256")
-    (monolithic,) = outputs(engines, "monolithic-256")
-    (producer,) = outputs(engines, "producer")
+    (consumer,) = engines.outputs("consumer-256")
+    (monolithic,) = engines.outputs("monolithic-256")
+    (producer,) = engines.outputs("producer")
     assert consumer["num_cached_tokens"] == PROMPT_LEN - 1  # only the last token computed
     totals = next(e for e in engines["engines"] if e["name"] == "consumer-256")
     assert totals["connector_totals"]["loaded_tokens"] == PROMPT_LEN - 1
@@ -360,7 +356,7 @@ def test_transformers_decode_on_another_node_pulls_the_prefill(engines, nodes, n
     MEASURED["bf16_free_running_tokens_equal_to_reference"] = _agreeing(
         free.token_ids, reference["tokens"])
     MEASURED["bf16_free_running_tokens_equal_to_vllm"] = _agreeing(
-        free.token_ids, outputs(engines, "monolithic-256")[0]["token_ids"])
+        free.token_ids, engines.outputs("monolithic-256")[0]["token_ids"])
 
 
 # ------------------------------------- the loader alone: transformers' own KV, round trip

@@ -44,22 +44,6 @@ def connector(role: str, socket: str, **extra: object) -> dict:
             "kv_connector_extra_config": {"socket_path": socket, **extra}}
 
 
-def outputs(result: dict, engine: str) -> list[dict]:
-    return next(e for e in result["engines"] if e["name"] == engine)["outputs"]
-
-
-def tokens(result: dict, engine: str) -> list[list[int]]:
-    return [o["token_ids"] for o in outputs(result, engine)]
-
-
-def cached(result: dict, engine: str) -> list[int]:
-    return [o["num_cached_tokens"] for o in outputs(result, engine)]
-
-
-def totals(result: dict, engine: str) -> dict:
-    return next(e for e in result["engines"] if e["name"] == engine)["connector_totals"]
-
-
 def namespace(model: Path, tenant: str = "") -> Namespace:
     """The namespace the connector derives for the tiny model (served name = its path)."""
     config = json.loads((model / "config.json").read_text())
@@ -98,38 +82,38 @@ def reuse_job(node, job_runner, tmp_path_factory) -> dict:
 
 def test_prefix_reuse_across_fresh_engines_gives_identical_outputs(reuse_job, node,
                                                                      tiny_model) -> None:
-    assert tokens(reuse_job, "store") == tokens(reuse_job, "plain")[:1]
-    assert cached(reuse_job, "store") == [0]
-    assert totals(reuse_job, "store")["saved_chunks"] == 3  # the partial last chunk too
+    assert reuse_job.tokens("store") == reuse_job.tokens("plain")[:1]
+    assert reuse_job.cached("store") == [0]
+    assert reuse_job.totals("store")["saved_chunks"] == 3  # the partial last chunk too
     # a fresh engine: everything but the last prompt token comes from the fabric
-    assert cached(reuse_job, "reuse")[0] == PROMPT_LEN - 1
-    assert tokens(reuse_job, "reuse")[0] == tokens(reuse_job, "plain")[0]
+    assert reuse_job.cached("reuse")[0] == PROMPT_LEN - 1
+    assert reuse_job.tokens("reuse")[0] == reuse_job.tokens("plain")[0]
     with Client(node.socket) as client:
         keys = [r.key for r in chunk_hashes(namespace(tiny_model), P1)]
         assert client.lookup(namespace(tiny_model), keys=keys).matched_chunks == 3
 
 
 def test_partial_prefix_hit_loads_exactly_the_shared_full_chunks(reuse_job) -> None:
-    assert cached(reuse_job, "reuse")[1] == (SHARED // CHUNK) * CHUNK
-    assert tokens(reuse_job, "reuse")[1] == tokens(reuse_job, "plain")[1]
+    assert reuse_job.cached("reuse")[1] == (SHARED // CHUNK) * CHUNK
+    assert reuse_job.tokens("reuse")[1] == reuse_job.tokens("plain")[1]
 
 
 def test_chunked_prefill_saves_and_loads(reuse_job) -> None:
-    assert cached(reuse_job, "chunked-store") == [0]
-    assert totals(reuse_job, "chunked-store")["saved_chunks"] == 3
-    assert cached(reuse_job, "chunked-reuse") == [PROMPT_LEN - 1]
-    assert tokens(reuse_job, "chunked-store") == tokens(reuse_job, "chunked-reuse") == \
-        tokens(reuse_job, "plain")[2:3]
+    assert reuse_job.cached("chunked-store") == [0]
+    assert reuse_job.totals("chunked-store")["saved_chunks"] == 3
+    assert reuse_job.cached("chunked-reuse") == [PROMPT_LEN - 1]
+    assert reuse_job.tokens("chunked-store") == reuse_job.tokens("chunked-reuse") == \
+        reuse_job.tokens("plain")[2:3]
 
 
 def test_another_tenant_gets_no_hit(reuse_job) -> None:
-    assert cached(reuse_job, "other-tenant") == [0]
-    assert tokens(reuse_job, "other-tenant") == tokens(reuse_job, "plain")[:1]
+    assert reuse_job.cached("other-tenant") == [0]
+    assert reuse_job.tokens("other-tenant") == reuse_job.tokens("plain")[:1]
 
 
 def test_engine_serves_without_a_daemon(reuse_job) -> None:
-    assert cached(reuse_job, "no-daemon") == [0]
-    assert tokens(reuse_job, "no-daemon") == tokens(reuse_job, "plain")[:1]
+    assert reuse_job.cached("no-daemon") == [0]
+    assert reuse_job.tokens("no-daemon") == reuse_job.tokens("plain")[:1]
 
 
 def test_negative_control_corrupted_kv_changes_the_output(reuse_job, node, tiny_model,
@@ -146,8 +130,8 @@ def test_negative_control_corrupted_kv_changes_the_output(reuse_job, node, tiny_
     result = job_runner(tmp_path, {"engines": [
         {"name": "corrupt", "kv_transfer_config": connector("kv_both", node.socket),
          "prompts": [P1]}]})
-    assert cached(result, "corrupt") == [PROMPT_LEN - 1]  # the noise was loaded
-    assert tokens(result, "corrupt") != tokens(reuse_job, "plain")[:1]
+    assert result.cached("corrupt") == [PROMPT_LEN - 1]  # the noise was loaded
+    assert result.tokens("corrupt") != reuse_job.tokens("plain")[:1]
 
 
 def test_a_load_that_fails_is_recomputed(start_daemon, tiny_model, job_runner,
@@ -165,8 +149,8 @@ def test_a_load_that_fails_is_recomputed(start_daemon, tiny_model, job_runner,
     daemon.start()
     result = job_runner(tmp_path / "load", {"engines": [
         {"name": "load", "kv_transfer_config": both, "prompts": [P3]}]})
-    assert tokens(result, "load") == tokens(first, "plain")
-    assert totals(result, "load")["load_errors"] >= 1
+    assert result.tokens("load") == first.tokens("plain")
+    assert result.totals("load")["load_errors"] >= 1
 
 
 def damage_ssd_record(data_dir: Path, key: bytes) -> None:
@@ -188,6 +172,6 @@ def test_two_process_engine_saves_and_loads(node, job_runner, tmp_path, reuse_jo
     result = job_runner(tmp_path, {"multiprocessing": True, "engines": [
         {"name": "mp", "kv_transfer_config": connector("kv_both", node.socket),
          "prompts": [P4, P4], "reset_prefix_cache_after": [0]}]})
-    assert cached(result, "mp") == [0, PROMPT_LEN - 1]
-    first, second = tokens(result, "mp")
-    assert first == second == tokens(reuse_job, "plain")[3]
+    assert result.cached("mp") == [0, PROMPT_LEN - 1]
+    first, second = result.tokens("mp")
+    assert first == second == reuse_job.tokens("plain")[3]

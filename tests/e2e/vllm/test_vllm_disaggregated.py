@@ -35,10 +35,6 @@ def connector(role: str, socket: str) -> dict:
             "kv_connector_extra_config": {"socket_path": socket}}
 
 
-def outputs(result: dict, engine: str) -> list[dict]:
-    return next(e for e in result["engines"] if e["name"] == engine)["outputs"]
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_prefill_then_decode_by_pull(start_daemon, redis_server, job_runner, tmp_path,
                                      transport: str) -> None:
@@ -52,9 +48,9 @@ def test_prefill_then_decode_by_pull(start_daemon, redis_server, job_runner, tmp
         {"name": "decode", "kv_transfer_config": connector("kv_consumer", decode.socket),
          "prompts": [tokens], "max_tokens": 8, "kv_transfer_params_from": "prefill"},
     ]})
-    (monolithic,) = outputs(result, "monolithic")
-    (first,) = outputs(result, "prefill")
-    (decoded,) = outputs(result, "decode")
+    (monolithic,) = result.outputs("monolithic")
+    (first,) = result.outputs("prefill")
+    (decoded,) = result.outputs("decode")
     assert first["kv_transfer_params"] == {"kvfabric": {"tokens": PROMPT_LEN}}
     assert first["token_ids"] == monolithic["token_ids"][:1]
     assert decoded["token_ids"] == monolithic["token_ids"]
@@ -79,14 +75,14 @@ def test_prefill_then_decode_by_push(start_daemon, redis_server, job_runner, tmp
          "kv_transfer_params": [{"kvfabric": {"push_to": "decode-b"}}]},
     ]})
     prefill.kill()
-    (monolithic,) = outputs(first, "monolithic")
-    (handoff,) = outputs(first, "prefill")
+    (monolithic,) = first.outputs("monolithic")
+    (handoff,) = first.outputs("prefill")
     second = job_runner(tmp_path / "decode", {"engines": [
         {"name": "decode", "kv_transfer_config": connector("kv_consumer", decode.socket),
          "prompts": [tokens], "max_tokens": 8,
          "kv_transfer_params": [handoff["kv_transfer_params"]]},
     ]})
-    (decoded,) = outputs(second, "decode")
+    (decoded,) = second.outputs("decode")
     assert decoded["token_ids"] == monolithic["token_ids"]
     assert decoded["num_cached_tokens"] == PROMPT_LEN - 1
     with Client(decode.socket) as client:

@@ -31,7 +31,6 @@ read with a layout mistake (K/V heads swapped).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 from pathlib import Path
@@ -77,10 +76,6 @@ def namespace(model: Path, dtype: str) -> Namespace:
                   num_kv_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
                   dtype=dtype, chunk_tokens=CHUNK)
     return Namespace(str(model), spec)
-
-
-def outputs(result: dict, engine: str) -> list[dict]:
-    return next(e for e in result["engines"] if e["name"] == engine)["outputs"]
 
 
 def leading_equal(a: list[int], b: list[int]) -> int:
@@ -209,8 +204,8 @@ def test_drift_of_the_loaded_kv_stays_inside_the_bound(run, tiny_model, dtype) -
 
 @pytest.mark.parametrize("engine", ["bf16", "fp32"])
 def test_first_token_matches_the_consumers_monolithic_run(run, engine) -> None:
-    own = outputs(run["result"], engine)
-    decoded = outputs(run["result"], f"{engine}-decode")
+    own = run["result"].outputs(engine)
+    decoded = run["result"].outputs(f"{engine}-decode")
     agree = []
     for mono, dec in zip(own[:len(PROMPTS)], decoded[:len(PROMPTS)]):
         assert dec["num_cached_tokens"] == PROMPT_LEN - 1  # the fp8 KV was loaded
@@ -219,7 +214,7 @@ def test_first_token_matches_the_consumers_monolithic_run(run, engine) -> None:
     MEASURED[f"{engine}_consumer_leading_tokens_equal"] = agree
     MEASURED["bf16_vs_fp32_monolithic_leading_tokens_equal"] = [
         leading_equal(a["token_ids"], b["token_ids"])
-        for a, b in zip(outputs(run["result"], "bf16"), outputs(run["result"], "fp32"))]
+        for a, b in zip(run["result"].outputs("bf16"), run["result"].outputs("fp32"))]
     # negative control: the planted noise is loaded, and the first token is not the same
     control_mono, control_dec = own[len(PROMPTS)], decoded[len(PROMPTS)]
     assert control_dec["num_cached_tokens"] == PROMPT_LEN - 1

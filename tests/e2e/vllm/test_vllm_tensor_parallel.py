@@ -71,18 +71,6 @@ def tp2_env() -> dict:
     return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[min(1, len(cpus) - 1)]}"}
 
 
-def outputs(result: dict, engine: str) -> list[dict]:
-    return next(e for e in result["engines"] if e["name"] == engine)["outputs"]
-
-
-def tokens(result: dict, engine: str) -> list[list[int]]:
-    return [o["token_ids"] for o in outputs(result, engine)]
-
-
-def cached(result: dict, engine: str) -> list[int]:
-    return [o["num_cached_tokens"] for o in outputs(result, engine)]
-
-
 def namespace(model: Path, tenant: str = "") -> Namespace:
     """The namespace the connector derives for the tiny model (served name = its path)."""
     config = json.loads((model / "config.json").read_text())
@@ -150,8 +138,8 @@ def runs(node, job_runner, tiny_model, tmp_path_factory) -> dict:
 
 
 def test_tp2_producer_saves_without_changing_its_output(runs, node, tiny_model) -> None:
-    assert cached(runs["store2"], "store2") == [0]
-    assert tokens(runs["store2"], "store2") == tokens(runs["plain2"], "plain2")[:1]
+    assert runs["store2"].cached("store2") == [0]
+    assert runs["store2"].tokens("store2") == runs["plain2"].tokens("plain2")[:1]
     ns = namespace(tiny_model)
     with Client(node.socket) as client:  # both ranks' ranges landed: complete objects
         keys = [r.key for r in chunk_hashes(ns, PA)]
@@ -159,22 +147,22 @@ def test_tp2_producer_saves_without_changing_its_output(runs, node, tiny_model) 
 
 
 def test_tp1_consumer_loads_tp2_kv(runs) -> None:
-    assert cached(runs["reuse1"], "reuse1") == [PROMPT_LEN - 1]
-    assert tokens(runs["reuse1"], "reuse1") == tokens(runs["plain1"], "plain1")
+    assert runs["reuse1"].cached("reuse1") == [PROMPT_LEN - 1]
+    assert runs["reuse1"].tokens("reuse1") == runs["plain1"].tokens("plain1")
 
 
 def test_tp2_consumer_loads_tp2_and_tp1_kv(runs) -> None:
-    assert cached(runs["store1"], "store1") == [0, 0]
-    assert cached(runs["reuse2"], "reuse2") == [PROMPT_LEN - 1] * 3
-    assert tokens(runs["reuse2"], "reuse2")[:2] == tokens(runs["plain2"], "plain2")[:2]
+    assert runs["store1"].cached("store1") == [0, 0]
+    assert runs["reuse2"].cached("reuse2") == [PROMPT_LEN - 1] * 3
+    assert runs["reuse2"].tokens("reuse2")[:2] == runs["plain2"].tokens("plain2")[:2]
 
 
 def test_negative_control_corrupted_kv_changes_the_tp2_output(runs) -> None:
-    assert tokens(runs["reuse2"], "reuse2")[2] != tokens(runs["plain2"], "plain2")[2]
+    assert runs["reuse2"].tokens("reuse2")[2] != runs["plain2"].tokens("plain2")[2]
 
 
 def test_each_rank_wrote_its_own_heads(runs, node, tiny_model) -> None:
-    assert cached(runs["reference1"], "reference1") == [0]  # its own tenant: computed
+    assert runs["reference1"].cached("reference1") == [0]  # its own tenant: computed
     by_tp2 = stored_kv(node.socket, namespace(tiny_model), PA)
     by_tp1 = stored_kv(node.socket, namespace(tiny_model, REFERENCE_TENANT), PA)
     heads = by_tp1.shape[2]
@@ -207,8 +195,8 @@ def test_replicated_kv_head_is_saved_by_rank_zero_and_loaded_by_both(
         tp2({"name": "mqa", "kv_transfer_config": connector(node.socket),
              "prompts": [tokens_, tokens_], "reset_prefix_cache_after": [0]}),
     ]})
-    assert cached(result, "mqa") == [0, PROMPT_LEN - 1]
-    first, second = tokens(result, "mqa")
+    assert result.cached("mqa") == [0, PROMPT_LEN - 1]
+    first, second = result.tokens("mqa")
     assert first == second  # the first computed everything: no-connector output
     ns = namespace(single_kv_head_model)
     assert ns.spec.num_kv_heads == 1
