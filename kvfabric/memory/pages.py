@@ -83,12 +83,13 @@ def slice_pages(view: Callable[[int, int, int], Any], pages: Sequence[int], page
     """
     if offset < 0 or length < 0 or offset + length > len(pages) * page_size:
         raise ValueError(f"byte range [{offset}, {offset + length}) outside the object")
-    out = []
-    index, start = divmod(offset, page_size)
-    while length > 0:
-        n = min(page_size - start, length)
-        out.append(view(pages[index], start, start + n))
-        length -= n
-        index += 1
-        start = 0
-    return out
+    if not length:
+        return []
+    first, start = divmod(offset, page_size)
+    last, end = divmod(offset + length - 1, page_size)
+    if first == last:
+        return [view(pages[first], start, end + 1)]
+    # whole pages in between without per-page arithmetic: a 32 MiB object has 128 pieces
+    return [view(pages[first], start, page_size),
+            *[view(page, 0, page_size) for page in pages[first + 1:last]],
+            view(pages[last], 0, end + 1)]
