@@ -65,7 +65,7 @@ class Handler:
     fn: Callable[[Context, Session, dict[str, Any]], Any]
     blocking: bool = False
     local: bool = False
-    batch: bool = False  # never tried on the loop: items done before a wait cannot be redone
+    batch: bool = False  # not run on the loop as a whole: items done before a wait cannot be redone
     waits_for_layers: bool = False  # waits on the loop for commits instead of on a thread
     # a batch of independent items, listed in this argument: tried on the loop after all;
     # the items that would wait (and so did nothing) are redone on a worker thread
