@@ -385,14 +385,10 @@ class DiskTier:
         head = bytearray(ALIGN)
         hasher = xxhash.xxh3_64()
         got = 0
-        offset = extent.offset
         for i, batch in enumerate(_batches(views, HASH_BATCH)):
-            bufs = [memoryview(head), *batch] if i == 0 else batch
-            moved = st.file.readv(bufs, offset)
-            got += moved
-            offset += moved
-            if moved < sum(len(b) for b in bufs):
-                break  # end of file: refused as cut short below
+            # a short read means end of file: later ones read nothing, the record is refused
+            got += st.file.readv([memoryview(head), *batch] if i == 0 else batch,
+                                 extent.offset + got)
             for view in batch:
                 hasher.update(view)
         if got < ALIGN + extent.payload_len:
