@@ -45,6 +45,9 @@ class KVDtype(str, enum.Enum):
     FLOAT16 = "float16"
     FLOAT32 = "float32"
     FLOAT8_E4M3 = "float8_e4m3fn"
+    # opaque bytes: payloads kvfabric moves but never interprets (an LMCache chunk in its
+    # own format); no conversion reads them as anything else
+    UINT8 = "uint8"
 
     @property
     def itemsize(self) -> int:
@@ -74,9 +77,11 @@ class KVDtype(str, enum.Enum):
             raise SpecError(f"unknown KV dtype {value!r}; expected one of: {known}") from None
 
 
-_ITEMSIZE = {KVDtype.BFLOAT16: 2, KVDtype.FLOAT16: 2, KVDtype.FLOAT32: 4, KVDtype.FLOAT8_E4M3: 1}
+_ITEMSIZE = {KVDtype.BFLOAT16: 2, KVDtype.FLOAT16: 2, KVDtype.FLOAT32: 4, KVDtype.FLOAT8_E4M3: 1,
+             KVDtype.UINT8: 1}
 _SCALE_BYTES = {KVDtype.FLOAT8_E4M3: 4}
-_CODES = {KVDtype.BFLOAT16: 1, KVDtype.FLOAT16: 2, KVDtype.FLOAT32: 3, KVDtype.FLOAT8_E4M3: 4}
+_CODES = {KVDtype.BFLOAT16: 1, KVDtype.FLOAT16: 2, KVDtype.FLOAT32: 3, KVDtype.FLOAT8_E4M3: 4,
+          KVDtype.UINT8: 5}
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
             "float": "float32", "fp8": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn"}
 

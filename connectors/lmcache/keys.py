@@ -44,7 +44,7 @@ def opaque_spec(token_bytes: int, chunk_tokens: int) -> KVSpec:
     for layers in range(1, MAX_LAYERS + 1):
         if token_bytes % layers == 0 and token_bytes // layers <= MAX_HEAD_DIM:
             return KVSpec(num_layers=layers, num_kv_heads=1, head_dim=token_bytes // layers,
-                          dtype="float8_e4m3fn", kind=AttentionKind.MLA,
+                          dtype="uint8", kind=AttentionKind.MLA,
                           chunk_tokens=chunk_tokens)
     raise ValueError(f"an LMCache token of {token_bytes} bytes cannot be described as at "
                      f"most {MAX_LAYERS} x {MAX_HEAD_DIM} bytes")

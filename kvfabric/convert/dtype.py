@@ -31,53 +31,18 @@ pieces or buffers whose byte count does not match the requested shape raise
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvfabric.convert import fp8
+from kvfabric.convert.pieces import as_tensor, check_out, coalesce, convertible, copy_runs
 from kvfabric.errors import PayloadSizeError, SpecError
 from kvfabric.memory.copy import Piece, copy_pieces, gather_runs, nbytes_of
 from kvfabric.payload import HeadRange, PayloadReader, PayloadWriter
 from kvfabric.spec import ChunkLayout, KVDtype
-
-# Dtypes converted here; float8 needs scales (kvfabric.convert.fp8).
-CONVERTIBLE = (KVDtype.BFLOAT16, KVDtype.FLOAT16, KVDtype.FLOAT32)
-
-_TORCH = {KVDtype.BFLOAT16: torch.bfloat16, KVDtype.FLOAT16: torch.float16,
-          KVDtype.FLOAT32: torch.float32, KVDtype.FLOAT8_E4M3: torch.float8_e4m3fn}
-_FROM_TORCH = {value: key for key, value in _TORCH.items()}
-
-
-def kv_dtype(dtype: Any) -> KVDtype:
-    """The :class:`KVDtype` of a name (``"bf16"``, ``"torch.float16"``), KVDtype or torch dtype."""
-    if isinstance(dtype, torch.dtype):
-        try:
-            return _FROM_TORCH[dtype]
-        except KeyError:
-            known = ", ".join(str(t) for t in _TORCH.values())
-            raise SpecError(f"unsupported KV dtype {dtype}; expected one of: {known}") from None
-    if not isinstance(dtype, (str, KVDtype)):
-        known = ", ".join(d.value for d in KVDtype)
-        raise SpecError(f"a dtype must be a name, a KVDtype or a torch.dtype ({known}), "
-                        f"got {dtype!r}")
-    return KVDtype.parse(dtype)
-
-
-def torch_dtype(dtype: Any) -> torch.dtype:
-    """The torch dtype of a KV dtype given in any form :func:`kv_dtype` accepts."""
-    return _TORCH[kv_dtype(dtype)]
-
-
-def convertible(dtype: Any) -> torch.dtype:
-    """The torch dtype of ``dtype`` if this module converts it; SpecError otherwise."""
-    kind = kv_dtype(dtype)
-    if kind not in CONVERTIBLE:
-        raise SpecError(f"{kind.value} payloads carry per-head scales: read them with "
-                        f"kvfabric.convert.fp8, not as plain {', '.join(d.value for d in CONVERTIBLE)}")
-    return _TORCH[kind]
 
 
 def convert_pieces(pieces: Sequence[Piece], stored: Any, requested: Any = None,
@@ -105,29 +70,29 @@ def convert_pieces(pieces: Sequence[Piece], stored: Any, requested: Any = None,
         raise PayloadSizeError(f"{total} bytes of {src} hold {numel} elements, not the "
                                f"{math.prod(shape)} of shape {list(shape)}")
     if out is not None:
-        _check_out(out, shape, dst)
+        check_out(out, shape, dst)
     runs = coalesce(pieces)
     if out is None and len(runs) == 1:
-        whole = _as_tensor(runs[0]).view(src).view(shape)
+        whole = as_tensor(runs[0]).view(src).view(shape)
         return whole if dst == src else whole.to(dst)
     if out is None:
-        device = _as_tensor(runs[0]).device if runs else torch.device("cpu")
+        device = as_tensor(runs[0]).device if runs else torch.device("cpu")
         out = torch.empty(shape, dtype=dst, device=device)
     flat = out.view(-1)
     if any(nbytes_of(run) % itemsize for run in runs):
         # A run that splits an element (no tier does that: pages are multiples of 4 bytes):
         # gather the bytes first, convert after.
         staging = torch.empty(total, dtype=torch.uint8, device=flat.device)
-        _copy_runs(staging, runs)
+        copy_runs(staging, runs)
         flat.copy_(staging.view(src))
         return out
     if dst == src:
-        _copy_runs(flat.view(torch.uint8), runs)
+        copy_runs(flat.view(torch.uint8), runs)
     else:
         offset = 0
         for run in runs:
             n = nbytes_of(run) // itemsize
-            flat[offset:offset + n].copy_(_as_tensor(run).view(src))
+            flat[offset:offset + n].copy_(as_tensor(run).view(src))
             offset += n
     return out
 
@@ -142,7 +107,7 @@ def convert_tensor(tensor: torch.Tensor, requested: Any, *,
     dst = convertible(requested)
     if out is None:
         return tensor if tensor.dtype == dst else tensor.to(dst)
-    _check_out(out, tuple(tensor.shape), dst)
+    check_out(out, tuple(tensor.shape), dst)
     out.copy_(tensor)
     return out
 
@@ -163,7 +128,7 @@ def read_layer(reader: PayloadReader, layer: int, *, heads: HeadRange | None = N
     pieces = reader.layer_pieces(layer, heads)
     shape = layer_shape(reader.layout, heads)
     if _quantized(reader.layout, dtype):
-        return _fp8().read_pieces(pieces, shape, dtype, out=out)
+        return fp8.read_pieces(pieces, shape, dtype, out=out)
     return convert_pieces(pieces, reader.layout.spec.dtype, dtype, shape, out=out)
 
 
@@ -182,7 +147,7 @@ def write_layer(writer: PayloadWriter, layer: int, data: torch.Tensor, *,
         raise PayloadSizeError(f"layer {layer} is {list(shape)}, got {list(data.shape)}")
     convertible(data.dtype)
     if writer.layout.spec.dtype is KVDtype.FLOAT8_E4M3:
-        _fp8().write_pieces(pieces, data)
+        fp8.write_pieces(pieces, data)
         return
     converted = convert_tensor(data, writer.layout.spec.dtype).contiguous()
     copy_pieces(pieces, [converted.view(-1).view(torch.uint8)])
@@ -209,10 +174,10 @@ def read_payload(reader: PayloadReader, *, heads: HeadRange | None = None, dtype
     dst = src if dtype is None else convertible(dtype)
     shape = (spec.num_layers, *layer_shape(layout, heads))
     if out is None:
-        device = _as_tensor(reader.pieces()[0]).device
+        device = as_tensor(reader.pieces()[0]).device
         out = torch.empty(shape, dtype=dst, device=device)
     else:
-        _check_out(out, shape, dst)
+        check_out(out, shape, dst)
     if dst == src and out.device.type == "cpu":
         pieces = reader.pieces()
         if all(isinstance(piece, np.ndarray) for piece in pieces):
@@ -220,7 +185,7 @@ def read_payload(reader: PayloadReader, *, heads: HeadRange | None = None, dtype
             return out
     runs = coalesce(reader.pieces())
     if len(runs) == 1:
-        whole = _as_tensor(runs[0]).view(src).view(spec.num_layers, *layer_shape(layout))
+        whole = as_tensor(runs[0]).view(src).view(spec.num_layers, *layer_shape(layout))
         out.copy_(whole[:, :, heads[0]:heads[1]])  # converts on the way
         return out
     for layer in range(spec.num_layers):
@@ -238,12 +203,12 @@ def _read_quantized_payload(reader: PayloadReader, heads: HeadRange | None, dtyp
     target = convertible(dtype)
     pieces = reader.pieces()  # also: the object must be complete
     if out is None:
-        device = _as_tensor(pieces[0]).device if pieces else torch.device("cpu")
+        device = as_tensor(pieces[0]).device if pieces else torch.device("cpu")
         out = torch.empty(shape, dtype=target, device=device)
     else:
-        _check_out(out, shape, target)
+        check_out(out, shape, target)
     for layer in range(layout.spec.num_layers):
-        _fp8().read_pieces(reader.layer_pieces(layer, heads), shape[1:], target,
+        fp8.read_pieces(reader.layer_pieces(layer, heads), shape[1:], target,
                            out=out[layer])
     return out
 
@@ -258,12 +223,6 @@ def _quantized(layout: ChunkLayout, dtype: Any) -> bool:
     return True
 
 
-def _fp8() -> Any:
-    from kvfabric.convert import fp8  # fp8 builds on this module's piece helpers
-
-    return fp8
-
-
 def _copy_head_runs(pieces: Sequence[np.ndarray], layout: ChunkLayout, heads: HeadRange,
                     into: np.ndarray) -> None:
     """Copy heads ``[a, b)`` of every (layer, plane) of a payload held in host ``pieces``
@@ -272,89 +231,3 @@ def _copy_head_runs(pieces: Sequence[np.ndarray], layout: ChunkLayout, heads: He
     gather_runs(into, pieces, heads[0] * layout.head_bytes,
                 (spec.num_layers, layout.layer_bytes), (spec.kv_planes, layout.plane_bytes),
                 (heads[1] - heads[0]) * layout.head_bytes)
-
-
-def coalesce(pieces: Sequence[Piece]) -> list[Piece]:
-    """``pieces`` with every run of adjacent views of one buffer merged into one view.
-
-    Pages of an arena that happen to be consecutive (the common case for an object written
-    into a fresh arena) become one piece: one copy instead of one per page, and a chance of
-    handing out a view instead of a copy. Empty pieces are dropped."""
-    out: list[Piece] = []
-    end = -1  # address just past the last host piece of ``out``
-    for piece in pieces:
-        if not nbytes_of(piece):
-            continue
-        if isinstance(piece, np.ndarray):
-            address = piece.ctypes.data if piece.ndim == 1 and piece.strides == (1,) else -2
-            merged = _merge_host(out[-1], piece) if out and address == end else None
-            end = address + piece.nbytes if address >= 0 else -1
-        else:
-            end = -1
-            merged = _merge_device(out[-1], piece) if out else None
-        if merged is None:
-            out.append(piece)
-        else:
-            out[-1] = merged
-    return out
-
-
-def _merge_host(a: Piece, b: np.ndarray) -> np.ndarray | None:
-    """One view covering host pieces ``a`` then ``b`` (adjacent in memory) if both are views
-    of one buffer, else None."""
-    root = b.base
-    if not isinstance(a, np.ndarray) or a.base is not root or not isinstance(root, np.ndarray) \
-            or not root.flags.c_contiguous:
-        return None
-    # a slice of the buffer both are views of: its base stays that buffer, so the merged
-    # piece merges again with the next one
-    start = b.ctypes.data - a.nbytes - root.ctypes.data
-    merged = root.reshape(-1).view(np.uint8)[start:start + a.nbytes + b.nbytes]
-    return merged if merged.base is root else None
-
-
-def _merge_device(a: Piece, b: Piece) -> Piece | None:
-    """One view covering tensor pieces ``a`` then ``b`` if adjacent in one storage."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) \
-            or a.dim() != 1 or b.dim() != 1 or a.stride(0) != 1 or b.stride(0) != 1 \
-            or a.device != b.device \
-            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() \
-            or a.storage_offset() + a.numel() != b.storage_offset():
-        return None
-    return a.as_strided((a.numel() + b.numel(),), (1,))
-
-
-def _as_tensor(piece: Piece) -> torch.Tensor:
-    if isinstance(piece, torch.Tensor):
-        return piece
-    if not piece.flags.writeable:
-        # A read-only mapping: torch has no read-only tensors and warns; we never write to it.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(piece)
-    return torch.from_numpy(piece)
-
-
-def _copy_runs(dst: torch.Tensor, runs: Sequence[Piece]) -> None:
-    """Copy the concatenated ``runs`` into flat uint8 ``dst``."""
-    host = dst.device.type == "cpu"
-    dst_np = dst.numpy() if host else None
-    offset = 0
-    for run in runs:
-        n = nbytes_of(run)
-        if dst_np is not None and isinstance(run, np.ndarray):
-            np.copyto(dst_np[offset:offset + n], run)
-        else:
-            dst[offset:offset + n].copy_(_as_tensor(run))
-        offset += n
-
-
-def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if out.dtype != dtype:
-        raise SpecError(f"out is {out.dtype}, the requested dtype is {dtype}")
-    if tuple(out.shape) != shape:
-        raise PayloadSizeError(f"out has shape {list(out.shape)}, expected {list(shape)}")
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous")

@@ -55,9 +55,9 @@ absorbs the float32 roundings)::
 Dequantizing to a narrower dtype rounds ``d`` once more, by at most ``u * |d|`` with ``u`` its
 unit roundoff (``2**-8`` bfloat16, ``2**-11`` float16), so then the bound is
 ``(|x| * 2**-4 + scale * 2**-10) * (1 + u) + |x| * u``, plus half the dtype's subnormal step
-for results below its normal range (``2**-134`` bfloat16, ``2**-25`` float16); values beyond the output dtype's range (float16's 65504, float32 values
-past bfloat16's largest) become inf there, as any conversion makes them. :func:`error_bound`
-computes the bound.
+for results below its normal range (``2**-134`` bfloat16, ``2**-25`` float16); values beyond
+the output dtype's range (float16's 65504, float32 values past bfloat16's largest) become inf
+there, as any conversion makes them. :func:`error_bound` computes the bound.
 
 Throughput on one CPU core: quantizing is bound by torch's float32 -> e4m3 cast; dequantizing
 does not use torch's e4m3 -> float cast (a slow scalar loop on CPU) but builds the output
@@ -75,7 +75,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvfabric.convert.dtype import _as_tensor, _copy_runs, coalesce, convertible
+from kvfabric.convert.pieces import as_tensor, coalesce, convertible, copy_runs
 from kvfabric.errors import PayloadSizeError, SpecError
 from kvfabric.memory.copy import Piece, copy_pieces, nbytes_of
 from kvfabric.spec import KVDtype, KVSpec
@@ -266,11 +266,11 @@ def read_pieces(pieces: Sequence[Piece], shape: Any, dtype: Any, *,
                                f"{list(shape)} ({serialized_nbytes(shape)} bytes)")
     runs = coalesce(pieces)
     if len(runs) == 1:
-        raw = _as_tensor(runs[0]).reshape(-1)
+        raw = as_tensor(runs[0]).reshape(-1)
     else:
-        device = _as_tensor(runs[0]).device if runs else torch.device("cpu")
+        device = as_tensor(runs[0]).device if runs else torch.device("cpu")
         raw = torch.empty(total, dtype=torch.uint8, device=device)
-        _copy_runs(raw, runs)
+        copy_runs(raw, runs)
     return decode_layer(raw, shape, dtype, out=out)
 
 
@@ -284,7 +284,7 @@ def write_pieces(pieces: Sequence[Piece], layer: torch.Tensor) -> None:
         raise PayloadSizeError(f"a layer of shape {list(shape)} is {serialized_nbytes(shape)} "
                                f"bytes in fp8, the destination holds {total}")
     runs = coalesce(pieces)
-    if len(runs) == 1 and _as_tensor(runs[0]).device == layer.device:
+    if len(runs) == 1 and as_tensor(runs[0]).device == layer.device:
         encode_layer(layer, out=_byte_tensor(runs[0]))
         return
     raw = encode_layer(layer)
@@ -314,8 +314,8 @@ def _byte_tensor(buffer: Any) -> torch.Tensor:
     if isinstance(buffer, np.ndarray):
         if not buffer.flags.c_contiguous:
             raise ValueError("a serialized fp8 layer must be C-contiguous")
-        return _as_tensor(buffer.reshape(-1).view(np.uint8))
-    return _as_tensor(np.frombuffer(buffer, dtype=np.uint8))
+        return as_tensor(buffer.reshape(-1).view(np.uint8))
+    return as_tensor(np.frombuffer(buffer, dtype=np.uint8))
 
 
 def _records(raw: torch.Tensor, shape: Any) -> tuple[torch.Tensor, torch.Tensor]:

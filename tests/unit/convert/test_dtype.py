@@ -14,15 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfabric.convert.dtype import (
-    coalesce,
     convert_pieces,
     convert_tensor,
-    kv_dtype,
     layer_shape,
     read_layer,
     read_payload,
-    torch_dtype,
 )
+from kvfabric.convert.pieces import coalesce, kv_dtype, torch_dtype
 from kvfabric.errors import PayloadSizeError, SpecError
 from kvfabric.hashing import chunk_hashes
 from kvfabric.spec import KVDtype, KVSpec, Namespace
