@@ -173,17 +173,16 @@ def read_payload(reader: PayloadReader, *, heads: HeadRange | None = None, dtype
     src = convertible(spec.dtype)
     dst = src if dtype is None else convertible(dtype)
     shape = (spec.num_layers, *layer_shape(layout, heads))
+    pieces = reader.pieces()  # views of every page: built once, they are not free
     if out is None:
-        device = as_tensor(reader.pieces()[0]).device
-        out = torch.empty(shape, dtype=dst, device=device)
+        out = torch.empty(shape, dtype=dst, device=as_tensor(pieces[0]).device)
     else:
         check_out(out, shape, dst)
-    if dst == src and out.device.type == "cpu":
-        pieces = reader.pieces()
-        if all(isinstance(piece, np.ndarray) for piece in pieces):
-            _copy_head_runs(pieces, layout, heads, out.view(-1).view(torch.uint8).numpy())
-            return out
-    runs = coalesce(reader.pieces())
+    # one object's pages all live in one tier: host (numpy) or device (torch) alike
+    if dst == src and out.device.type == "cpu" and isinstance(pieces[0], np.ndarray):
+        _copy_head_runs(pieces, layout, heads, out.view(-1).view(torch.uint8).numpy())
+        return out
+    runs = coalesce(pieces)
     if len(runs) == 1:
         whole = as_tensor(runs[0]).view(src).view(spec.num_layers, *layer_shape(layout))
         out.copy_(whole[:, :, heads[0]:heads[1]])  # converts on the way
