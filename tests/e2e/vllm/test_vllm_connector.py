@@ -8,17 +8,18 @@ because building the first engine of a process dominates the cost.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from kvfabric.client import Client
 from kvfabric.hashing import chunk_hashes
-from kvfabric.spec import KVSpec, Namespace
+from kvfabric.spec import Namespace
+from kvfabric_connectors.hf import namespace_for
 
 CHUNK = 256
 PROMPT_LEN = 700  # two full chunks and a partial one of 188 tokens
@@ -46,13 +47,8 @@ def connector(role: str, socket: str, **extra: object) -> dict:
 
 def namespace(model: Path, tenant: str = "") -> Namespace:
     """The namespace the connector derives for the tiny model (served name = its path)."""
-    config = json.loads((model / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    spec = KVSpec(num_layers=config["num_hidden_layers"],
-                  num_kv_heads=config["num_key_value_heads"],
-                  head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-                  dtype="bfloat16", chunk_tokens=CHUNK)
-    return Namespace(str(model), spec, tenant)
+    return namespace_for(str(model), AutoConfig.from_pretrained(model), chunk_tokens=CHUNK,
+                         tenant_salt=tenant)
 
 
 @pytest.fixture(scope="module")

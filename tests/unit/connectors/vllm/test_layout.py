@@ -2,34 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import platform
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-_MODULE = "kvfabric_connectors.vllm.layout"
-
-
-def _load_layout() -> ModuleType:
-    try:
-        return importlib.import_module(_MODULE)
-    except ModuleNotFoundError:
-        # Until the installed package maps kvfabric_connectors to connectors/, load by path.
-        path = Path(__file__).parents[4] / "connectors" / "vllm" / "layout.py"
-        spec = importlib.util.spec_from_file_location(_MODULE, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[_MODULE] = module  # dataclasses resolve their module through sys.modules
-        spec.loader.exec_module(module)
-        return module
-
-
-layout = _load_layout()
+from kvfabric_connectors.vllm import layout
 
 H, BS, D = 2, 32, 64
 NUM_BLOCKS = 9

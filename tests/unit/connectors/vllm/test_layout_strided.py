@@ -3,34 +3,11 @@ with its torch fallback, for every dtype the CPU cache takes, against an index r
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 import torch
 
-from kvfabric.memory import native, strided
-
-_MODULE = "kvfabric_connectors.vllm.layout"
-
-
-def _load_layout() -> ModuleType:
-    try:
-        return importlib.import_module(_MODULE)
-    except ModuleNotFoundError:
-        path = Path(__file__).parents[4] / "connectors" / "vllm" / "layout.py"
-        spec = importlib.util.spec_from_file_location(_MODULE, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[_MODULE] = module
-        spec.loader.exec_module(module)
-        return module
-
-
-layout = _load_layout()
+from kvfabric.memory import native
+from kvfabric_connectors.vllm import layout
 
 # Sizes off the kernel's 8x8 register tiles (head_dim 40, partial blocks) and the real one.
 GEOMETRIES = [(3, 32, 40), (2, 128, 128)]  # (kv heads, block size, head dim)
