@@ -133,15 +133,15 @@ class AsyncClient:
 
     async def lookup(self, ns: Any, tokens: Any = None, *,
                      keys: Sequence[bytes] | None = None) -> LookupResult:
-        return requests.lookup_result(await self._call(Op.LOOKUP,
-                                                       requests.lookup_args(ns, tokens, keys)))
+        return requests.lookup_result(await self._call(Op.LOOKUP, requests.lookup_args(
+            ns, tokens, keys, packed=await self._packs_keys())))
 
     async def prefetch(self, ns: Any, keys: Sequence[bytes] | None = None, tokens: Any = None,
                        *, timeout: float = DEFAULT_PREFETCH_S) -> dict[str, Any]:
         """See :meth:`kvfabric.client.Client.prefetch`."""
-        return dict(await self._call(Op.PREFETCH,
-                                     requests.prefetch_args(ns, tokens, keys, timeout),
-                                     timeout + PREFETCH_REPLY_MARGIN_S))
+        return dict(await self._call(Op.PREFETCH, requests.prefetch_args(
+            ns, tokens, keys, timeout, packed=await self._packs_keys()),
+            timeout + PREFETCH_REPLY_MARGIN_S))
 
     async def push(self, ns: Any, keys: Sequence[bytes], target: str, *,
                    timeout: float = DEFAULT_PUSH_S) -> dict[str, Any]:
@@ -258,6 +258,12 @@ class AsyncClient:
                     raise
                 await asyncio.sleep(self._backoff.delay(attempt))
                 attempt += 1
+
+    async def _packs_keys(self) -> bool:
+        try:
+            return requests.packs_keys((await self._session()).hello)
+        except UnavailableError:
+            return False  # the list form every daemon takes; the call itself reconnects
 
     async def _session(self) -> AsyncConnection:
         async with self._connecting:

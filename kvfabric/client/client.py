@@ -77,7 +77,7 @@ class Client:
         """Longest prefix the node holds, from token ids (full chunks) or chunk keys; with
         ``scope="cluster"`` also the longest any live node holds (``cluster_chunks``)."""
         return requests.lookup_result(self._call(Op.LOOKUP, requests.lookup_args(
-            ns, tokens, keys, scope)))
+            ns, tokens, keys, scope, packed=self._packs_keys())))
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes] | None = None, tokens: Any = None,
                  *, timeout: float = DEFAULT_PREFETCH_S) -> dict[str, Any]:
@@ -86,8 +86,9 @@ class Client:
         served like any local chunk. Returns counts of chunks ``pulled``, ``already_local``
         and ``missing`` (held nowhere, or not pulled in time) and ``source`` (the node they
         came from, or None). Needs the local socket and a node in a redis cluster."""
-        return dict(self._call(Op.PREFETCH, requests.prefetch_args(ns, tokens, keys, timeout),
-                               timeout=timeout + PREFETCH_REPLY_MARGIN_S))
+        return dict(self._call(Op.PREFETCH, requests.prefetch_args(
+            ns, tokens, keys, timeout, packed=self._packs_keys()),
+            timeout=timeout + PREFETCH_REPLY_MARGIN_S))
 
     def push(self, ns: Namespace, keys: Sequence[bytes], target: str, *,
              timeout: float = DEFAULT_PUSH_S) -> dict[str, Any]:
@@ -230,6 +231,12 @@ class Client:
                     raise
                 time.sleep(self._backoff.delay(attempt))
                 attempt += 1
+
+    def _packs_keys(self) -> bool:
+        try:
+            return requests.packs_keys(self._session().hello)
+        except UnavailableError:
+            return False  # the list form every daemon takes; the call itself reconnects
 
     def _session(self) -> Connection:
         with self._lock:

@@ -15,23 +15,29 @@ from kvfabric.spec import Namespace
 
 
 def lookup_args(ns: Namespace, tokens: Any = None, keys: Sequence[bytes] | None = None,
-                scope: str = "local") -> dict[str, Any]:
-    """Either token ids (hashed by the daemon, full chunks only) or chunk keys (packed)."""
+                scope: str = "local", *, packed: bool = False) -> dict[str, Any]:
+    """Either token ids (hashed by the daemon, full chunks only) or chunk keys (one packed
+    bin when the daemon announced "packed_keys", else a list)."""
     if (tokens is None) == (keys is None):
         raise SpecError("lookup takes either tokens or keys")
     args: dict[str, Any] = {"ns": encode_namespace(ns)}
     if scope != "local":
         args["scope"] = scope
     if keys is not None:
-        args["keys"] = pack_keys(keys)
+        args["keys"] = pack_keys(keys) if packed else list(keys)
     else:
         args["tokens"] = as_token_array(tokens).astype("<i4").tobytes()
     return args
 
 
-def prefetch_args(ns: Namespace, tokens: Any, keys: Sequence[bytes] | None, timeout: float
-                  ) -> dict[str, Any]:
-    return {**lookup_args(ns, tokens, keys), "timeout": timeout}
+def prefetch_args(ns: Namespace, tokens: Any, keys: Sequence[bytes] | None, timeout: float,
+                  *, packed: bool = False) -> dict[str, Any]:
+    return {**lookup_args(ns, tokens, keys, packed=packed), "timeout": timeout}
+
+
+def packs_keys(hello: dict[str, Any]) -> bool:
+    """Whether the daemon that answered ``hello`` takes packed keys (older ones do not)."""
+    return "packed_keys" in (hello.get("features") or ())
 
 
 def push_args(ns: Namespace, keys: Sequence[bytes], target: str, timeout: float

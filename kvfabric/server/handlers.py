@@ -41,6 +41,9 @@ DEFAULT_PREFETCH_S = 10.0
 DEFAULT_PUSH_S = 10.0
 # Local reads convert in the consumer, from the pinned pages: the daemon never copies them.
 CONVERT_AT_CONSUMER = "consumer"
+# Announced in hello: "packed_keys" (a request's keys as one bin of 16-byte keys),
+# "read_spec" (a get's ``want``).
+FEATURES = ("packed_keys", "read_spec")
 
 
 class StoreAPI(Protocol):  # what handlers need: a TieredStore or its instrumented wrapper
@@ -86,6 +89,8 @@ def hello(ctx: Context, session: Session, args: dict[str, Any]) -> tuple[dict[st
                     "page_size": arena.page_size} for index, name, arena in arenas],
         "limits": {"max_keys": MAX_KEYS, "max_tokens": MAX_TOKENS,
                    "max_leases": ctx.max_leases},
+        # additions within this protocol version; a client uses them only when listed here
+        "features": list(FEATURES),
     }
     return result, [arena.fd for _, _, arena in arenas]
 

@@ -275,3 +275,29 @@ def test_get_copies_into_caller_tensors(daemon) -> None:
         layer_bytes = SPEC.layout().layer_bytes
         assert layer.view(torch.uint8).numpy().tobytes() == \
             payload(key)[2 * layer_bytes:3 * layer_bytes].tobytes()
+
+
+def test_keys_travel_packed_only_to_a_daemon_that_announced_it(daemon, monkeypatch) -> None:
+    """Additions within the protocol version are announced in hello; a client that meets a
+    daemon without "packed_keys" (an older one) sends key lists, and both forms agree."""
+    from kvfabric.client import requests
+    from kvfabric.protocol.messages import Op
+
+    sent: list[dict] = []
+    with Client(daemon.socket) as client:
+        keys = put_prompt(client, 2)
+        assert {"packed_keys", "read_spec"} <= set(client._session().hello["features"])
+        original = client._call
+
+        def spy(op, args, timeout=None):
+            if op is Op.LOOKUP:
+                sent.append(args)
+            return original(op, args, timeout)
+
+        monkeypatch.setattr(client, "_call", spy)
+        packed = client.lookup(NS, keys=keys)
+        client._session().hello["features"] = []  # as an older daemon answers
+        listed = client.lookup(NS, keys=keys)
+    assert isinstance(sent[0]["keys"], bytes) and isinstance(sent[1]["keys"], list)
+    assert packed.matched_chunks == listed.matched_chunks == 2
+    assert requests.packs_keys({}) is False
