@@ -25,10 +25,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -44,6 +45,8 @@ OTHER_TENANT = "__other__"
 # under load, a layer wait); requests add the socket round trip.
 LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
                    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 
 def error_kind(exc: BaseException) -> str:
@@ -66,50 +69,50 @@ class Metrics:
         reg = self.registry
         self._sessions = Gauge(
             f"{PREFIX}sessions", "Open control-plane sessions.", registry=reg)
-        self._lookups = Counter(
-            f"{PREFIX}lookups", "Prefix lookups served by the store.", ["tenant"], registry=reg)
-        self._lookup_tokens = Counter(
+        self._lookups = _Children(Counter(
+            f"{PREFIX}lookups", "Prefix lookups served by the store.", ["tenant"], registry=reg))
+        self._lookup_tokens = _Children(Counter(
             f"{PREFIX}lookup_tokens", "Tokens asked for by prefix lookups (full chunks).",
-            ["tenant"], registry=reg)
-        self._hit_tokens = Counter(
+            ["tenant"], registry=reg))
+        self._hit_tokens = _Children(Counter(
             f"{PREFIX}hit_tokens", "Looked-up tokens found, by the tier that held them.",
-            ["tier", "tenant"], registry=reg)
-        self._miss_tokens = Counter(
+            ["tier", "tenant"], registry=reg))
+        self._miss_tokens = _Children(Counter(
             f"{PREFIX}miss_tokens", "Looked-up tokens beyond the longest stored prefix.",
-            ["tenant"], registry=reg)
-        self._store_seconds = Histogram(
+            ["tenant"], registry=reg))
+        self._store_seconds = _Children(Histogram(
             f"{PREFIX}store_operation_duration_seconds", "Latency of store operations.",
-            ["op"], buckets=LATENCY_BUCKETS, registry=reg)
-        self._store_errors = Counter(
+            ["op"], buckets=LATENCY_BUCKETS, registry=reg))
+        self._store_errors = _Children(Counter(
             f"{PREFIX}store_errors", "Store operations that raised, by error kind.",
-            ["op", "kind"], registry=reg)
-        self._request_seconds = Histogram(
+            ["op", "kind"], registry=reg))
+        self._request_seconds = _Children(Histogram(
             f"{PREFIX}request_duration_seconds",
             "Latency of control (socket) and HTTP API requests, errors included.",
-            ["plane", "op"], buckets=LATENCY_BUCKETS, registry=reg)
-        self._request_errors = Counter(
+            ["plane", "op"], buckets=LATENCY_BUCKETS, registry=reg))
+        self._request_errors = _Children(Counter(
             f"{PREFIX}request_errors", "Requests answered with an error, by error kind.",
-            ["plane", "op", "kind"], registry=reg)
-        self._engine_lookup_tokens = Counter(
+            ["plane", "op", "kind"], registry=reg))
+        self._engine_lookup_tokens = _Children(Counter(
             f"{PREFIX}engine_lookup_tokens", "Tokens looked up, by the engine that asked.",
-            ["engine"], registry=reg)
-        self._engine_hit_tokens = Counter(
+            ["engine"], registry=reg))
+        self._engine_hit_tokens = _Children(Counter(
             f"{PREFIX}engine_hit_tokens", "Looked-up tokens found, by the engine that asked.",
-            ["engine"], registry=reg)
-        self._engine_bytes = Counter(
+            ["engine"], registry=reg))
+        self._engine_bytes = _Children(Counter(
             f"{PREFIX}engine_bytes", "KV payload bytes pinned for reading (read) or reserved "
-            "for writing (written), by engine.", ["engine", "direction"], registry=reg)
-        self._conversions = Counter(
+            "for writing (written), by engine.", ["engine", "direction"], registry=reg))
+        self._conversions = _Children(Counter(
             f"{PREFIX}read_conversions", "Chunks pinned for a read that converts them, by "
             "engine and conversion (dtype, heads, layout).", ["engine", "conversion"],
-            registry=reg)
-        self._node_info = Gauge(
+            registry=reg))
+        self._node_info = _Children(Gauge(
             f"{PREFIX}node_info", "This node's id and declared hardware class (always 1).",
-            ["node_id", "hardware_class"], registry=reg)
-        self._push_chunks = Counter(
+            ["node_id", "hardware_class"], registry=reg))
+        self._push_chunks = _Children(Counter(
             f"{PREFIX}push_chunks", "Chunks this node pushed, by the target's hardware class "
             "and outcome (pushed, already_there, failed).", ["target_class", "outcome"],
-            registry=reg)
+            registry=reg))
         self._tenants = _CappedLabel(max_tenants)
         self._engines = _CappedLabel(max_tenants)
         self._classes = _CappedLabel(max_tenants)
@@ -127,26 +130,26 @@ class Metrics:
     def observe_request(self, op: str, seconds: float, error_kind: str | None, *,
                         plane: str = "control") -> None:
         """One request finished (``error_kind`` None: it succeeded)."""
-        self._request_seconds.labels(plane, op).observe(seconds)
+        self._request_seconds(plane, op).observe(seconds)
         if error_kind is not None:
-            self._request_errors.labels(plane, op, error_kind).inc()
+            self._request_errors(plane, op, error_kind).inc()
 
     # ------------------------------------------------------------------ store
 
     def observe_store_op(self, op: str, seconds: float, error_kind: str | None) -> None:
-        self._store_seconds.labels(op).observe(seconds)
+        self._store_seconds(op).observe(seconds)
         if error_kind is not None:
-            self._store_errors.labels(op, error_kind).inc()
+            self._store_errors(op, error_kind).inc()
 
     def count_lookup(self, tenant: str, lookup_tokens: int,
                      tier_tokens: Mapping[str, int]) -> None:
         """One lookup of ``lookup_tokens`` tokens, of which ``tier_tokens`` were found."""
         label = self.tenant_label(tenant)
-        self._lookups.labels(label).inc()
-        self._lookup_tokens.labels(label).inc(lookup_tokens)
+        self._lookups(label).inc()
+        self._lookup_tokens(label).inc(lookup_tokens)
         for tier, tokens in tier_tokens.items():
-            self._hit_tokens.labels(tier, label).inc(tokens)
-        self._miss_tokens.labels(label).inc(lookup_tokens - sum(tier_tokens.values()))
+            self._hit_tokens(tier, label).inc(tokens)
+        self._miss_tokens(label).inc(lookup_tokens - sum(tier_tokens.values()))
 
     def tenant_label(self, tenant: str) -> str:
         """``tenant`` itself while fewer than ``max_tenants`` were seen, else OTHER_TENANT."""
@@ -159,18 +162,18 @@ class Metrics:
         ``client``: "vllm", "sglang", "lmcache", ...)."""
         label = self._engines.label(engine or "unknown")
         if lookup_tokens:
-            self._engine_lookup_tokens.labels(label).inc(lookup_tokens)
+            self._engine_lookup_tokens(label).inc(lookup_tokens)
         if hit_tokens:
-            self._engine_hit_tokens.labels(label).inc(hit_tokens)
+            self._engine_hit_tokens(label).inc(hit_tokens)
         if bytes_read:
-            self._engine_bytes.labels(label, "read").inc(bytes_read)
+            self._engine_bytes(label, "read").inc(bytes_read)
         if bytes_written:
-            self._engine_bytes.labels(label, "written").inc(bytes_written)
+            self._engine_bytes(label, "written").inc(bytes_written)
         for kind, chunks in conversions:
-            self._conversions.labels(label, kind).inc(chunks)
+            self._conversions(label, kind).inc(chunks)
 
     def describe_node(self, node_id: str, hardware_class: str) -> None:
-        self._node_info.labels(node_id, hardware_class).set(1)
+        self._node_info(node_id, hardware_class).set(1)
 
     def count_push(self, target_class: str, pushed: int, already_there: int,
                    failed: int) -> None:
@@ -178,7 +181,7 @@ class Metrics:
         for outcome, chunks in (("pushed", pushed), ("already_there", already_there),
                                 ("failed", failed)):
             if chunks:
-                self._push_chunks.labels(label, outcome).inc(chunks)
+                self._push_chunks(label, outcome).inc(chunks)
 
     # ------------------------------------------------------------------ exposition
 
@@ -216,6 +219,23 @@ _STORE_COUNTERS = (
 )
 
 
+class _Children(Generic[M]):
+    """The labelled children of one metric, kept by label values: ``metric.labels(...)``
+    validates, converts and locks on every call, a few microseconds each, several times per
+    request. Never more entries than the metric has series: every label value passed is a
+    fixed name (plane, op, tier, error kind, direction) or capped by a :class:`_CappedLabel`."""
+
+    def __init__(self, metric: M) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:  # two threads may both ask labels(): it returns the same child
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+
 class _CappedLabel:
     """Label values as given while fewer than ``limit`` distinct ones were seen, then
     OTHER_TENANT: a client cannot blow up the series count."""
@@ -226,6 +246,8 @@ class _CappedLabel:
         self._lock = threading.Lock()
 
     def label(self, value: str) -> str:
+        if value in self._seen:  # the common case needs no lock: values are never removed
+            return value
         with self._lock:
             if value in self._seen:
                 return value

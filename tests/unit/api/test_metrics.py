@@ -90,6 +90,28 @@ def test_tenant_labels_are_capped_and_overflow_into_other() -> None:
         Metrics(max_tenants=0)
 
 
+def test_repeated_label_values_keep_adding_to_one_series_each() -> None:
+    # Labelled children are cached per label values: every call must land in the same series,
+    # and overflowing tenants in the one OTHER_TENANT series, never in new ones.
+    metrics = Metrics(max_tenants=2)
+    for _ in range(3):
+        for tenant in ("a", "b", "c", "d"):
+            metrics.count_lookup(tenant, 16, {"dram": 16})
+        metrics.observe_request("get", 0.001, "not_found")
+        metrics.count_engine_traffic("vllm", lookup_tokens=16, bytes_read=8)
+    assert value(metrics, "kvfabric_lookups_total", tenant="a") == 3
+    assert value(metrics, "kvfabric_lookups_total", tenant=OTHER_TENANT) == 6
+    assert value(metrics, "kvfabric_hit_tokens_total", tier="dram", tenant="b") == 48
+    assert value(metrics, "kvfabric_request_duration_seconds_count", plane="control",
+                 op="get") == 3
+    assert value(metrics, "kvfabric_request_errors_total", plane="control", op="get",
+                 kind="not_found") == 3
+    assert value(metrics, "kvfabric_engine_bytes_total", engine="vllm", direction="read") == 24
+    lookups = [s for f in metrics.registry.collect() if f.name == "kvfabric_lookups"
+               for s in f.samples if s.name == "kvfabric_lookups_total"]
+    assert sorted(s.labels["tenant"] for s in lookups) == [OTHER_TENANT, "a", "b"]
+
+
 def test_requests_are_timed_per_plane_and_errors_counted_by_kind() -> None:
     metrics = Metrics()
     metrics.observe_request("get", 0.002, None)
@@ -203,7 +225,9 @@ def test_every_metric_is_documented_and_every_documented_metric_exists() -> None
 
 def _exposed_types_and_labels(metrics: Metrics) -> dict[str, tuple[str, frozenset[str]]]:
     # Event metrics may have no samples yet: their declared label names are the truth.
-    declared = {w._name: frozenset(w._labelnames) for w in vars(metrics).values()
+    # (labelled metrics sit in a cache of their children: unwrap those)
+    wrappers = (getattr(attr, "metric", attr) for attr in vars(metrics).values())
+    declared = {w._name: frozenset(w._labelnames) for w in wrappers
                 if isinstance(w, MetricWrapperBase)}
     out = {}
     for family in metrics.registry.collect():
