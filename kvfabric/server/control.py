@@ -39,7 +39,7 @@ from kvfabric.protocol.messages import (Op, error_reply, ok_reply, parse_request
 from kvfabric.server import handlers
 from kvfabric.server.handlers import Context
 from kvfabric.server.session import Session
-from kvfabric.server.traffic import traffic_of
+from kvfabric.server.traffic import Traffic, traffic_of
 
 log = logging.getLogger(__name__)
 
@@ -236,10 +236,8 @@ class ControlServer:
             await self._reply(writer, answer, started)
 
     def _ok(self, session: Session, request_id: int, op: Op, result: Any) -> _Answer:
-        traffic = traffic_of(op, result)
-        if traffic is not None:
-            self._metrics.count_engine_traffic(session.client, **vars(traffic))
-        return _Answer(ok_reply(request_id, result), op.value, None)
+        return _Answer(ok_reply(request_id, result), op.value, None, session.client,
+                       traffic_of(op, result))
 
     async def _reply(self, writer: asyncio.StreamWriter, answer: _Answer,
                      started: float) -> None:
@@ -247,9 +245,11 @@ class ControlServer:
             await _send(writer, answer.reply)
         except ProtocolError as exc:  # the result did not fit in a frame
             await _send(writer, error_reply(answer.reply["id"], exc))
-        finally:
+        finally:  # recorded once the reply is out: off the client's round trip
             self._metrics.observe_request(answer.op_name, time.perf_counter() - started,
                                           answer.error_kind)
+            if answer.traffic is not None:
+                self._metrics.count_engine_traffic(answer.engine, **vars(answer.traffic))
 
     async def _run_blocking(self, handler: handlers.Handler, session: Session,
                             args: dict[str, Any], slots: asyncio.Semaphore) -> Any:
@@ -326,6 +326,8 @@ class _Answer:
     reply: dict[str, Any]
     op_name: str  # for the request metrics: "invalid" when the envelope was not understood
     error_kind: str | None  # None: it succeeded
+    engine: str = ""  # the session's client, and what the request moved, for the
+    traffic: Traffic | None = None  # per-engine traffic metrics
 
 
 @dataclass(frozen=True)
