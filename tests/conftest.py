@@ -1,4 +1,5 @@
-"""Shared test setup: telemetry off for every library, and real daemons as subprocesses."""
+"""Shared test setup: telemetry off for every library, real daemons as subprocesses, and
+real redis-servers on random loopback ports."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from redis_servers import RedisServer
 
 for _var, _value in {"LMCACHE_TRACK_USAGE": "false", "VLLM_NO_USAGE_STATS": "1",
                      "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}.items():
@@ -106,3 +108,18 @@ def start_daemon(tmp_path: Path) -> Iterator:
     yield start
     for daemon in started:
         daemon.kill()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One server for a module; tests isolate themselves with a key prefix."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.kill()

@@ -130,13 +130,3 @@ def run_engines(job_runner: Callable[..., EngineResult], tmp_path: Path
     return run
 
 
-def _cluster_fixtures():
-    path = REPO_ROOT / "tests" / "unit" / "cluster" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("kvf_cluster_fixtures_vllm", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-redis_server = _cluster_fixtures().redis_server  # a real redis-server on a random port

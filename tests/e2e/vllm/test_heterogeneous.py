@@ -36,7 +36,6 @@ Every engine runs in one engine_runner job (building the first vLLM engine of a 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import random
@@ -70,18 +69,6 @@ def prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
 
 
 P = prompt(21)
-
-
-def _cluster_fixtures():
-    path = Path(__file__).parents[2] / "unit" / "cluster" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("kvf_cluster_fixtures_hetero", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-shared_redis = _cluster_fixtures().shared_redis  # one real redis-server for the module
 
 
 def connector(role: str, socket: str) -> dict:

@@ -32,7 +32,6 @@ import __future__
 
 import ast
 import hashlib
-import importlib.util
 import os
 import shutil
 import struct
@@ -60,13 +59,6 @@ POOL_SOURCES = {"mha": ("sglang/srt/mem_cache/pool_host/mha.py", "MHATokenToKVPo
                 "mla": ("sglang/srt/mem_cache/pool_host/mla.py", "MLATokenToKVPoolHost",
                         ("_storage_page_index", "get_data_page", "get_dummy_flat_data_page",
                          "set_from_flat_data_page"))}
-# The cluster test's redis-server, from the unit suite (test dirs are not importable packages)
-_redis_path = ROOT / "tests" / "unit" / "cluster" / "conftest.py"
-_redis_spec = importlib.util.spec_from_file_location("kvf_sglang_redis_fixtures", _redis_path)
-assert _redis_spec is not None and _redis_spec.loader is not None
-_redis_fixtures = importlib.util.module_from_spec(_redis_spec)
-_redis_spec.loader.exec_module(_redis_fixtures)
-redis_server = _redis_fixtures.redis_server
 
 PROVIDE = (f".venv/bin/python -m pip download --no-deps sglang=={SGLANG_VERSION} "
            f"-d .venv/wheels")

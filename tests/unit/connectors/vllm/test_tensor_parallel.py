@@ -13,10 +13,8 @@ get their heads.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -277,18 +275,6 @@ def test_loading_another_ranks_heads_would_be_caught(daemon) -> None:
 
 
 # -- across nodes: a TP producer's push, TP consumer ranks pulling at once --------------------
-
-
-def _cluster_fixtures():
-    path = Path(__file__).parents[3] / "unit" / "cluster" / "conftest.py"
-    spec_ = importlib.util.spec_from_file_location("kvf_cluster_fixtures_tp", path)
-    assert spec_ is not None and spec_.loader is not None
-    module = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(module)
-    return module
-
-
-redis_server = _cluster_fixtures().redis_server  # a real redis-server on a random port
 
 
 def node(start_daemon, redis_url: str, name: str):
