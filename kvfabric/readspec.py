@@ -118,13 +118,10 @@ class ReadSpec:
         if self.heads is not None and self.heads[1] > spec.num_kv_heads:
             raise SpecError(f"heads [{self.heads[0]}, {self.heads[1]}) outside the "
                             f"{spec.num_kv_heads} KV heads of the namespace")
-        convertible = (KVDtype.BFLOAT16, KVDtype.FLOAT16, KVDtype.FLOAT32)
-        readable = (*convertible, KVDtype.FLOAT8_E4M3)  # float8 objects are dequantized
-        if self.dtype is not None and self.dtype != spec.dtype and (
-                self.dtype not in convertible or spec.dtype not in readable):
+        if self.dtype is not None and not spec.dtype.reads_as(self.dtype):
+            floats = ", ".join(d.value for d in KVDtype if d.is_float)
             raise SpecError(f"no conversion from {spec.dtype.value} to {self.dtype.value} on "
-                            f"read; conversions run between "
-                            f"{', '.join(d.value for d in convertible)} and from "
+                            f"read; conversions run between {floats} and from "
                             f"{KVDtype.FLOAT8_E4M3.value} to those")
 
     def conversions(self, spec: KVSpec) -> tuple[Conversion, ...]:

@@ -54,6 +54,17 @@ class KVDtype(str, enum.Enum):
         return _ITEMSIZE[self]
 
     @property
+    def is_float(self) -> bool:
+        """bfloat16, float16, float32: converted element by element into each other."""
+        return self in _FLOATS
+
+    def reads_as(self, wanted: KVDtype) -> bool:
+        """Whether a payload stored in this dtype can be read as ``wanted``: as itself, or
+        as any float dtype from a float payload or a float8 one (dequantized)."""
+        return wanted is self or (wanted.is_float and
+                                  (self.is_float or self is KVDtype.FLOAT8_E4M3))
+
+    @property
     def scale_bytes(self) -> int:
         """Bytes of the per-(layer, k|v, head) scale stored in front of each head's values:
         4 (float32) for float8, 0 for the dtypes that need none."""
@@ -80,6 +91,7 @@ class KVDtype(str, enum.Enum):
 _ITEMSIZE = {KVDtype.BFLOAT16: 2, KVDtype.FLOAT16: 2, KVDtype.FLOAT32: 4, KVDtype.FLOAT8_E4M3: 1,
              KVDtype.UINT8: 1}
 _SCALE_BYTES = {KVDtype.FLOAT8_E4M3: 4}
+_FLOATS = frozenset({KVDtype.BFLOAT16, KVDtype.FLOAT16, KVDtype.FLOAT32})
 _CODES = {KVDtype.BFLOAT16: 1, KVDtype.FLOAT16: 2, KVDtype.FLOAT32: 3, KVDtype.FLOAT8_E4M3: 4,
           KVDtype.UINT8: 5}
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",

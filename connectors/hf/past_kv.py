@@ -100,8 +100,8 @@ def load_past_key_values(client: Client, ns: Namespace, token_ids: Sequence[int]
     prefix is all there is). Each chunk is pinned while it is copied out and released after;
     a chunk still being written is read layer by layer as its layers are committed. The
     whole call (pins, pull, waits) takes at most about ``timeout`` seconds. ``dtype``
-    converts (default: the stored dtype; bfloat16 for fp8); ``config`` (the model's) is checked against the
-    namespace's spec and passed to the cache.
+    converts (default: the stored dtype; bfloat16 for fp8); ``config`` (the model's) is
+    checked against the namespace's spec and passed to the cache.
     """
     spec = ns.spec
     if spec.kind is not AttentionKind.MHA:

@@ -19,10 +19,7 @@ import torch
 
 from kvfabric.payload import HeadRange
 from kvfabric.readspec import tp_head_range, tp_writes
-from kvfabric.spec import AttentionKind, KVSpec, Namespace
-
-
-CONVERTIBLE = (torch.bfloat16, torch.float16, torch.float32)
+from kvfabric.spec import AttentionKind, KVDtype, KVSpec, Namespace
 
 
 def engine_kv_dtype(vllm_config: Any) -> torch.dtype:
@@ -46,13 +43,14 @@ def spec_from_vllm(vllm_config: Any, chunk_tokens: int, kv_dtype: str | None = N
     its edge."""
     model = vllm_config.model_config
     engine = engine_kv_dtype(vllm_config)
-    stored = getattr(torch, kv_dtype) if kv_dtype else engine
-    if engine not in CONVERTIBLE or stored not in (*CONVERTIBLE, torch.float8_e4m3fn):
-        raise ValueError(f"cannot convert between KV dtypes {engine} and {stored}")
+    engine_kind = KVDtype.parse(str(engine))
+    stored = KVDtype.parse(kv_dtype) if kv_dtype else engine_kind
+    if not (engine_kind.is_float and stored.reads_as(engine_kind)):
+        raise ValueError(f"cannot convert between KV dtypes {engine} and {stored.value}")
     mla = bool(getattr(model, "use_mla", False))
     return KVSpec(num_layers=model.get_num_layers(vllm_config.parallel_config),
                   num_kv_heads=1 if mla else model.get_total_num_kv_heads(),
-                  head_dim=model.get_head_size(), dtype=str(stored),
+                  head_dim=model.get_head_size(), dtype=stored,
                   kind=AttentionKind.MLA if mla else AttentionKind.MHA,
                   chunk_tokens=chunk_tokens)
 

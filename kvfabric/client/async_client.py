@@ -29,6 +29,7 @@ from kvfabric.lookup import LookupResult
 from kvfabric.payload import HeadRange
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
 from kvfabric.protocol.messages import Op, request
+from kvfabric.readspec import ReadSpec
 
 
 class AsyncConnection:

@@ -20,9 +20,6 @@ from kvfabric.errors import PayloadSizeError, SpecError
 from kvfabric.memory.copy import Piece, nbytes_of
 from kvfabric.spec import KVDtype
 
-# Dtypes converted here; float8 needs scales (kvfabric.convert.fp8).
-CONVERTIBLE = (KVDtype.BFLOAT16, KVDtype.FLOAT16, KVDtype.FLOAT32)
-
 _TORCH = {KVDtype.BFLOAT16: torch.bfloat16, KVDtype.FLOAT16: torch.float16,
           KVDtype.FLOAT32: torch.float32, KVDtype.FLOAT8_E4M3: torch.float8_e4m3fn,
           KVDtype.UINT8: torch.uint8}
@@ -52,8 +49,8 @@ def torch_dtype(dtype: Any) -> torch.dtype:
 def convertible(dtype: Any) -> torch.dtype:
     """The torch dtype of ``dtype`` if it converts element by element; SpecError otherwise."""
     kind = kv_dtype(dtype)
-    if kind not in CONVERTIBLE:
-        plain = ", ".join(d.value for d in CONVERTIBLE)
+    if not kind.is_float:  # float8 needs its scales; opaque bytes are not numbers
+        plain = ", ".join(d.value for d in KVDtype if d.is_float)
         raise SpecError(f"{kind.value} payloads carry per-head scales: read them with "
                         f"kvfabric.convert.fp8, not as plain {plain}")
     return _TORCH[kind]

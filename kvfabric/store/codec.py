@@ -20,16 +20,15 @@ from typing import Any
 import numpy as np
 
 from kvfabric.memory.copy import Piece, copy_pieces
-from kvfabric.spec import KVDtype, KVSpec
+from kvfabric.spec import KVSpec
 
 NATIVE = "native"
 FP8 = "fp8"
 FORMATS = (NATIVE, FP8)
-_QUANTIZABLE = (KVDtype.BFLOAT16, KVDtype.FLOAT16, KVDtype.FLOAT32)
 
 
 def encodable(spec: KVSpec) -> bool:
-    return spec.dtype in _QUANTIZABLE
+    return spec.dtype.is_float
 
 
 def encoded_nbytes(spec: KVSpec, num_tokens: int) -> int:

@@ -6,16 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvfabric.memory import native
 from kvfabric.memory.copy import gather_runs
-
-
-@pytest.fixture(params=["kernel", "fallback"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    assert native.kernel is not None  # the install builds it: both paths really run
-    if request.param == "fallback":
-        monkeypatch.setattr(native, "kernel", None)
-    return request.param
 
 
 def _pieces(sizes: list[int], seed: int) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -45,7 +36,7 @@ CASES = [
 @pytest.mark.parametrize(("name", "sizes", "first", "outer", "inner", "length"), CASES,
                          ids=[case[0] for case in CASES])
 def test_runs_are_the_bytes_of_the_concatenation(
-    path: str, name: str, sizes: list[int], first: int, outer: tuple[int, int],
+    copy_routine: str, name: str, sizes: list[int], first: int, outer: tuple[int, int],
     inner: tuple[int, int], length: int
 ) -> None:
     whole, pieces = _pieces(sizes, seed=len(sizes))
@@ -56,7 +47,7 @@ def test_runs_are_the_bytes_of_the_concatenation(
     assert not into[want.nbytes:].any()  # nothing written past the runs
 
 
-def test_read_only_pieces_are_read(path: str) -> None:
+def test_read_only_pieces_are_read(copy_routine: str) -> None:
     whole, pieces = _pieces([300, 300], seed=1)
     for piece in pieces:
         piece.flags.writeable = False
@@ -74,7 +65,7 @@ def test_read_only_pieces_are_read(path: str) -> None:
     ("counts that overflow 64 bits", 0, (2**40, 0), (2**40, 0), 2**10, 90),
 ])
 def test_bad_runs_are_refused_before_anything_is_copied(
-    path: str, name: str, first: int, outer: tuple[int, int], inner: tuple[int, int],
+    copy_routine: str, name: str, first: int, outer: tuple[int, int], inner: tuple[int, int],
     length: int, into_size: int
 ) -> None:
     _, pieces = _pieces([200, 200], seed=2)
@@ -84,7 +75,7 @@ def test_bad_runs_are_refused_before_anything_is_copied(
     assert not into.any()
 
 
-def test_no_runs_copy_nothing(path: str) -> None:
+def test_no_runs_copy_nothing(copy_routine: str) -> None:
     into = np.zeros(8, dtype=np.uint8)
     gather_runs(into, [], 0, (0, 100), (3, 10), 50)
     gather_runs(into, [], 0, (3, 100), (3, 10), 0)

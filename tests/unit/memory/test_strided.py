@@ -13,13 +13,6 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 BITS = {2: torch.int16, 4: torch.int32}
 
 
-@pytest.fixture(params=["kernel", "fallback"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "fallback":
-        monkeypatch.setattr(native, "kernel", None)
-    return request.param
-
-
 def test_the_install_built_the_kernel() -> None:
     # `pip install -e .` compiles kvfabric/memory/_strided.c; without it every copy below
     # would silently take the slow fallback.
@@ -61,7 +54,7 @@ REGIONS = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("name", "region"), REGIONS, ids=[name for name, _ in REGIONS])
 def test_copy_writes_what_an_as_strided_copy_writes(
-    path: str, dtype: torch.dtype, name: str, region: Region
+    copy_routine: str, dtype: torch.dtype, name: str, region: Region
 ) -> None:
     src = _random_bits(20000, dtype, seed=1)
     dst = _random_bits(20000, dtype, seed=2)
@@ -71,7 +64,8 @@ def test_copy_writes_what_an_as_strided_copy_writes(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_regions_are_relative_to_each_tensors_first_element(path: str, dtype: torch.dtype) -> None:
+def test_regions_are_relative_to_each_tensors_first_element(copy_routine: str,
+                                                            dtype: torch.dtype) -> None:
     # dst a column-strided view into the middle of a larger buffer; src a transposed view
     buffer = _random_bits(4 * 40 * 50, dtype, seed=3).view(4, 40, 50)
     dst = buffer[1:3, 5:35, 10:40]
@@ -82,7 +76,7 @@ def test_regions_are_relative_to_each_tensors_first_element(path: str, dtype: to
     assert torch.equal(_bits(buffer), _bits(want_buffer))
 
 
-def test_several_regions_in_one_call(path: str) -> None:
+def test_several_regions_in_one_call(copy_routine: str) -> None:
     src = _random_bits(4096, torch.bfloat16, seed=5)
     dst = torch.zeros(4096, dtype=torch.bfloat16)
     regions = [Region(0, (0, 32, 1), 0, (0, 1, 32), (1, 32, 32)),
@@ -103,7 +97,7 @@ def test_several_regions_in_one_call(path: str) -> None:
     ("an offset that overflows 64 bits", Region(0, (0, 10, 1), 2**63 - 2, (0, 10, 1), (1, 2, 2))),
 ])
 def test_regions_outside_a_tensor_are_refused_before_anything_is_copied(
-    path: str, name: str, region: Region
+    copy_routine: str, name: str, region: Region
 ) -> None:
     src = _random_bits(100, torch.float16, seed=6)
     dst = torch.zeros(100, dtype=torch.float16)
@@ -113,7 +107,7 @@ def test_regions_outside_a_tensor_are_refused_before_anything_is_copied(
     assert not dst.any()
 
 
-def test_the_extent_of_a_strided_tensor_ends_at_its_last_element(path: str) -> None:
+def test_the_extent_of_a_strided_tensor_ends_at_its_last_element(copy_routine: str) -> None:
     # a [4, 4] window of a [4, 10] buffer spans 34 elements, its first to its last
     buffer = torch.zeros(4, 10, dtype=torch.float32)
     window = buffer[:, 3:7]
@@ -124,7 +118,7 @@ def test_the_extent_of_a_strided_tensor_ends_at_its_last_element(path: str) -> N
         strided.copy(window, src, [Region(34, (0, 0, 1), 0, (0, 0, 1), (1, 1, 1))])
 
 
-def test_empty_regions_copy_nothing(path: str) -> None:
+def test_empty_regions_copy_nothing(copy_routine: str) -> None:
     src, dst = torch.ones(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16)
     strided.copy(dst, src, [Region(100, (1, 1, 1), 100, (1, 1, 1), (0, 5, 5))])
     assert not dst.any()
@@ -134,7 +128,8 @@ def test_empty_regions_copy_nothing(path: str) -> None:
     ("into its own source", Region(16, (0, 1, 32), 0, (0, 32, 1), (1, 32, 32))),
     ("onto itself", Region(0, (0, 0, 1), 0, (0, 8, 1), (1, 8, 8))),
 ])
-def test_overlapping_destinations_are_torchs_error(path: str, name: str, region: Region) -> None:
+def test_overlapping_destinations_are_torchs_error(copy_routine: str, name: str,
+                                                  region: Region) -> None:
     buffer = _random_bits(4096, torch.bfloat16, seed=7)
     before = buffer.clone()
     with pytest.raises(RuntimeError, match="single memory location"):
@@ -143,7 +138,7 @@ def test_overlapping_destinations_are_torchs_error(path: str, name: str, region:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int8])
-def test_other_dtypes_and_conversions_take_torch(path: str, dtype: torch.dtype) -> None:
+def test_other_dtypes_and_conversions_take_torch(copy_routine: str, dtype: torch.dtype) -> None:
     src = torch.arange(200, dtype=torch.float32)
     dst = torch.zeros(200, dtype=dtype)
     region = Region(3, (0, 12, 1), 1, (0, 1, 12), (1, 10, 12))

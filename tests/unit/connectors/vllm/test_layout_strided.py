@@ -16,14 +16,6 @@ BITS = {2: torch.int16, 4: torch.int32}
 BLOCK_IDS = torch.tensor([5, 2, 7, 0, 3], dtype=torch.int64)
 
 
-@pytest.fixture(params=["kernel", "fallback"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    assert native.kernel is not None  # the install builds it: both paths really run
-    if request.param == "fallback":
-        monkeypatch.setattr(native, "kernel", None)
-    return request.param
-
-
 def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
     bits = BITS[dtype.itemsize]
     info = torch.iinfo(bits)
@@ -50,7 +42,7 @@ def _element_index(heads: int, block_size: int, head_dim: int, start: int,
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=["small", "real"])
 @pytest.mark.parametrize("start", [0, 13])
 def test_gather_and_scatter_move_the_bits_the_layout_defines(
-    path: str, dtype: torch.dtype, geometry: tuple[int, int, int], start: int
+    copy_routine: str, dtype: torch.dtype, geometry: tuple[int, int, int], start: int
 ) -> None:
     heads, block_size, head_dim = geometry
     num_tokens = 3 * block_size + 5 - start  # partial first and last blocks when start > 0
