@@ -5,7 +5,8 @@ store's in-process handle) and the consumer's spec (by default the one the reade
 requested with: ``reader.want``) and return the layer / the payload in the wanted dtype,
 KV-head range and layout. When the spec changes nothing the result is a zero-copy view of
 the pinned pages (valid only while the reader stays pinned); otherwise one converting copy
-per layer, straight from the pages, into ``out`` when given. Errors as in
+per layer, straight from the pages, into ``out`` when given (a token-major read converts
+while it transposes; a head-range one gathers its heads first). Errors as in
 :mod:`kvfabric.convert.dtype`; a spec the object's namespace cannot serve is a SpecError.
 """
 
@@ -14,8 +15,10 @@ from __future__ import annotations
 import torch
 
 from kvfabric.convert.dtype import read_layer, read_payload
+from kvfabric.convert.pieces import torch_dtype
 from kvfabric.payload import PayloadReader
 from kvfabric.readspec import KVLayout, ReadSpec
+from kvfabric.spec import KVDtype
 
 
 def read_layer_as(reader: PayloadReader, layer: int, want: ReadSpec | None = None, *,
@@ -25,8 +28,8 @@ def read_layer_as(reader: PayloadReader, layer: int, want: ReadSpec | None = Non
     want = _wanted(reader, want)
     if want.layout is KVLayout.HND:
         return read_layer(reader, layer, heads=want.heads, dtype=want.dtype, out=out)
-    hnd = read_layer(reader, layer, heads=want.heads, dtype=want.dtype)
-    return _to_nhd(hnd, out, dim=1)
+    hnd = read_layer(reader, layer, heads=want.heads, dtype=_first_pass(reader, want))
+    return _to_nhd(hnd, out, dim=1, dtype=want.dtype)
 
 
 def read_as(reader: PayloadReader, want: ReadSpec | None = None, *,
@@ -35,8 +38,8 @@ def read_as(reader: PayloadReader, want: ReadSpec | None = None, *,
     want = _wanted(reader, want)
     if want.layout is KVLayout.HND:
         return read_payload(reader, heads=want.heads, dtype=want.dtype, out=out)
-    hnd = read_payload(reader, heads=want.heads, dtype=want.dtype)
-    return _to_nhd(hnd, out, dim=2)
+    hnd = read_payload(reader, heads=want.heads, dtype=_first_pass(reader, want))
+    return _to_nhd(hnd, out, dim=2, dtype=want.dtype)
 
 
 def _wanted(reader: PayloadReader, want: ReadSpec | None) -> ReadSpec:
@@ -48,13 +51,22 @@ def _wanted(reader: PayloadReader, want: ReadSpec | None) -> ReadSpec:
     return want
 
 
-def _to_nhd(hnd: torch.Tensor, out: torch.Tensor | None, dim: int) -> torch.Tensor:
-    """Swap the heads axis ``dim`` with the tokens axis after it (one strided copy)."""
+def _first_pass(reader: PayloadReader, want: ReadSpec) -> KVDtype | None:
+    """The dtype to read in before transposing: as stored (a view where the pages allow),
+    so the transposing copy also converts; float8 only comes out dequantized."""
+    return want.dtype if reader.layout.spec.dtype is KVDtype.FLOAT8_E4M3 else None
+
+
+def _to_nhd(hnd: torch.Tensor, out: torch.Tensor | None, dim: int,
+            dtype: KVDtype | None) -> torch.Tensor:
+    """Swap the heads axis ``dim`` with the tokens axis after it, converting to ``dtype`` on
+    the way (one strided copy)."""
     swapped = hnd.transpose(dim, dim + 1)
+    target = hnd.dtype if dtype is None else torch_dtype(dtype)
     if out is None:
-        return swapped.contiguous()
-    if tuple(out.shape) != tuple(swapped.shape) or out.dtype != swapped.dtype:
-        raise ValueError(f"out must be {list(swapped.shape)} {swapped.dtype}, got "
+        out = torch.empty(swapped.shape, dtype=target, device=swapped.device)
+    elif tuple(out.shape) != tuple(swapped.shape) or out.dtype != target:
+        raise ValueError(f"out must be {list(swapped.shape)} {target}, got "
                          f"{list(out.shape)} {out.dtype}")
     out.copy_(swapped)
     return out
