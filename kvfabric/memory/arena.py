@@ -9,13 +9,28 @@ Mapping rules: the region is ``MAP_SHARED``; ``size`` is a multiple of ``page_si
 ``page_size`` a multiple of the OS page size, so every page starts on an OS page boundary.
 An arena may be bound to a NUMA node (see :mod:`kvfabric.memory.numa`) before it is touched.
 
+What a process that receives the descriptor can do to the region (the daemon hands it to
+clients it trusts only with their own tenant's objects):
+
+* it cannot change its size: the memfd is sealed with ``F_SEAL_SHRINK | F_SEAL_GROW`` and
+  ``F_SEAL_SEAL`` before anyone else sees it (a shrunk memfd would SIGBUS every mapper,
+  the daemon included, on its next touch of the cut pages);
+* given a descriptor from :meth:`SharedArena.read_only_fd` it can only read: the descriptor
+  is ``O_RDONLY`` (no writable shared mapping, no ``write``), and the memfd's mode is 0400,
+  so reopening it through ``/proc/<pid>/fd`` for writing is refused too (root excepted);
+* :meth:`SharedArena.attach` with ``writable=False`` maps ``PROT_READ``: a stray write
+  through a reader's view faults in that process instead of changing the bytes.
+
+Freed memory goes back to the OS with :meth:`SharedArena.release` (``MADV_REMOVE``: the
+pages read as zeros afterwards, in every process that maps them).
+
 Thread-safety: views are plain memory; the arena object itself is immutable after creation
 except :meth:`close`, which the owner calls once no view is in use.
 """
 
 from __future__ import annotations
 
-import ctypes
+import fcntl
 import logging
 import mmap
 import os
@@ -29,6 +44,9 @@ log = logging.getLogger(__name__)
 OS_PAGE = mmap.PAGESIZE
 MIN_PAGE_SIZE = 4096
 MAX_PAGE_SIZE = 1 << 30
+# size can never change once the region is shared, and no further seal can be added (a
+# client adding F_SEAL_FUTURE_WRITE would stop every other client from mapping it writable)
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def check_geometry(size: int, page_size: int) -> None:
@@ -56,14 +74,16 @@ def _ask_for_huge_pages(region: mmap.mmap) -> None:
 class SharedArena:
     """A ``MAP_SHARED`` memfd region viewed as ``num_pages`` pages of ``page_size`` bytes."""
 
-    def __init__(self, fd: int, size: int, page_size: int, *, owner: bool) -> None:
+    def __init__(self, fd: int, size: int, page_size: int, *, owner: bool,
+                 writable: bool = True) -> None:
         check_geometry(size, page_size)
         self._fd = fd
         self._size = size
         self._page_size = page_size
         self._owner = owner
-        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
-                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.writable = writable
+        prot = mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
+        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         _ask_for_huge_pages(self._map)
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         self.numa_node: int | None = None
@@ -73,9 +93,11 @@ class SharedArena:
                numa_node: int | None = None, prefault: bool = False) -> "SharedArena":
         """A new anonymous shared region (memfd), optionally NUMA-bound and pre-faulted."""
         check_geometry(size, page_size)
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            os.fchmod(fd, 0o400)  # a read-only holder cannot reopen it writable (see above)
             arena = cls(fd, size, page_size, owner=True)
         except BaseException:
             os.close(fd)
@@ -87,12 +109,29 @@ class SharedArena:
         return arena
 
     @classmethod
-    def attach(cls, fd: int, size: int, page_size: int) -> "SharedArena":
-        """Map an arena another process created; ``fd`` is then owned by the new object."""
+    def attach(cls, fd: int, size: int, page_size: int, *,
+               writable: bool = True) -> "SharedArena":
+        """Map an arena another process created (``writable=False``: ``PROT_READ``, which an
+        ``O_RDONLY`` descriptor needs); ``fd`` is then owned by the new object."""
         actual = os.fstat(fd).st_size
         if actual < size:
             raise ValueError(f"arena fd holds {actual} bytes, expected {size}")
-        return cls(fd, size, page_size, owner=False)
+        return cls(fd, size, page_size, owner=False, writable=writable)
+
+    def read_only_fd(self) -> int:
+        """A new ``O_RDONLY`` descriptor of the region (the caller closes it): what a
+        process that may only read gets. Reopened through ``/proc/self/fd``, which gives a
+        file description of its own, not a duplicate of the writable one."""
+        return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def release(self, start: int, length: int) -> None:
+        """Give the memory of bytes ``[start, start+length)`` back to the OS (they read as
+        zeros afterwards). Page-aligned; only on the owner's writable mapping."""
+        if start % OS_PAGE or length % OS_PAGE or start < 0 or start + length > self._size:
+            raise ValueError(f"release of [{start}, {start + length}) is not page-aligned "
+                             f"inside the arena")
+        if length:
+            self._map.madvise(mmap.MADV_REMOVE, start, length)
 
     @property
     def fd(self) -> int:
@@ -113,7 +152,7 @@ class SharedArena:
     @property
     def address(self) -> int:
         """Virtual address of the mapping (for NUMA binding and transport registration)."""
-        return ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        return int(self._array.ctypes.data)
 
     @property
     def array(self) -> np.ndarray:

@@ -4,6 +4,12 @@ An object is a list of pages (scatter-gather), so there is no external fragmenta
 allocating ``n`` pages costs O(n) C-level work, O(1) per page. Freed pages go on top of a
 stack; a fresh allocator hands out ascending, contiguous runs, which keeps copies local.
 
+The allocator also remembers which free pages may still hold memory (every page handed out
+may have been written): :meth:`PageAllocator.take_cold` names the free pages below the top
+of the stack (the next to be reused) that do, so the owner can give their memory back to
+the OS (``MADV_REMOVE``) and an emptied arena stops costing RSS. The free stack is an
+``array`` of uint32 (4 bytes a page, not a list of Python ints).
+
 Not thread-safe: the owner (a tier, under the store lock) serialises calls.
 Double frees and foreign page ids raise ``ValueError`` before any state changes.
 """
@@ -30,8 +36,9 @@ class PageAllocator:
         if num_pages >= 1 << 32:
             raise ValueError("at most 2**32 - 1 pages per arena")
         self._num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # top of stack = lowest id
+        self._free = array(PAGE_ID_TYPECODE, range(num_pages - 1, -1, -1))  # top = lowest id
         self._in_use = np.zeros(num_pages, dtype=np.bool_)
+        self._resident = np.zeros(num_pages, dtype=np.bool_)  # handed out since last released
 
     @property
     def num_pages(self) -> int:
@@ -53,11 +60,13 @@ class PageAllocator:
             raise CapacityError(f"need {count} pages, {len(self._free)} free")
         if count == 0:
             return array(PAGE_ID_TYPECODE)
-        taken = self._free[-count:]
+        pages = self._free[-count:]  # a copy
         del self._free[-count:]
-        taken.reverse()
-        pages = array(PAGE_ID_TYPECODE, taken)
-        self._in_use[np.frombuffer(pages, dtype=np.uint32)] = True
+        pages.reverse()
+        ids = np.frombuffer(pages, dtype=np.uint32)
+        self._in_use[ids] = True
+        self._resident[ids] = True
+        del ids  # the view pins the array's buffer
         return pages
 
     def free(self, pages: array) -> None:
@@ -71,7 +80,19 @@ class PageAllocator:
         if not self._in_use[ids].all() or len(np.unique(ids)) != len(ids):
             raise ValueError("double free: a page is not allocated (or listed twice)")
         self._in_use[ids] = False
-        self._free.extend(reversed(ids.tolist()))
+        self._free.frombytes(ids[::-1].astype(np.uint32).tobytes())
+
+    def take_cold(self, keep: int) -> np.ndarray:
+        """Free pages that may hold memory, except the ``keep`` on top of the stack (the next
+        ones :meth:`alloc` hands out): sorted ids, marked released. The caller gives their
+        memory back to the OS."""
+        cold = max(0, len(self._free) - max(0, keep))
+        if not cold:
+            return np.empty(0, dtype=np.uint32)
+        below = np.frombuffer(self._free[:cold], dtype=np.uint32)  # a copy's buffer
+        ids = np.sort(below[self._resident[below]])
+        self._resident[ids] = False
+        return ids
 
 
 def slice_pages(view: Callable[[int, int, int], Any], pages: Sequence[int], page_size: int,

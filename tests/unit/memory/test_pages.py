@@ -68,3 +68,22 @@ def test_random_alloc_free_never_duplicates_or_leaks(ops: list[tuple[bool, int]]
         assert len(owned) == len(set(owned)), "a page was handed out twice"
         assert all(0 <= p < total for p in owned)
         assert len(owned) + pages.free_pages == total, "a page leaked"
+
+
+def test_take_cold_names_freed_pages_below_the_top_of_the_stack_once() -> None:
+    """Regression: on the old code an allocator kept no record of which free pages hold
+    memory, so an emptied arena could never give its RSS back (44 -> 172 MB after
+    evict-all). Fresh pages are not named (they never held memory), the ``keep`` most
+    recently freed are kept for reuse, and a page is named once until handed out again."""
+    pages = PageAllocator(8)
+    assert pages.take_cold(0).tolist() == []  # never handed out: nothing to give back
+    first, second = pages.alloc(3), pages.alloc(2)
+    pages.free(first)
+    pages.free(second)
+    assert pages.take_cold(2).tolist() == [0, 1, 2]  # 3, 4 freed last: kept warm
+    assert pages.take_cold(0).tolist() == [3, 4]
+    assert pages.take_cold(0).tolist() == []
+    again = pages.alloc(5)
+    pages.free(again)
+    assert sorted(pages.take_cold(0).tolist()) == sorted(again.tolist())
+    assert pages.free_pages == 8 and list(pages.alloc(2)) == list(again[:2])
