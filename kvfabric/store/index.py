@@ -36,13 +36,14 @@ MOVING = 1  # being copied to another tier; not a victim, readers may wait
 REMOVED = 2  # no longer in the index (deleted / evicted / aborted) but maybe still pinned
 ABORTED = 4  # the writer gave up: readers waiting on a layer get an error
 FP8_ON_DISK = 8  # its SSD copy is in fp8 (store/codec.py): decode when reading it back
+FP8_COPY = 16  # the SSD record a memory-resident entry keeps (``ssd_copy``) is in fp8
 
 
 class Entry:
     """Index record of one stored object (chunk)."""
 
     __slots__ = ("key", "parent", "ns", "num_tokens", "tier", "handle", "ready", "pins",
-                 "kids", "flags", "shards")
+                 "kids", "flags", "shards", "ssd_copy")
 
     def __init__(self, key: bytes, parent: bytes, ns: Namespace, num_tokens: int, tier: int,
                  handle: Any) -> None:
@@ -59,6 +60,10 @@ class Entry:
         # HeadShards while tensor-parallel ranks write head ranges: set before the entry is
         # indexed, only ever cleared after (lookup tags rely on it)
         self.shards: Any = None
+        # the SSD record (a DiskExtent) a memory-resident entry was promoted from: kept until
+        # the SSD needs the space, so a crash still finds the object and demoting it again
+        # writes nothing (see store/placement.py)
+        self.ssd_copy: Any = None
 
     @property
     def complete(self) -> bool:

@@ -5,6 +5,14 @@ Allocation in the first memory tier with room; demotion of candidates (see
 watermark (write-behind to SSD through the disk tier's writers); promotion on hit; eviction
 from the last tier; and the end of an object's storage once it is removed and unpinned.
 
+SSD copies: an object read back from SSD keeps its record there (``Entry.ssd_copy``), so a
+crash after the read still finds it and demoting it again is a switch, not a write. The
+copies go first (oldest promotion first) when the SSD needs space, and with the object.
+
+A degraded SSD tier (a write fault: full disk, quota, I/O error) takes no demotions: the
+victim is evicted instead (counted in the source tier's evictions and the SSD tier's
+``refused_demotions``), never turned into an error for the put that needed the room.
+
 Every method is called with the store lock held (``cond``'s lock, re-entrant). Methods that
 may wait (for SSD demotions to free memory) do so on ``cond``, which releases the lock, so
 an entry can change meanwhile: movers mark it MOVING and re-check it afterwards. SSD reads
@@ -31,10 +39,10 @@ from kvfabric.spec import KVSpec, Namespace
 from kvfabric.store import codec
 from kvfabric.store.config import StoreConfig
 from kvfabric.store.factory import AnyTier
-from kvfabric.store.index import FP8_ON_DISK, MOVING, REMOVED, Entry, LocalIndex
+from kvfabric.store.index import FP8_COPY, FP8_ON_DISK, MOVING, REMOVED, Entry, LocalIndex
 from kvfabric.store.stats import TierCounters
 from kvfabric.tiers.base import PagedTier
-from kvfabric.tiers.disk import DiskExtent, DiskTier, StaleExtentError
+from kvfabric.tiers.disk import DiskExtent, DiskTier, StaleExtentError, TierDegradedError
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +72,8 @@ class Placement:
         self.pending_demotion = [0] * len(tiers)  # bytes being written to SSD, per source tier
         self.draining = [False] * len(tiers)
         self.nonblocking = threading.local()  # .on: wait() raises WouldBlockError instead
+        # memory-resident entries that keep an SSD record (Entry.ssd_copy), oldest first
+        self.copies: dict[Entry, None] = {}
 
     def pieces(self, entry: Entry, offset: int, length: int) -> list[Piece]:
         tier = self.tiers[entry.tier]
@@ -171,6 +181,12 @@ class Placement:
     def demote_to_disk(self, entry: Entry, nbytes: int) -> None:
         disk = self.tiers[self.disk_index]  # type: ignore[index]
         assert isinstance(disk, DiskTier)
+        if entry.ssd_copy is not None:  # its record is still there: nothing to write
+            self.return_to_copy(entry)
+            return
+        if disk.degraded:
+            self.refuse_demotion(entry)
+            return
         pieces = self.pieces(entry, 0, nbytes)
         fmt = self.disk_format if codec.encodable(entry.ns.spec) else codec.NATIVE
         if fmt == codec.FP8:  # quantized on the way down (under the lock: a memory pass)
@@ -181,6 +197,9 @@ class Placement:
             pieces = [staged]
         try:
             future = disk.write(entry.key, encode_meta(entry, fmt), pieces)
+        except TierDegradedError:  # degraded since the check above (by a writer thread)
+            self.refuse_demotion(entry)
+            return
         except CapacityError:
             self.evict_disk_leaves(nbytes)
             self.evict(entry)
@@ -202,10 +221,14 @@ class Placement:
             disk = self.tiers[self.disk_index]  # type: ignore[index]
             assert isinstance(disk, DiskTier)
             error = future.exception()
-            if error is not None:
+            if isinstance(error, TierDegradedError):
+                pass  # counted and logged (rate-limited) by the tier; the entry stays put
+            elif error is not None:
                 log.warning("SSD demotion of %s failed: %s", entry.key.hex(), error)
-            elif entry.flags & REMOVED or entry.pins:
-                disk.delete(future.result())  # deleted meanwhile, or hot again: keep in memory
+            elif entry.flags & REMOVED or entry.ssd_copy is not None:
+                disk.delete(future.result())  # deleted meanwhile
+            elif entry.pins:
+                self.keep_copy(entry, future.result(), fp8=fmt == codec.FP8)  # hot again
             else:
                 old = entry.handle
                 self.rehome(entry, self.disk_index, future.result())
@@ -250,14 +273,18 @@ class Placement:
             else:
                 self.read_disk_record(disk, entry, extent, pieces)
         except BaseException as exc:
+            # corrupt, or a stale extent the entry still names (its record was found bad by
+            # compaction or is gone): never servable, so it leaves the index
+            lost = isinstance(exc, (CorruptRecordError, StaleExtentError))
             with self._cond:
                 entry.flags &= ~MOVING
                 tier.free(pages)
-                if isinstance(exc, CorruptRecordError):
+                if lost:
                     self.drop(entry, disk_already_dead=True)
                 self._cond.notify_all()
-            if isinstance(exc, CorruptRecordError):
-                raise NotFoundError(f"{entry.key.hex()} was corrupt on SSD and was dropped: "
+            if lost:
+                what = "corrupt" if isinstance(exc, CorruptRecordError) else "gone"
+                raise NotFoundError(f"{entry.key.hex()} was {what} on SSD and was dropped: "
                                     f"{exc}") from None
             raise
         with self._cond:
@@ -266,7 +293,8 @@ class Placement:
                 tier.free(pages)
                 self.free_if_dead(entry)
             else:
-                disk.delete(entry.handle)  # compaction may have moved it: use the current one
+                # the record stays (compaction may have moved it: the current handle)
+                self.keep_copy(entry, entry.handle, fp8=bool(entry.flags & FP8_ON_DISK))
                 self.rehome(entry, tier_index, pages)
                 entry.flags &= ~FP8_ON_DISK
                 self.counters[self.disk_index].promotions += 1  # type: ignore[index]
@@ -291,9 +319,45 @@ class Placement:
         self.counters[entry.tier].evictions += 1
         self.drop(entry)
 
+    def refuse_demotion(self, entry: Entry) -> None:
+        """The SSD tier is degraded: the victim is evicted instead (both counted)."""
+        self.counters[self.disk_index].refused_demotions += 1  # type: ignore[index]
+        self.evict(entry)
+
+    def keep_copy(self, entry: Entry, extent: DiskExtent, *, fp8: bool) -> None:
+        """Remember the SSD record of an entry that now lives in memory (lock held)."""
+        entry.ssd_copy = extent
+        entry.flags = entry.flags | FP8_COPY if fp8 else entry.flags & ~FP8_COPY
+        self.copies[entry] = None
+
+    def drop_copy(self, entry: Entry) -> int:
+        """Delete an entry's SSD copy; returns the record's span (lock held)."""
+        extent = entry.ssd_copy
+        entry.ssd_copy = None
+        entry.flags &= ~FP8_COPY
+        self.copies.pop(entry, None)
+        self.disk().delete(extent)  # type: ignore[union-attr]
+        return int(extent.span)
+
+    def return_to_copy(self, entry: Entry) -> None:
+        """Demote an entry to the SSD record it kept: a switch of handles, no write."""
+        src_index, old, extent = entry.tier, entry.handle, entry.ssd_copy
+        fp8 = bool(entry.flags & FP8_COPY)
+        entry.ssd_copy = None
+        entry.flags &= ~FP8_COPY
+        self.copies.pop(entry, None)
+        self.rehome(entry, self.disk_index, extent)  # type: ignore[arg-type]
+        if fp8:
+            entry.flags |= FP8_ON_DISK
+        self.tiers[src_index].free(old)  # type: ignore[union-attr]
+        self.counters[src_index].demotions += 1
+
     def evict_disk_leaves(self, nbytes: int) -> None:
-        """Delete SSD leaves worth ``nbytes``; compaction returns the space later."""
+        """Free SSD records worth ``nbytes``: the copies of memory-resident objects first
+        (nothing is lost), then SSD leaves; compaction returns the space later."""
         freed = 0
+        while freed < nbytes and self.copies:
+            freed += self.drop_copy(next(iter(self.copies)))
         while freed < nbytes:
             victim = self.index.pick_victim(self.disk_index)  # type: ignore[arg-type]
             if victim is None:
@@ -322,6 +386,8 @@ class Placement:
     def free_if_dead(self, entry: Entry) -> None:
         if not entry.flags & REMOVED or entry.pins or entry.flags & MOVING:
             return
+        if entry.ssd_copy is not None:
+            self.drop_copy(entry)
         if entry.handle is None:
             return
         tier = self.tiers[entry.tier]
@@ -372,12 +438,29 @@ class Placement:
         return moves
 
     def relocate(self, key: bytes, old: DiskExtent, new: DiskExtent) -> bool:
+        """Compaction moved a record: follow it (an SSD entry's handle, or a copy)."""
         with self._cond:
             for entry in self.index.any_with_key(key):
                 if entry.tier == self.disk_index and entry.handle == old:
                     entry.handle = new
                     return True
+                if entry.ssd_copy == old:
+                    entry.ssd_copy = new
+                    return True
             return False
+
+    def forget(self, key: bytes, extent: DiskExtent) -> None:
+        """Compaction found a record corrupt: whoever names it loses it (it is DEAD already).
+        An entry being read back meanwhile is dropped by that read (a stale extent)."""
+        with self._cond:
+            for entry in self.index.any_with_key(key):
+                if entry.tier == self.disk_index and entry.handle == extent and \
+                        not entry.flags & MOVING:
+                    self.drop(entry, disk_already_dead=True)
+                elif entry.ssd_copy == extent:
+                    entry.ssd_copy = None
+                    entry.flags &= ~FP8_COPY
+                    self.copies.pop(entry, None)
 
     def disk(self) -> DiskTier | None:
         if self.disk_index is None:

@@ -21,6 +21,7 @@ class TierCounters:
     bytes_in: int = 0
     bytes_out: int = 0
     bytes_saved: int = 0  # SSD in fp8: native bytes minus the bytes written
+    refused_demotions: int = 0  # SSD: victims evicted instead because the tier was degraded
 
 
 @dataclass
@@ -47,6 +48,11 @@ class TierStats:
     bytes_saved: int = 0  # SSD in fp8: native bytes minus the bytes written
     corrupt_records: int = 0  # SSD only: records skipped or refused, never served
     torn_records: int = 0
+    # SSD only: a write fault (full disk, quota, I/O error) stopped new records; the tier's
+    # errors by errno name; victims evicted instead of demoted meanwhile
+    degraded: bool = False
+    disk_errors: dict[str, int] = field(default_factory=dict)
+    refused_demotions: int = 0
 
     @property
     def utilisation(self) -> float:
@@ -76,6 +82,10 @@ class StoreStats:
     expired_leases: int
     aborted_writes: int
     namespaces: tuple[NamespaceStats, ...] = field(default=())
+
+    @property
+    def degraded_tiers(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tiers if t.degraded)
 
     def tier(self, name: str) -> TierStats:
         for tier in self.tiers:

@@ -450,6 +450,12 @@ class TieredStore:
         return [(i, self._names[i], tier.arena) for i, tier in enumerate(self._tiers)
                 if isinstance(tier, HostTier)]
 
+    @property
+    def degraded_tiers(self) -> list[str]:
+        """Names of the tiers a write fault degraded (no lock: safe on an event loop)."""
+        disk = self._placement.disk()
+        return [self._names[-1]] if disk is not None and disk.degraded else []
+
     def tier_name(self, index: int) -> str:
         return self._names[index]
 
@@ -479,7 +485,11 @@ class TieredStore:
         return len(expired)
 
     def maintain(self) -> None:
-        """One maintenance pass: expire leases, demote above watermarks, compact the SSD."""
+        """One maintenance pass: expire leases, demote above watermarks, compact the SSD
+        (and, while it is degraded by a write fault, probe whether it takes writes again)."""
+        disk = self._placement.disk()
+        if disk is not None and disk.degraded:
+            disk.probe()  # rate-limited by the tier; never under the store lock
         with self._lock:
             if self._closed:
                 return
@@ -493,7 +503,8 @@ class TieredStore:
                 self._placement.evict_disk_leaves(int(live - self.config.low_watermark *
                                             disk.capacity_bytes))
         if disk is not None:
-            disk.compact(self._placement.relocate, min_dead_ratio=self.config.compact_dead_ratio)
+            disk.compact(self._placement.relocate, min_dead_ratio=self.config.compact_dead_ratio,
+                         forget=self._placement.forget)
 
     def _maintain_loop(self) -> None:
         while not self._stop.wait(self.config.maintenance_interval_s):
@@ -562,11 +573,14 @@ class TieredStore:
             tiers = []
             for i, tier in enumerate(self._tiers):
                 c = self._tier_counters[i]
-                extra: dict[str, int] = {}
+                extra: dict[str, Any] = {}
                 if isinstance(tier, DiskTier):
                     disk_stats = tier.stats()
                     extra = {"corrupt_records": disk_stats.corrupt_records,
-                             "torn_records": disk_stats.torn_records}
+                             "torn_records": disk_stats.torn_records,
+                             "degraded": disk_stats.degraded,
+                             "disk_errors": disk_stats.disk_errors,
+                             "refused_demotions": c.refused_demotions}
                 tiers.append(TierStats(
                     name=self._names[i], kind=self.config.tiers[i].kind.value,
                     capacity_bytes=tier.capacity_bytes, used_bytes=tier.used_bytes,

@@ -11,6 +11,7 @@ from kvfabric.tiers.disk.tier import (
     DiskTierStats,
     RecoveredRecord,
     StaleExtentError,
+    TierDegradedError,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "RecordFieldError",
     "RecoveredRecord",
     "StaleExtentError",
+    "TierDegradedError",
 ]

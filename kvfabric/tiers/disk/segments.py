@@ -14,6 +14,8 @@ Start-up: ``recover`` opens every segment and walks it header to header
 (``scan_segment``, payloads unread); a bad header page resynchronises at the next aligned
 magic. A record whose span passes the end of file, a partial page, or an all-zero page
 where a record should start counts as torn; any other bad header page counts as corrupt.
+A file with a segment's name but not one page starting with the record magic is foreign:
+it is ignored with a warning (counted with the lookalikes), never written nor deleted.
 
 Thread-safety: SegmentFile I/O is positional (pread/pwrite family) and may run
 concurrently. Users pin a file around I/O; ``retire`` closes the fd only once the last
@@ -49,15 +51,15 @@ from kvfabric.tiers.disk.records import (
 log = logging.getLogger(__name__)
 
 SEGMENT_PATTERN = re.compile(r"seg-([0-9]{8})\.kvf")
-_MAX_SEGMENT_ID = 99_999_999
+MAX_SEGMENT_ID = 99_999_999
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 _RESYNC_CHUNK = 1 << 20
 _ZERO_PAGE = bytes(ALIGN)
 
 
 def segment_name(segment_id: int) -> str:
-    if not 0 < segment_id <= _MAX_SEGMENT_ID:
-        raise KVFabricError(f"segment id {segment_id} out of range (1..{_MAX_SEGMENT_ID})")
+    if not 0 < segment_id <= MAX_SEGMENT_ID:
+        raise KVFabricError(f"segment id {segment_id} out of range (1..{MAX_SEGMENT_ID})")
     return f"seg-{segment_id:08d}.kvf"
 
 
@@ -250,6 +252,13 @@ class SegmentFile:
     def sync(self) -> None:
         os.fdatasync(self._fd)
 
+    def truncate(self, size: int) -> None:
+        os.ftruncate(self._fd, size)
+
+    def allocate(self, offset: int, length: int) -> None:
+        """Reserve real blocks (ENOSPC / EDQUOT if there is no room); see DiskTier.probe."""
+        os.posix_fallocate(self._fd, offset, length)
+
 
 @dataclass(frozen=True)
 class ScannedRecord:
@@ -351,10 +360,23 @@ def recover(dir_fd: int) -> Recovery:
             log.warning("ignoring segment %d: %s", segment_id, exc)
             ignored += 1
             continue
-        result = scan_segment(file)
+        try:
+            result = scan_segment(file)
+        except OSError as exc:  # unreadable: leave it be rather than fail the start-up
+            log.warning("ignoring segment %d: %s", segment_id, exc)
+            file.retire()
+            ignored += 1
+            continue
         if result.file_size == 0:
             file.retire()
             remove_segment(dir_fd, segment_id)
+        elif not result.records and _next_magic(file, 0, result.file_size) == result.file_size:
+            # not a single record page: a foreign file under our name. Never used (as a
+            # mostly-dead segment, compaction would unlink it) and never deleted.
+            log.warning("ignoring %r: not a segment (no record in %d bytes)",
+                        segment_name(segment_id), result.file_size)
+            file.retire()
+            ignored += 1
         else:
             scans.append((file, result))
     best: dict[bytes, tuple[tuple[int, int, int], SegmentFile, ScannedRecord]] = {}

@@ -19,6 +19,17 @@ Contract:
   unlinks the old segment; its fd closes when in-flight reads finish.
 - Duplicate LIVE keys at scan: the last write wins (see segments.recover: highest write
   sequence, then segment id, then offset); the losers are marked DEAD on disk.
+- Segment ids: the next id follows the highest name in the directory; past the last id
+  (99999999) allocation wraps to the lowest free id, so a stray high-numbered file cannot
+  wedge the tier. A failed creation consumes no id; a name a stray file holds is skipped.
+- Write faults (health.py): an OSError while creating a segment, writing a record or marking
+  one DEAD puts the tier in the DEGRADED state: ``write`` raises TierDegradedError at once
+  (the owner evicts instead of demoting), compaction stops, reads go on. A failed record
+  gives its reservation back: trailing failed spans of a segment are truncated away once its
+  in-flight writes finish (one in the middle stays as dead bytes), so ``used_bytes`` counts
+  only what occupies the segments and a full disk burns neither ids nor capacity.
+  ``probe`` (on the owner's maintenance tick, at most every ``retry_interval_s``) reserves
+  real room (posix_fallocate, then truncated back) and clears the state when it succeeds.
 
 Thread-safety: every public method may be called from any thread. ``_lock`` guards the
 offsets, accounting and segment table and is never held across payload I/O or a callback.
@@ -26,21 +37,23 @@ offsets, accounting and segment table and is never held across payload I/O or a 
 ``_compact_lock`` admits one compaction at a time and makes close() wait for it.
 
 Errors: ConfigError (bad arguments, hostile paths), CapacityError (raised synchronously by
-write), RecordFieldError (bad key/meta/pieces; a ValueError), CorruptRecordError (failed
+write), TierDegradedError (raised synchronously by write while degraded, or on the write
+future when the write itself failed), RecordFieldError (bad key/meta/pieces; a ValueError), CorruptRecordError (failed
 checksum or structure at read), StaleExtentError (the extent no longer names a live record:
 deleted, compacted away, or never valid), KVFabricError (use before scan / after close),
-OSError (I/O failure; delivered on the write future for writes).
+OSError (a failed read, as CorruptRecordError; a failed delete is counted, not raised).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
 import xxhash
@@ -60,7 +73,13 @@ from kvfabric.tiers.disk.records import (
     record_span,
     validate_fields,
 )
+from kvfabric.tiers.disk.health import (
+    DEFAULT_LOG_INTERVAL_S,
+    DEFAULT_RETRY_INTERVAL_S,
+    DiskHealth,
+)
 from kvfabric.tiers.disk.segments import (
+    MAX_SEGMENT_ID,
     SegmentFile,
     byte_views,
     open_directory,
@@ -80,12 +99,21 @@ _ZERO_PAGE = memoryview(bytes(ALIGN))
 # Bytes read per preadv then hashed at once: well inside a core's L2 cache, so the hash reads
 # what the read just wrote from cache; large enough that the extra syscalls cost nothing.
 HASH_BATCH = 512 * 1024
+# A probe of a degraded tier reserves at least this much (and at most a segment): room for
+# one small record is not yet room to resume demoting.
+PROBE_BYTES = 1 << 20
 
 
 class StaleExtentError(KVFabricError, LookupError):
     """The extent no longer names a live record (deleted, compacted away, or never valid)."""
 
     kind = "stale_extent"
+
+
+class TierDegradedError(KVFabricError):
+    """The tier is degraded by a write fault (full disk, quota, I/O error): no new records."""
+
+    kind = "tier_degraded"
 
 
 @dataclass(frozen=True)
@@ -125,6 +153,8 @@ class DiskTierStats:
     bytes_read: int
     compactions: int
     ignored_files: int = 0  # lookalike names / symlinks in the directory that were not opened
+    degraded: bool = False  # a write fault stopped new records (see health.py)
+    disk_errors: dict[str, int] = field(default_factory=dict)  # by errno name, reads included
 
 
 @dataclass(slots=True, eq=False)
@@ -137,6 +167,7 @@ class _Segment:
     records: int = 0  # LIVE records
     writing: int = 0  # writes in flight; compaction leaves the segment alone until 0
     retired: bool = False
+    failed: list[tuple[int, int]] = field(default_factory=list)  # (offset, span) to give back
 
 
 class DiskTier:
@@ -151,6 +182,8 @@ class DiskTier:
         writers: int = 1,
         fsync: bool = False,
         root: str | os.PathLike[str] | None = None,
+        retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+        log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
     ) -> None:
         if capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -176,6 +209,9 @@ class DiskTier:
         self._used = self._live = self._records = 0
         self._corrupt = self._torn = self._ignored = 0
         self._writes = self._reads = self._bytes_written = self._bytes_read = self._compactions = 0
+        self._health = DiskHealth(str(self.path), retry_interval_s=retry_interval_s,
+                                  log_interval_s=log_interval_s)
+        self._taken_ids: set[int] = set()  # names a stray file holds: never created over
 
     @property
     def capacity_bytes(self) -> int:
@@ -185,6 +221,11 @@ class DiskTier:
     def used_bytes(self) -> int:
         with self._lock:
             return self._used
+
+    @property
+    def degraded(self) -> bool:
+        """Whether a write fault stopped new records (a plain read: no lock, any thread)."""
+        return self._health.degraded
 
     # ---- start-up -------------------------------------------------------------------
 
@@ -198,9 +239,13 @@ class DiskTier:
                 self._scan_started = True
             found = recover(self._dir_fd)
             for file, rec in found.losers:
-                file.write_byte(DEAD, rec.offset + STATE_OFFSET)
-                if self._fsync:
-                    file.sync()
+                try:
+                    file.write_byte(DEAD, rec.offset + STATE_OFFSET)
+                    if self._fsync:
+                        file.sync()
+                except OSError as exc:  # the duplicate is still ignored: the winner is indexed
+                    with self._lock:
+                        self._health.failed_write(exc, "marking a superseded record DEAD")
             segments: dict[int, _Segment] = {}
             recovered = []
             for opened in found.segments:
@@ -248,6 +293,10 @@ class DiskTier:
         span = record_span(len(meta), payload_len)
         with self._lock:
             self._check_ready()
+            if self._health.degraded:
+                raise TierDegradedError(
+                    f"disk tier {self.path} is degraded ({self._health.reason}): no new records"
+                )
             # Compaction copies may overshoot capacity transiently: they free more than they take.
             if seq is None and self._used + span > self._capacity:
                 raise CapacityError(
@@ -275,19 +324,45 @@ class DiskTier:
         return future
 
     def _new_segment(self) -> _Segment:
-        """Open the next segment file and make it active; called with _lock held (rare)."""
-        while True:
-            segment_id = self._next_id
-            self._next_id += 1
+        """Open the next segment file and make it active; called with _lock held (rare).
+
+        An id is consumed only by a file that was created: a failure (no space, no inodes)
+        degrades the tier and raises TierDegradedError, and the next try reuses the id.
+        """
+        for _ in range(1024):  # bounded: each turn marks one stray name as taken
+            segment_id = self._candidate_id()
             try:
                 file = SegmentFile.open(self._dir_fd, segment_id, create=True)
-            except FileExistsError:  # a stray entry with that name appeared; skip the id
+            except FileExistsError:  # a stray entry holds that name: skip it for good
+                self._taken_ids.add(segment_id)
                 continue
-            break
-        if self._fsync:
-            os.fsync(self._dir_fd)
-        st = self._segments[segment_id] = self._active = _Segment(file)
-        return st
+            except OSError as exc:
+                self._health.failed_write(exc, f"creating segment {segment_id}")
+                raise TierDegradedError(f"cannot create segment {segment_id}: {exc}") from exc
+            if self._fsync:
+                try:
+                    os.fsync(self._dir_fd)
+                except OSError as exc:
+                    file.retire()
+                    with contextlib.suppress(OSError):
+                        remove_segment(self._dir_fd, segment_id)
+                    self._health.failed_write(exc, f"syncing new segment {segment_id}")
+                    raise TierDegradedError(f"cannot sync segment {segment_id}: {exc}") from exc
+            self._next_id = segment_id + 1
+            st = self._segments[segment_id] = self._active = _Segment(file)
+            return st
+        raise TierDegradedError(f"no free segment id in {self.path}: too many stray files")
+
+    def _candidate_id(self) -> int:
+        """The next id; past the last one, the lowest id no segment or stray file holds."""
+        if self._next_id <= MAX_SEGMENT_ID:
+            return self._next_id
+        segment_id = 1
+        while segment_id in self._segments or segment_id in self._taken_ids:
+            segment_id += 1
+        if segment_id > MAX_SEGMENT_ID:
+            raise TierDegradedError(f"all {MAX_SEGMENT_ID} segment ids are in use")
+        return segment_id
 
     def _write_record(
         self, st: _Segment, offset: int, key: bytes, meta: bytes, views: list[memoryview], seq: int
@@ -300,7 +375,7 @@ class DiskTier:
             st.file.writev([memoryview(header), *views, padding], offset)
             if self._fsync:
                 st.file.sync()
-        except BaseException:
+        except BaseException as exc:
             # Leave a clean hole rather than a LIVE header the owner never learnt about.
             with contextlib.suppress(OSError):
                 st.file.writev([_ZERO_PAGE], offset)
@@ -309,15 +384,51 @@ class DiskTier:
                 st.records -= 1
                 self._live -= span
                 self._records -= 1
+                st.failed.append((offset, span))  # given back once the segment's writes end
+                if isinstance(exc, OSError):
+                    self._health.failed_write(
+                        exc, f"writing {span} bytes to segment {st.file.segment_id}", span
+                    )
+            if isinstance(exc, OSError):
+                raise TierDegradedError(
+                    f"write to segment {st.file.segment_id} failed: {exc}"
+                ) from exc
             raise
         finally:
             with self._lock:
                 st.writing -= 1
+                if st.failed and not st.writing:
+                    self._give_back(st)
             st.file.unpin()
         with self._lock:
             self._writes += 1
             self._bytes_written += span
         return DiskExtent(st.file.segment_id, offset, offset + ALIGN, payload_len)
+
+    def _give_back(self, st: _Segment) -> None:
+        """Return failed records' space: truncate trailing ones off the segment (a failed one
+        followed by a written one stays, as dead bytes). With _lock held and no write in
+        flight in ``st``, so no offset beyond the new end is reserved."""
+        end = st.size
+        st.failed.sort()
+        while st.failed and sum(st.failed[-1]) == end:
+            end = st.failed.pop()[0]
+        st.failed.clear()  # any left lie before a written record: dead bytes for compaction
+        if end == st.size:
+            return
+        try:
+            if end == 0 and st is not self._active:
+                remove_segment(self._dir_fd, st.file.segment_id)
+                del self._segments[st.file.segment_id]
+                st.retired = True
+                st.file.retire()
+            else:
+                st.file.truncate(end)
+        except OSError as exc:  # keep them as dead bytes: accounted, reclaimed by compaction
+            self._health.failed_write(exc, f"truncating segment {st.file.segment_id}")
+            return
+        self._used -= st.size - end
+        st.size = end
 
     def _forget(self, future: Future[DiskExtent]) -> None:
         with self._lock:
@@ -341,7 +452,12 @@ class DiskTier:
                 f"segment {extent.segment_id} no longer exists (compacted or deleted)"
             )
         try:
-            header, checksum = self._read_record(st, extent, views)
+            try:
+                header, checksum = self._read_record(st, extent, views)
+            except OSError as exc:  # an unreadable record is refused like a corrupt one
+                with self._lock:
+                    self._health.failed_read(exc, f"reading segment {extent.segment_id}")
+                self._refuse(st, extent, f"read failed: {exc}", logged=True)
             if key is not None and header.key != key:
                 raise StaleExtentError(f"record at {extent} holds another key")
             if checksum != header.payload_checksum:
@@ -353,12 +469,20 @@ class DiskTier:
             self._bytes_read += extent.payload_len
 
     def delete(self, extent: DiskExtent) -> None:
-        """Mark the record DEAD in place; a no-op if it already is or its segment is gone."""
+        """Mark the record DEAD in place; a no-op if it already is or its segment is gone.
+
+        If the state byte cannot be written, the failure is counted (the tier degrades) and
+        the record stays LIVE: a restart may index it again (its bytes are still the key's:
+        keys name their content), and compaction drops it once no owner claims it."""
         st = self._pin(extent)
         if st is None:
             return
         try:
             self._kill(st, extent)
+        except OSError as exc:
+            with self._lock:
+                self._health.failed_write(exc, f"marking a record of segment "
+                                               f"{extent.segment_id} DEAD")
         finally:
             st.file.unpin()
 
@@ -409,17 +533,28 @@ class DiskTier:
         return header, hasher.intdigest()
 
     def _refuse(
-        self, st: _Segment, extent: DiskExtent, reason: str, *, torn: bool = False
+        self,
+        st: _Segment,
+        extent: DiskExtent,
+        reason: str,
+        *,
+        torn: bool = False,
+        logged: bool = False,
     ) -> NoReturn:
-        """Count a bad record, mark it DEAD so it is never served again, and raise."""
+        """Count a bad record, mark it DEAD so it is never served again, and raise
+        (``logged``: the health log already reported it, rate-limited)."""
         with self._lock:
             if torn:
                 self._torn += 1
             else:
                 self._corrupt += 1
-        log.warning(
-            "refusing record at segment %d offset %d: %s", extent.segment_id, extent.offset, reason
-        )
+        if not logged:
+            log.warning(
+                "refusing record at segment %d offset %d: %s",
+                extent.segment_id,
+                extent.offset,
+                reason,
+            )
         try:
             self._kill(st, extent)
         except (StaleExtentError, OSError) as exc:
@@ -457,19 +592,25 @@ class DiskTier:
         relocate: Callable[[bytes, DiskExtent, DiskExtent], bool],
         *,
         min_dead_ratio: float = 0.5,
+        forget: Callable[[bytes, DiskExtent], None] | None = None,
     ) -> int:
         """Rewrite mostly-dead sealed segments; return the bytes of segment space reclaimed.
 
         ``relocate(key, old, new)`` is called without any tier lock held; the owner must
         answer under its own lock (False = it no longer wants the object, so the copy is
         marked DEAD). If relocate raises, the copy is deleted, that segment is kept, and
-        the exception propagates. A record whose payload fails its checksum is not copied.
+        the exception propagates. A record whose payload fails its checksum (or cannot be
+        read) is not copied: ``forget(key, old)`` tells the owner it is gone for good.
+        A degraded tier does not compact; a copy that fails keeps the segment (records
+        already copied are marked DEAD there, so nothing is counted twice) and stops.
         """
         if not 0.0 <= min_dead_ratio <= 1.0:
             raise ConfigError(f"min_dead_ratio must be within [0, 1], got {min_dead_ratio}")
         with self._compact_lock:
             with self._lock:
                 self._check_ready()
+                if self._health.degraded:
+                    return 0
                 victims = [
                     st
                     for _, st in sorted(self._segments.items())
@@ -480,16 +621,28 @@ class DiskTier:
                 ]
                 for st in victims:
                     st.file.pin()
+            reclaimed = 0
             try:
-                return sum(self._compact_segment(st, relocate) for st in victims)
+                for st in victims:
+                    reclaimed += self._compact_segment(st, relocate, forget)
+            except TierDegradedError:
+                pass  # the fault is counted and logged; the rest waits for writable space
+            except OSError as exc:  # scanning a victim failed: keep it, count, stop here
+                with self._lock:
+                    self._health.failed_read(exc, "compaction")
             finally:
                 for st in victims:
                     st.file.unpin()
+            return reclaimed
 
     def _compact_segment(
-        self, st: _Segment, relocate: Callable[[bytes, DiskExtent, DiskExtent], bool]
+        self,
+        st: _Segment,
+        relocate: Callable[[bytes, DiskExtent, DiskExtent], bool],
+        forget: Callable[[bytes, DiskExtent], None] | None,
     ) -> int:
         copied = 0
+        moved: list[DiskExtent] = []  # originals whose copy the owner now uses
         for rec in scan_segment(st.file).records:
             if not rec.header.live:
                 continue
@@ -499,19 +652,37 @@ class DiskTier:
             # One buffered copy per record: it is read, verified, then written by the pool.
             buf = memoryview(bytearray(old.payload_len))
             try:
-                header, checksum = self._read_record(st, old, [buf])
+                try:
+                    header, checksum = self._read_record(st, old, [buf])
+                except OSError as exc:
+                    with self._lock:
+                        self._health.failed_read(exc, f"compacting segment {old.segment_id}")
+                    self._refuse(st, old, f"read failed: {exc}", logged=True)
                 if checksum != header.payload_checksum:
                     self._refuse(st, old, "payload checksum mismatch during compaction")
-            except (StaleExtentError, CorruptRecordError):
-                continue  # deleted meanwhile, or bad (already counted and marked DEAD)
-            new = self._append(header.key, header.meta, [buf], seq=header.seq).result()
+            except StaleExtentError:
+                continue  # deleted meanwhile
+            except CorruptRecordError:
+                # counted and marked DEAD; the owner must drop it, or its extent would name
+                # a segment about to vanish (a permanent stale_extent)
+                if forget is not None:
+                    forget(rec.header.key, old)
+                continue
+            try:
+                new = self._append(header.key, header.meta, [buf], seq=header.seq).result()
+            except TierDegradedError:
+                for done in moved:  # their copies are what the owner reads now
+                    self.delete(done)
+                raise
             copied += new.span
             try:
                 keep = relocate(header.key, old, new)
             except BaseException:
                 self.delete(new)
                 raise
-            if not keep:
+            if keep:
+                moved.append(old)
+            else:
                 self.delete(new)
                 self.delete(old)  # so a crash before the unlink cannot resurrect it
         with self._lock:
@@ -526,6 +697,40 @@ class DiskTier:
             os.fsync(self._dir_fd)
         st.file.retire()  # the fd closes once in-flight reads unpin it
         return st.size - copied
+
+    # ---- write faults ---------------------------------------------------------------
+
+    def probe(self) -> bool:
+        """Try to leave the degraded state; return whether the tier takes records.
+
+        At most once per ``retry_interval_s`` (earlier calls return False at once), and only
+        when no write is in flight: reserve room for what failed (at least PROBE_BYTES, at
+        most a segment) at the end of the active segment, creating it if needed, then
+        truncate back. Success means the space (and an inode) is really there again.
+        """
+        with self._lock:
+            if not self._health.degraded:
+                return True
+            if self._closed or not self._ready or not self._health.probe_due():
+                return False
+            if any(st.writing for st in self._segments.values()):
+                return False  # failed spans are given back when these end
+            need = min(max(PROBE_BYTES, 2 * self._health.need), self._segment_bytes)
+            try:
+                st = self._active
+                if st is None or (st.size and st.size + need > self._segment_bytes):
+                    st = self._new_segment()  # degraded again (counted, no id) if it fails
+                try:
+                    st.file.allocate(st.size, need)
+                finally:
+                    st.file.truncate(st.size)
+            except TierDegradedError:
+                return False
+            except OSError as exc:
+                self._health.failed_write(exc, "probing for free space", need)
+                return False
+            self._health.recovered()
+            return True
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -575,6 +780,8 @@ class DiskTier:
                 bytes_read=self._bytes_read,
                 compactions=self._compactions,
                 ignored_files=self._ignored,
+                degraded=self._health.degraded,
+                disk_errors=dict(self._health.errors),
             )
 
 

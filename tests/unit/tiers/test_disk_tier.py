@@ -22,6 +22,7 @@ from kvfabric.tiers.disk import (
     RecordFieldError,
     RecoveredRecord,
     StaleExtentError,
+    TierDegradedError,
 )
 from kvfabric.tiers.disk import segments as seg_mod
 from kvfabric.tiers.disk.records import DEAD, STATE_OFFSET
@@ -293,7 +294,9 @@ def test_flipped_header_byte_in_middle_record_hides_only_that_record(tiers: Tier
 def test_write_io_error_lands_on_the_future_and_writer_survives(
     tiers: Tiers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tier, _ = tiers.open(writers=1)
+    """An I/O error degrades the tier until a probe succeeds, and the failed record gives
+    its space back (the old code kept it: used_bytes was twice the live bytes here)."""
+    tier, _ = tiers.open(writers=1, retry_interval_s=0.0)
     real = seg_mod.SegmentFile.writev
     calls = []
 
@@ -305,11 +308,16 @@ def test_write_io_error_lands_on_the_future_and_writer_survives(
 
     monkeypatch.setattr(seg_mod.SegmentFile, "writev", flaky)
     failed = tier.write(key_of(1), b"", [payload(100, 1)])
-    assert isinstance(failed.exception(), OSError)
+    assert isinstance(failed.exception(), TierDegradedError)
+    assert isinstance(failed.exception().__cause__, OSError)
+    assert tier.degraded and tier.stats().disk_errors == {"EIO": 1}
+    with pytest.raises(TierDegradedError):
+        tier.write(key_of(2), b"", [payload(100, 2)])
+    assert tier.probe() and not tier.degraded
     ok = put(tier, 2, 100)
     assert read_back(tier, ok) == expected(2, 100)
     s = tier.stats()
-    assert (s.records_live, s.writes, s.live_bytes, s.used_bytes) == (1, 1, ok.span, 2 * ok.span)
+    assert (s.records_live, s.writes, s.live_bytes, s.used_bytes) == (1, 1, ok.span, ok.span)
     tier.close()
     _, recs = tiers.open()
     assert [r.key for r in recs] == [key_of(2)]
