@@ -10,6 +10,7 @@ parsed as YAML scalars (``8080`` is an int, ``true`` a bool). Unknown keys are e
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,7 @@ ENV_PREFIX = "KVFABRIC_"
 # never settings of the daemon, so a shell that exports them can still serve.
 CLIENT_ONLY_ENV = frozenset({"KVFABRIC_TOKEN", "KVFABRIC_PYTHON"})
 DEFAULT_HTTP_PORT = 8790
+LOOKUP_TOKENS_CEILING = 1 << 22  # kvfabric.protocol.messages.MAX_TOKENS, without importing it
 
 
 @dataclass(frozen=True)
@@ -85,11 +87,89 @@ class Limits:
     max_leases_per_session: int = 4096
     request_threads: int = 32  # blocking store calls (SSD reads, layer waits) run here
 
+    # HTTP plane: bounds applied before a body is parsed, and deadlines against slowloris.
+    http_max_body_bytes: int = 16 << 20  # 413 above this, before reading the body
+    lookup_max_tokens: int = 1 << 20  # token ids per /v1/lookup (413 above, before validating)
+    http_request_timeout_s: float = 10.0  # a request's headers and body must arrive within this
+    http_keepalive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    http_max_connections: int = 1024  # beyond this, new requests get 503
+    # Peer transport (socket backend): unauthenticated connections are bounded, never a thread.
+    peer_handshake_timeout_s: float = 5.0
+    peer_max_handshakes: int = 256  # handshakes in progress at once, all addresses
+    peer_max_handshakes_per_ip: int = 32
+    peer_max_connections: int = 512  # authenticated peer connections (one thread each)
+
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_leases_per_session", "request_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"limits.{name} must be a positive integer")
+        for name in ("http_max_body_bytes", "lookup_max_tokens", "http_max_connections",
+                     "peer_max_handshakes", "peer_max_handshakes_per_ip",
+                     "peer_max_connections"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"limits.{name} must be a positive integer")
+        for name in ("http_request_timeout_s", "http_keepalive_s", "peer_handshake_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"limits.{name} must be a positive number of seconds")
+        if self.lookup_max_tokens > LOOKUP_TOKENS_CEILING:
+            raise ConfigError(f"limits.lookup_max_tokens must be at most "
+                              f"{LOOKUP_TOKENS_CEILING} (the protocol's bound)")
+
+
+TLS_PLANES = ("http", "tcp")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """Bind rules and TLS (see the README's Security section).
+
+    A listener bound beyond loopback (HTTP, TCP control, the peer transport) needs
+    authentication: tokens (``auth``) for HTTP and TCP control, the cluster secret for the
+    peer transport. Without it the daemon refuses to start, unless ``allow_insecure`` says
+    otherwise; then every exposed plane is logged as a WARNING at start and listed under
+    ``warnings`` in ``/healthz`` and ``/v1/stats``.
+
+    ``tls_cert_file`` (PEM chain; the key in ``tls_key_file`` or in the same file) turns TLS
+    on for the planes in ``tls_planes`` (comma-separated: ``http``, ``tcp``); plain
+    connections to them fail. ``tls_client_ca_file`` also requires client certificates
+    signed by that CA (mutual TLS). The files are re-read on SIGHUP and when their mtime
+    changes (checked every ``tls_reload_s``); new connections get the new certificate.
+    """
+
+    allow_insecure: bool = False
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    tls_planes: str = "http,tcp"
+    tls_reload_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.allow_insecure, bool):
+            raise ConfigError("security.allow_insecure must be true or false")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"security.{name} must be a path string")
+        if self.tls_cert_file is None and (self.tls_key_file or self.tls_client_ca_file):
+            raise ConfigError("security.tls_key_file / tls_client_ca_file need "
+                              "security.tls_cert_file")
+        if not isinstance(self.tls_planes, str) or not set(self.planes) <= set(TLS_PLANES):
+            raise ConfigError(f"security.tls_planes must be a comma-separated subset of "
+                              f"{list(TLS_PLANES)}, got {self.tls_planes!r}")
+        if isinstance(self.tls_reload_s, bool) or not isinstance(self.tls_reload_s, (int, float)) \
+                or self.tls_reload_s <= 0:
+            raise ConfigError("security.tls_reload_s must be a positive number of seconds")
+
+    @property
+    def planes(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in str(self.tls_planes).split(",") if p.strip())
+
+    def tls_on(self, plane: str) -> bool:
+        """Whether ``plane`` ("http" or "tcp") serves TLS."""
+        return self.tls_cert_file is not None and plane in self.planes
 
 
 INDEX_BACKENDS = ("embedded", "redis")
@@ -190,6 +270,7 @@ class DaemonConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log_level: str = "info"
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if any(t.kind is TierKind.DEVICE for t in self.store.tiers):
@@ -200,10 +281,65 @@ class DaemonConfig:
                                str(Path(self.store.data_dir) / "kvfabric.sock"))
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level must be debug, info, warning or error")
+        if self.security.tls_on("tcp") and self.tcp.port is not None \
+                and self.cluster.index == "redis":
+            # peers reach each other's TCP control endpoint with the client library, which
+            # does not speak TLS yet
+            raise ConfigError("security.tls_planes may not include tcp with cluster.index "
+                              "redis: peers cannot reach a TLS control endpoint yet")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listener bound to ``host`` is reachable from this host only. A wildcard
+    (``0.0.0.0``, ``::``, empty) is not; a name counts as loopback only if every address it
+    resolves to is (one that does not resolve is not)."""
+    if host in ("", "0.0.0.0", "::"):
+        return False
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback
+                               for info in infos)
+
+
+def exposed_planes(config: DaemonConfig) -> list[str]:
+    """Planes bound beyond loopback without the authentication that protects them: one line
+    each, saying what an outsider could do. Empty: nothing is exposed."""
+    out = []
+    if config.http.port is not None and not is_loopback(config.http.host) \
+            and not config.auth.enabled:
+        out.append(f"HTTP on {config.http.host}:{config.http.port} without auth tokens: "
+                   "anyone who reaches it has admin rights (stats, evict, metrics)")
+    if config.tcp.port is not None and not is_loopback(config.tcp.host):
+        if not config.auth.enabled:
+            out.append(f"TCP control on {config.tcp.host}:{config.tcp.port} without auth "
+                       "tokens: remote clients get admin sessions")
+        if config.cluster.index == "redis" and config.cluster.secret_file is None:
+            out.append(f"peer transport on {config.tcp.host} without cluster.secret_file: "
+                       "anyone who reaches it reads and writes the arenas")
+    return out
+
+
+def check_binds(config: DaemonConfig) -> list[str]:
+    """Enforce the bind rule: ConfigError naming every exposed plane, unless
+    ``security.allow_insecure``; then the same lines are returned, to be logged loudly."""
+    exposed = exposed_planes(config)
+    if exposed and not config.security.allow_insecure:
+        raise ConfigError("refusing to listen beyond loopback without authentication: "
+                          + "; ".join(exposed) + ". Configure auth.token_file / auth.tenants "
+                          "(and cluster.secret_file for peers), bind 127.0.0.1, or set "
+                          "security.allow_insecure: true (--insecure) to accept the risk")
+    return [f"INSECURE: {line}" for line in exposed]
 
 
 _SECTIONS: dict[str, type] = {"tcp": Endpoint, "http": Endpoint, "auth": AuthConfig,
-                              "limits": Limits, "cluster": ClusterConfig}
+                              "limits": Limits, "cluster": ClusterConfig,
+                              "security": SecurityConfig}
 
 
 def load_config(path: str | os.PathLike | None = None, *,
@@ -246,7 +382,12 @@ def build_config(data: Mapping[str, Any]) -> DaemonConfig:
             kwargs[name] = data[name]
     for name, cls in _SECTIONS.items():
         if name in data:
-            kwargs[name] = _section(name, cls, data[name])
+            value = data[name]
+            if name == "http" and isinstance(value, dict) and "port" not in value:
+                # http: {host: ...} alone keeps the default port (the Endpoint default,
+                # None, would turn HTTP off)
+                value = {**value, "port": DEFAULT_HTTP_PORT}
+            kwargs[name] = _section(name, cls, value)
     if "store" in data:
         if not isinstance(data["store"], dict):
             raise ConfigError("store must be a mapping")

@@ -5,7 +5,8 @@
 ==========================  =================  ============================================
 endpoint                    who (auth on)      what
 ==========================  =================  ============================================
-``GET /healthz``            anyone             200 while the process serves HTTP
+``GET /healthz``            anyone             200 while the process serves HTTP (plus
+                                               ``warnings``: planes exposed insecurely)
 ``GET /readyz``             anyone             200 when ``daemon.ready``, else 503
 ``GET /metrics``            admin              Prometheus text exposition (its tenant
                                                labels would show tenants each other)
@@ -25,7 +26,9 @@ Errors are JSON ``{"error": {"kind", "message"}}``: body validation 422 (plus ``
 first few pydantic issues, never echoing the input), kvfabric errors by kind (401
 unauthorized, 403 forbidden, 404 not_found, 503 unavailable, 504 deadline, 500 internal or
 bad_config, 400 any other). Bodies over ``max_body_bytes`` are refused with 413 before they
-are parsed; token and hash lists are bounded like the control protocol's.
+are parsed; a lookup's token ids are counted before any is validated (over
+``config.limits.lookup_max_tokens``: 413, kind ``too_large``) and its body is parsed on a
+worker thread (:mod:`kvfabric.api.lookup_body`), never on the event loop.
 
 Endpoints that touch the store are plain ``def``: FastAPI runs them in its threadpool, so a
 lookup waiting on the store lock or a flush waiting on SSD writes never blocks the event
@@ -42,14 +45,17 @@ from typing import Annotated, Any, Literal, Protocol, Self, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, model_validator
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from kvfabric import __version__
 from kvfabric.api.body_limit import BodyLimit
+from kvfabric.api.lookup_body import BodyInvalid, BodyTooLarge, parse_lookup
 from kvfabric.api.metrics import Metrics, error_kind
 from kvfabric.config import DaemonConfig
 from kvfabric.errors import (AuthError, ConfigError, DeadlineExceededError, ForbiddenError,
@@ -181,11 +187,14 @@ class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
     node_id: str
     uptime_s: float
+    warnings: list[str] = Field(default_factory=list, description="planes listening beyond "
+                                "loopback without authentication (security.allow_insecure)")
 
 
 class ReadyResponse(BaseModel):
     status: Literal["ready", "not_ready"]
     node_id: str
+    reason: str | None = Field(None, description="why not ready")
 
 
 class NodePrefixBody(BaseModel):
@@ -261,6 +270,8 @@ class StatsResponse(BaseModel):
     tiers: list[TierStatsBody]
     totals: TotalsBody
     namespaces: list[NamespaceStatsBody]
+    warnings: list[str] = Field(default_factory=list, description="planes listening beyond "
+                                "loopback without authentication (security.allow_insecure)")
 
 
 class EvictResponse(BaseModel):
@@ -372,20 +383,33 @@ async def _on_kvfabric_error(_: Request, exc: Exception) -> Response:
 
 
 async def _on_validation_error(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
+    if isinstance(exc, BodyInvalid):
+        errors, total = exc.issues, exc.total
+    else:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        total = len(errors)
     # Never echo the input back: it may be millions of token ids.
     issues = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
               for e in errors[:MAX_REPORTED_ISSUES]]
     message = "; ".join(f"{'.'.join(map(str, i['loc']))}: {i['msg']}" for i in issues)
-    if len(errors) > MAX_REPORTED_ISSUES:
-        message += f"; and {len(errors) - MAX_REPORTED_ISSUES} more"
+    if total > MAX_REPORTED_ISSUES:
+        message += f"; and {total - MAX_REPORTED_ISSUES} more"
     return _error_json(422, ProtocolError.kind, message, detail=issues)
 
 
+async def _on_too_large(_: Request, exc: Exception) -> Response:
+    return _error_json(413, TOO_LARGE, str(exc))
+
+
+TOO_LARGE = "too_large"  # the kind BodyLimit answers with too
+
+
 def _kind_of(exc: Exception) -> str:
-    if isinstance(exc, RequestValidationError):
+    if isinstance(exc, (RequestValidationError, BodyInvalid)):
         return ProtocolError.kind
+    if isinstance(exc, BodyTooLarge):
+        return TOO_LARGE
     if isinstance(exc, HTTPException):
         return f"http_{exc.status_code}"
     return error_kind(exc)
@@ -418,7 +442,8 @@ class _ObservedRoute(APIRoute):
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": what} for status, what in (
         (400, "a kvfabric error"), (401, "missing or unknown token"),
-        (403, "token not allowed here"), (422, "invalid body"))}
+        (403, "token not allowed here"), (413, "body or list over its limit"),
+        (422, "invalid body"))}
 
 _probes = APIRouter(tags=["probes"])
 _scrape = APIRouter(tags=["metrics"])
@@ -429,16 +454,24 @@ def _uptime(daemon: DaemonView) -> float:
     return max(0.0, time.time() - daemon.started_at)
 
 
+def _warnings(daemon: DaemonView) -> list[str]:
+    return list(getattr(daemon, "warnings", ()))
+
+
 @_probes.get("/healthz")
 async def healthz(daemon: Daemon) -> HealthResponse:
-    return HealthResponse(node_id=daemon.node_id, uptime_s=_uptime(daemon))
+    return HealthResponse(node_id=daemon.node_id, uptime_s=_uptime(daemon),
+                          warnings=_warnings(daemon))
 
 
-@_probes.get("/readyz", responses={503: {"model": ReadyResponse, "description": "not ready"}})
+@_probes.get("/readyz", response_model_exclude_none=True,
+             responses={503: {"model": ReadyResponse, "description": "not ready"}})
 async def readyz(daemon: Daemon, response: Response) -> ReadyResponse:
-    if not daemon.ready:  # starting, or draining before shutdown
+    ready = daemon.ready
+    if not ready:  # starting, draining before shutdown, or a plane stopped accepting
         response.status_code = 503
-    return ReadyResponse(status="ready" if daemon.ready else "not_ready", node_id=daemon.node_id)
+    return ReadyResponse(status="ready" if ready else "not_ready", node_id=daemon.node_id,
+                         reason=None if ready else getattr(daemon, "not_ready_reason", None))
 
 
 @_scrape.get("/metrics", response_class=Response, responses=_ERRORS | {
@@ -448,9 +481,18 @@ def metrics(daemon: Daemon, _: Admin) -> Response:
     return Response(body, media_type=content_type)
 
 
-# exclude_unset: the cluster fields appear only when scope is cluster
+# exclude_unset: the cluster fields appear only when scope is cluster. The body is read raw
+# and parsed on a worker thread (kvfabric.api.lookup_body); its schema is added by _openapi.
 @_api.post("/lookup", name="lookup", response_model_exclude_unset=True)
-def lookup(body: LookupRequest, daemon: Daemon, caller: Caller) -> LookupResponse:
+async def lookup(request: Request, daemon: Daemon, caller: Caller) -> LookupResponse:
+    raw = await request.body()  # at most max_body_bytes: BodyLimit
+    body = await run_in_threadpool(
+        parse_lookup, raw, LookupRequest, max_tokens=daemon.config.limits.lookup_max_tokens,
+        max_hashes=MAX_KEYS, hash_chars=2 * KEY_BYTES)
+    return await run_in_threadpool(_lookup, body, daemon, caller)
+
+
+def _lookup(body: LookupRequest, daemon: DaemonView, caller: Principal) -> LookupResponse:
     ns = body.namespace.value
     caller.check_namespace(ns)
     if body.token_ids is not None:
@@ -485,7 +527,8 @@ def stats(daemon: Daemon, _: Admin) -> StatsResponse:
         totals=_from_attributes(TotalsBody, snapshot),
         namespaces=[NamespaceStatsBody(model=n.model_id, tenant=n.tenant, lookups=n.lookups,
                                        lookup_tokens=n.lookup_tokens, hit_tokens=n.hit_tokens)
-                    for n in snapshot.namespaces])
+                    for n in snapshot.namespaces],
+        warnings=_warnings(daemon))
 
 
 @_api.post("/admin/evict", name="evict")
@@ -511,4 +554,23 @@ def create_app(daemon: DaemonView, *, max_body_bytes: int = MAX_BODY_BYTES) -> F
         app.include_router(router)
     app.add_exception_handler(KVFabricError, _on_kvfabric_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(BodyInvalid, _on_validation_error)
+    app.add_exception_handler(BodyTooLarge, _on_too_large)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the lookup body, which the route reads raw (see lookup)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version,
+                             description=app.description, routes=app.routes)
+        body = LookupRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(body.pop("$defs", {}))
+        components["LookupRequest"] = body
+        schema["paths"]["/v1/lookup"]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/LookupRequest"}}}}
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -47,6 +47,17 @@ class _Override(argparse.Action):
         namespace.overrides = [*(namespace.overrides or []), item]
 
 
+class _Insecure(argparse.Action):
+    """``--insecure``: ``--set security.allow_insecure=true``, in command-line order."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        namespace.overrides = [*(namespace.overrides or []), "security.allow_insecure=true"]
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "serve", help="run the node daemon until SIGTERM / SIGINT",
@@ -61,6 +72,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     for flag, key, quoted in SHORTHANDS:
         parser.add_argument(flag, action=_Override, dest="overrides", key=key, quoted=quoted,
                             metavar=key.rsplit(".", 1)[-1].upper(), help=f"= --set {key}=...")
+    parser.add_argument("--insecure", action=_Insecure, dest="overrides",
+                        help="= --set security.allow_insecure=true: listen beyond loopback "
+                             "without authentication (logged as a WARNING; see the README's "
+                             "Security section)")
     parser.add_argument("--ready-file", type=Path, default=None, metavar="FILE",
                         help="write JSON {pid, node_id, socket, tcp_port, http_port} here once "
                              "serving")

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 from array import array
@@ -47,15 +48,19 @@ MAX_IN_FLIGHT = 64
 MAX_BLOCKING_PER_SESSION = 4  # worker threads one session may hold: none can starve the rest
 LOOP_BATCH_ITEMS = 64  # batches up to this many items are tried on the loop first
 READ_CHUNK = 1 << 16
+TLS_HANDSHAKE_S = 5.0  # TCP plane with TLS: a handshake that takes longer is dropped
 
 
 class ControlServer:
     """Accepts sessions and dispatches their requests to :mod:`kvfabric.server.handlers`."""
 
     def __init__(self, ctx: Context, executor: Executor, metrics: Any, *, socket_path: str,
-                 tcp_listener: socket.socket | None, max_sessions: int) -> None:
+                 tcp_listener: socket.socket | None, max_sessions: int,
+                 tcp_ssl: ssl.SSLContext | None = None) -> None:
         """``tcp_listener``: a bound, listening socket for remote sessions (bound by the
-        caller, so its port is known before the server starts), or None."""
+        caller, so its port is known before the server starts), or None; ``tcp_ssl``: serve
+        TLS on it (see :mod:`kvfabric.server.tls`)."""
+        self._tcp_ssl = tcp_ssl
         self._ctx = ctx
         self._executor = executor
         self._metrics = metrics
@@ -94,8 +99,10 @@ class ControlServer:
         os.chmod(self._socket_path, 0o660)  # the node's engines run as the same group
         self._servers.append(unix)
         if self._tcp_listener is not None:
-            tcp = await asyncio.start_server(lambda r, w: self._serve(r, w, local=False),
-                                             sock=self._tcp_listener, limit=READ_CHUNK)
+            tcp = await asyncio.start_server(
+                lambda r, w: self._serve(r, w, local=False), sock=self._tcp_listener,
+                limit=READ_CHUNK, ssl=self._tcp_ssl,
+                ssl_handshake_timeout=TLS_HANDSHAKE_S if self._tcp_ssl else None)
             self._servers.append(tcp)
 
     async def stop(self, grace_s: float) -> None:

@@ -8,10 +8,16 @@ Lifecycle of :func:`run` (``kvfabric serve``):
    its host arenas registered (region id = tier index) and advertises it, with its TCP
    control endpoint, so peers can pull its chunks (:mod:`kvfabric.server.puller`) and push
    chunks to it (:mod:`kvfabric.server.pusher`);
-2. listen on the Unix socket (and TCP if configured), then on HTTP, all on one event loop
-   (uvloop's where it is installed: :func:`event_loop_factory`);
+   Before any of it, the bind rule (:func:`kvfabric.config.check_binds`): a listener beyond
+   loopback without authentication is refused, or, with ``security.allow_insecure``, logged
+   as a WARNING and listed in ``/healthz`` and ``/v1/stats`` (``warnings``);
+2. listen on the Unix socket (and TCP if configured) on one event loop (uvloop's where it is
+   installed: :func:`event_loop_factory`), then on HTTP on a thread and loop of its own
+   (:mod:`kvfabric.api.http_server`: request parsing never runs on the control loop). With
+   TLS configured (``security.tls_*``) the HTTP and TCP planes serve TLS; the certificate is
+   re-read on SIGHUP and when its files change (:mod:`kvfabric.server.tls`);
 3. write the ready file if asked (JSON: pid, socket, tcp_port, http_port, node_id) and
-   report ready on ``/readyz``;
+   report ready on ``/readyz`` (503 again if the peer transport's accept loop dies);
 4. on SIGTERM or SIGINT: report not ready, stop accepting, give in-flight requests a grace
    period, close every session (their leases are given back), stop HTTP, then close the
    store, which waits for queued SSD writes, and the cluster link. A restart finds the SSD
@@ -21,22 +27,21 @@ Lifecycle of :func:`run` (``kvfabric serve``):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import signal
 import socket
+import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import uvicorn
-
 from kvfabric.api.app import create_app
+from kvfabric.api.http_server import HttpLimits, HttpServer
 from kvfabric.api.metrics import Metrics
-from kvfabric.config import DaemonConfig
+from kvfabric.config import DaemonConfig, check_binds
 from kvfabric.errors import ConfigError
 from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.control import ControlServer
@@ -46,7 +51,9 @@ from kvfabric.server.peers import PeerLinks
 from kvfabric.server.puller import Puller
 from kvfabric.server.pusher import Pusher
 from kvfabric.store import TieredStore
+from kvfabric.server.tls import ReloadingTLS
 from kvfabric.transport import SocketTransport, Transport, select_backend
+from kvfabric.transport.acceptor import AcceptLimits
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +67,12 @@ class Daemon:
         self.config = config
         self.node_id = config.node_id
         self.started_at = time.time()
-        self.ready = False
+        self._ready = False
+        # Refused (ConfigError) before anything listens, or accepted and said loudly.
+        self.warnings: tuple[str, ...] = tuple(check_binds(config))
+        for warning in self.warnings:
+            log.warning("%s (security.allow_insecure is set)", warning)
+        self.tls = ReloadingTLS(config.security) if config.security.tls_cert_file else None
         peers = config.cluster.index == "redis"
         if peers and config.tcp.port is None:
             raise ConfigError("cluster.index redis needs the TCP control endpoint (tcp.port; "
@@ -100,13 +112,37 @@ class Daemon:
             Context(self.store, config.auth, self.node_id, config.limits.max_leases_per_session,
                     self.cluster, self.puller, self.pusher),
             self._executor, self.metrics, socket_path=config.socket_path,
-            tcp_listener=self._tcp, max_sessions=config.limits.max_sessions)
+            tcp_listener=self._tcp, max_sessions=config.limits.max_sessions,
+            tcp_ssl=self._tls_for("tcp"))
         self.http_port: int | None = None
+        self._http: HttpServer | None = None
         self._stop: asyncio.Event | None = None
 
     @property
     def session_count(self) -> int:
         return self.control.session_count
+
+    @property
+    def ready(self) -> bool:
+        """Serving, and every plane that should accept still does."""
+        return self._ready and self.not_ready_reason is None
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        if not self._ready:
+            return "starting or draining"
+        if self.transport is not None and not getattr(self.transport, "serving", True):
+            return f"peer transport not accepting: {getattr(self.transport, 'failure', '')}"
+        if self._http is not None and not self._http.alive:
+            return "HTTP server stopped"
+        return None
+
+    def _tls_for(self, plane: str) -> ssl.SSLContext | None:
+        return self.tls.context if self.tls and self.config.security.tls_on(plane) else None
+
+    def reload_tls(self, *, force: bool = False) -> bool:
+        """Re-read the certificate files (SIGHUP: ``force``); True if one was loaded."""
+        return self.tls is not None and self.tls.reload_if_changed(force=force)
 
     def request_stop(self) -> None:
         if self._stop is not None:
@@ -117,27 +153,42 @@ class Daemon:
         self._stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
+        reload_task = None
+        if self.tls is not None:
+            loop.add_signal_handler(signal.SIGHUP, lambda: self.reload_tls(force=True))
+            reload_task = asyncio.create_task(self._watch_certificates())
         await self.control.start()
-        http_task = http = None
         if self.config.http.port is not None:
             listener = _tcp_listener(self.config.http.host, self.config.http.port)
             self.http_port = listener.getsockname()[1]
-            http = _EmbeddedUvicorn(uvicorn.Config(create_app(self), log_level="warning",
-                                                   access_log=False, lifespan="off"))
-            http_task = asyncio.create_task(http.serve(sockets=[listener]))
+            limits = self.config.limits
+            self._http = HttpServer(
+                create_app(self, max_body_bytes=limits.http_max_body_bytes), listener,
+                HttpLimits(request_timeout_s=limits.http_request_timeout_s,
+                           keepalive_s=limits.http_keepalive_s,
+                           max_connections=limits.http_max_connections,
+                           shutdown_grace_s=SHUTDOWN_GRACE_S),
+                ssl_context=self._tls_for("http"), loop_factory=event_loop_factory())
+            await asyncio.to_thread(self._http.start)
         if ready_file is not None:
             _write_ready_file(ready_file, self)
-        self.ready = True
-        log.info("kvfabric node %s serving %s (http %s)", self.node_id, self.config.socket_path,
-                 self.http_port)
+        self._ready = True
+        log.info("kvfabric node %s serving %s (http %s%s)", self.node_id,
+                 self.config.socket_path, self.http_port, ", TLS" if self.tls else "")
         await self._stop.wait()
         log.info("shutting down")
-        self.ready = False
+        self._ready = False
+        if reload_task is not None:
+            reload_task.cancel()
         await self.control.stop(SHUTDOWN_GRACE_S)
-        if http is not None and http_task is not None:
-            http.should_exit = True
-            await http_task
+        if self._http is not None:
+            await asyncio.to_thread(self._http.stop)
         await loop.run_in_executor(None, self.close)
+
+    async def _watch_certificates(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.security.tls_reload_s)
+            self.reload_tls()
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -161,8 +212,13 @@ def _open_transport(config: DaemonConfig, host: str, store: TieredStore) -> Tran
     backend = select_backend(config.cluster.transport)
     secret = config.cluster.secret()
     if backend is SocketTransport:
-        transport: Transport = SocketTransport(config.node_id, secret=secret,
-                                               host=config.tcp.host, advertise_host=host)
+        limits = config.limits
+        transport: Transport = SocketTransport(
+            config.node_id, secret=secret, host=config.tcp.host, advertise_host=host,
+            limits=AcceptLimits(handshake_timeout_s=limits.peer_handshake_timeout_s,
+                                max_handshakes=limits.peer_max_handshakes,
+                                max_per_ip=limits.peer_max_handshakes_per_ip,
+                                max_connections=limits.peer_max_connections))
     else:
         transport = backend(config.node_id, secret=secret)
     try:
@@ -181,14 +237,6 @@ def _reachable_host(host: str) -> str:
 
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn inside the daemon's loop: the daemon, not uvicorn, owns the signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def _tcp_listener(host: str, port: int) -> socket.socket:

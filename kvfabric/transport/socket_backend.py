@@ -1,11 +1,16 @@
 """Socket backend: framed TCP requests served out of registered regions.
 
-Each transport runs one accept thread and one thread per inbound connection. Wire protocol
+Each transport runs one accept thread, which also runs every inbound handshake on a selector
+with a deadline and caps (:mod:`kvfabric.transport.acceptor`), and one thread per
+*authenticated* inbound connection (at most ``limits.max_connections``). Wire protocol
 (control messages are :mod:`kvfabric.protocol.frames` msgpack frames, payload bytes are raw):
 
 * handshake: server ``{v, name, nonce}`` -> client ``{v, name, nonce, mac}`` -> server
-  ``{ok, mac}``; with a cluster secret both MACs are checked (mutual HMAC challenge-response),
-  a failure is answered ``{ok: false, kind: "unauthorized"}`` and the connection is closed.
+  ``{ok, mac}``; with a cluster secret both MACs are checked (mutual HMAC challenge-response;
+  an empty or absent MAC is refused), a failure is answered ``{ok: false, kind:
+  "unauthorized"}`` and the connection is closed. Without a secret anyone who reaches the port
+  can read and write the registered regions: the daemon refuses a non-loopback bind then
+  (:func:`kvfabric.config.check_binds`).
 * read: ``{op: "read", pieces: [[region, offset, length], ...]}`` -> ``{ok}`` + the bytes of
   every piece in order, sent straight from the region (memoryview slices, no copy).
 * write: ``{op: "write", pieces: [...]}`` -> ``{ok}`` (bounds accepted) -> the client streams
@@ -35,6 +40,7 @@ from kvfabric.errors import (DeadlineExceededError, KVFabricError, ProtocolError
                              UnavailableError, error_for_kind)
 from kvfabric.protocol.frames import HEADER, decode_body, encode_frame, frame_length
 from kvfabric.transport import auth
+from kvfabric.transport.acceptor import AcceptLimits, Acceptor
 from kvfabric.transport.base import (Peer, PeerDescriptor, ReadPiece, Transport, WritePiece,
                                      byte_view, end_time, remaining)
 
@@ -95,11 +101,13 @@ class SocketTransport(Transport):
 
     def __init__(self, name: str, *, secret: bytes | None = None, host: str = "127.0.0.1",
                  port: int = 0, advertise_host: str | None = None,
-                 io_timeout: float = 30.0, idle_timeout: float = 300.0) -> None:
+                 io_timeout: float = 30.0, idle_timeout: float = 300.0,
+                 limits: AcceptLimits = AcceptLimits()) -> None:
         """Listen on ``host:port`` (0: any free port); peers are told ``advertise_host``
         (default: the bound address, which must then be reachable, i.e. not a wildcard).
         ``io_timeout`` bounds how long a peer may stall in the middle of a request,
-        ``idle_timeout`` how long an inbound connection may wait for its next request."""
+        ``idle_timeout`` how long an inbound connection may wait for its next request;
+        ``limits`` bound handshakes and connections (see :mod:`~kvfabric.transport.acceptor`)."""
         super().__init__(name, secret=secret)
         self._io_timeout = io_timeout
         self._idle_timeout = idle_timeout
@@ -107,15 +115,15 @@ class SocketTransport(Transport):
             maxlen=MAX_NOTIFICATIONS)
         self._inbound: set[socket.socket] = set()
         self._peers: dict[str, SocketPeer] = {}
-        self._listener = socket.create_server((host, port))
+        self._listener = socket.create_server((host, port), backlog=1024)
         bound_host, self._port = self._listener.getsockname()[:2]
         self._host = advertise_host or bound_host
         if self._host in ("0.0.0.0", "::"):
             self._listener.close()
             raise ValueError("listening on a wildcard address needs an advertise_host")
-        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
-                                          name=f"kvf-transport-{name}")
-        self._acceptor.start()
+        self._acceptor = Acceptor(self._listener, name, greet=self._greet,
+                                  finish=self._finish_handshake, on_ready=self._start_serving,
+                                  connections=lambda: self.inbound_connections, limits=limits)
 
     # -- client side -------------------------------------------------------------------------
     def descriptor(self) -> bytes:
@@ -179,9 +187,24 @@ class SocketTransport(Transport):
 
     @property
     def inbound_connections(self) -> int:
-        """Peer connections this transport currently serves (each holds one thread)."""
+        """Authenticated peer connections this transport currently serves (one thread each)."""
         with self._lock:
             return len(self._inbound)
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Inbound connections still in their handshake (no thread of their own)."""
+        return self._acceptor.pending
+
+    @property
+    def serving(self) -> bool:
+        """Whether inbound connections are still accepted (False: the accept loop died, see
+        :attr:`failure`; a closed transport is not serving either)."""
+        return not self._closed and self._acceptor.alive
+
+    @property
+    def failure(self) -> str | None:
+        return self._acceptor.failure
 
     def poll_notifications(self) -> list[tuple[str, bytes]]:
         out = []
@@ -196,7 +219,8 @@ class SocketTransport(Transport):
             self._closed = True
             peers, self._peers = list(self._peers.values()), {}
             inbound, self._inbound = list(self._inbound), set()
-        # shutdown() wakes the threads blocked in accept()/recv() on these sockets.
+        self._acceptor.close()  # closes the handshakes in progress
+        # shutdown() wakes the threads blocked in recv() on these sockets.
         for sock in [self._listener, *inbound]:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -205,7 +229,6 @@ class SocketTransport(Transport):
             sock.close()
         for peer in peers:
             self._drop_idle(peer)
-        self._acceptor.join(5)
 
     @staticmethod
     def _drop_idle(peer: SocketPeer) -> None:
@@ -312,25 +335,42 @@ class SocketTransport(Transport):
         return exc
 
     # -- server side -------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return  # listener shut down by close()
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    return
-                self._inbound.add(sock)
-            threading.Thread(target=self._serve, args=(sock,), daemon=True,
-                             name=f"kvf-transport-{self.name}-conn").start()
+    def _greet(self) -> tuple[bytes, bytes]:
+        nonce = auth.new_nonce()
+        return encode_frame({"v": WIRE_VERSION, "name": self.name, "nonce": nonce}), nonce
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _finish_handshake(self, nonce: bytes, hello: dict[str, Any]) -> tuple[bytes, str]:
+        """The client's answer to our greeting -> (our reply, its name); KVFabricError
+        (answered and closed by the acceptor) when it is malformed or not authentic."""
+        name, client_nonce = hello.get("name"), hello.get("nonce")
+        if hello.get("v") != WIRE_VERSION or not isinstance(name, str) \
+                or not isinstance(client_nonce, bytes):
+            raise ProtocolError("malformed handshake")
+        auth.verify(self._secret, hello.get("mac"), _CLIENT_PURPOSE, nonce, client_nonce,
+                    name.encode())
+        return encode_frame({"ok": True, "mac": auth.sign(
+            self._secret, _SERVER_PURPOSE, client_nonce, nonce, self.name.encode())}), name
+
+    def _start_serving(self, sock: socket.socket, peer_name: str) -> bool:
+        """An authenticated connection gets its thread (False: refused, the caller closes)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._inbound.add(sock)
+        try:
+            threading.Thread(target=self._serve, args=(sock, peer_name), daemon=True,
+                             name=f"kvf-transport-{self.name}-conn").start()
+        except RuntimeError as exc:  # can't start new thread: refuse this one, keep going
+            log.warning("transport %s: no thread for peer %r: %s", self.name, peer_name, exc)
+            with self._lock:
+                self._inbound.discard(sock)
+            return False
+        return True
+
+    def _serve(self, sock: socket.socket, peer_name: str) -> None:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self._io_timeout)
-            peer_name = self._accept_handshake(sock)
             while True:
                 self._serve_one(sock, peer_name)
         except (OSError, _Stalled) as exc:
@@ -341,24 +381,6 @@ class SocketTransport(Transport):
             with self._lock:
                 self._inbound.discard(sock)
             sock.close()
-
-    def _accept_handshake(self, sock: socket.socket) -> str:
-        nonce = auth.new_nonce()
-        sock.sendall(encode_frame({"v": WIRE_VERSION, "name": self.name, "nonce": nonce}))
-        hello = _recv_frame(sock)
-        name, client_nonce = hello.get("name"), hello.get("nonce")
-        try:
-            if hello.get("v") != WIRE_VERSION or not isinstance(name, str) \
-                    or not isinstance(client_nonce, bytes):
-                raise ProtocolError("malformed handshake")
-            auth.verify(self._secret, hello.get("mac"), _CLIENT_PURPOSE, nonce, client_nonce,
-                        name.encode())
-        except KVFabricError as exc:
-            sock.sendall(encode_frame({"ok": False, "kind": exc.kind, "message": str(exc)}))
-            raise
-        sock.sendall(encode_frame({"ok": True, "mac": auth.sign(
-            self._secret, _SERVER_PURPOSE, client_nonce, nonce, self.name.encode())}))
-        return name
 
     def _wait_request(self, sock: socket.socket) -> bytes:
         """The next request's body; ``_Stalled`` after ``idle_timeout`` without one."""

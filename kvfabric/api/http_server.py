@@ -1,0 +1,161 @@
+"""The HTTP plane's server: uvicorn on a thread and event loop of its own, with deadlines.
+
+Contract:
+
+* :class:`HttpServer` serves an ASGI app on an already-bound listener, on its own thread and
+  loop, so request parsing and validation never run on the control plane's loop (a stalled
+  HTTP request cannot delay a control round trip, beyond the GIL).
+* A request's headers and body must arrive within ``request_timeout_s`` of its first byte
+  (or of the connection, for its first request); otherwise the connection is closed (with a
+  408 when no response has started). h11 has no such deadline of its own: slowloris clients
+  (a partial header, a byte at a time) would hold their sockets forever.
+  :class:`DeadlineH11Protocol` adds it.
+* An idle keep-alive connection is closed after ``keepalive_s``; past ``max_connections``
+  open connections a new request is answered 503 (uvicorn's ``limit_concurrency``).
+* ``ssl_context`` (a :class:`kvfabric.server.tls.ReloadingTLS` context) serves HTTPS only;
+  the context is used as is, so a certificate reloaded into it applies to new connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+
+_TIMEOUT_BODY = b'{"error": {"kind": "deadline", "message": "request not received in time"}}'
+_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))
+_RECEIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    request_timeout_s: float = 10.0
+    keepalive_s: float = 5.0
+    max_connections: int = 1024
+    shutdown_grace_s: float = 5.0
+
+
+class DeadlineH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol plus a read deadline per request (see the module docstring)."""
+
+    request_timeout_s = 10.0  # set per server by :func:`_protocol_class`
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._read_deadline: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._arm()  # a connection that never sends a byte is a slowloris too
+
+    def data_received(self, data: bytes) -> None:
+        if self._read_deadline is None and self.conn.their_state not in _RECEIVED:
+            self._arm()  # the first bytes of the next request on a keep-alive connection
+        super().data_received(data)
+        self._disarm_if_received()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._disarm_if_received()  # a pipelined request may have been read whole
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._read_deadline = self.loop.call_later(self.request_timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _disarm_if_received(self) -> None:
+        if self.conn.their_state in _RECEIVED:
+            self._disarm()
+
+    def _expired(self) -> None:
+        self._read_deadline = None
+        if self.transport.is_closing() or self.conn.their_state in _RECEIVED:
+            return
+        if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0] \
+                and self.cycle is not None:
+            return  # between requests: the keep-alive timer is in charge
+        if self.cycle is None or not self.cycle.response_started:
+            self.transport.write(_TIMEOUT_RESPONSE)
+        if self.cycle is not None:
+            self.cycle.disconnected = True  # the app's receive() returns http.disconnect
+            self.cycle.message_event.set()
+        self.transport.close()
+
+
+def _protocol_class(request_timeout_s: float) -> type[DeadlineH11Protocol]:
+    return type("DeadlineH11Protocol", (DeadlineH11Protocol,),
+                {"request_timeout_s": request_timeout_s})
+
+
+class _ThreadedUvicorn(uvicorn.Server):
+    """uvicorn on a thread of its own: the daemon, not uvicorn, owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """``start()`` serves ``app`` on ``listener`` until ``stop()``."""
+
+    def __init__(self, app: Any, listener: Any, limits: HttpLimits, *,
+                 ssl_context: ssl.SSLContext | None = None,
+                 loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> None:
+        factory = None if ssl_context is None else (lambda _config, _default: ssl_context)
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off",
+            http=_protocol_class(limits.request_timeout_s),  # type: ignore[arg-type]
+            timeout_keep_alive=limits.keepalive_s,  # type: ignore[arg-type]
+            limit_concurrency=limits.max_connections,
+            timeout_graceful_shutdown=max(1, round(limits.shutdown_grace_s)),
+            ssl_context_factory=factory)
+        self._server = _ThreadedUvicorn(config)
+        self._listener = listener
+        self._loop_factory = loop_factory or asyncio.new_event_loop
+        self._thread = threading.Thread(target=self._run, name="kvfabric-http", daemon=True)
+        self.error: BaseException | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start serving; returns once uvicorn is up (raises what stopped it otherwise)."""
+        self._thread.start()
+        end = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > end:
+                raise RuntimeError(f"the HTTP server did not start: {self.error!r}")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        """Stop accepting, let requests finish (up to the grace period), join the thread."""
+        self._server.should_exit = True
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            with asyncio.Runner(loop_factory=self._loop_factory) as runner:
+                runner.run(self._server.serve(sockets=[self._listener]))
+        except BaseException as exc:  # noqa: BLE001 - reported through alive / error
+            self.error = exc
+            log.exception("the HTTP server stopped")

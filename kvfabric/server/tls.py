@@ -1,0 +1,86 @@
+"""Server-side TLS for the HTTP and TCP control planes, with certificate reload.
+
+Contract: :class:`ReloadingTLS` holds one ``ssl.SSLContext`` (TLS 1.2 or newer) that both
+planes' listeners use for their whole life. :meth:`ReloadingTLS.reload` loads the
+certificate chain and key (and, with a client CA, requires client certificates signed by it:
+mutual TLS) into that same context, so connections accepted afterwards get the new
+certificate and established ones keep theirs. :meth:`reload_if_changed` does so when a file's
+mtime, size or inode changed (a rename-into-place counts); the daemon calls it periodically
+and on SIGHUP. A file that cannot be loaded leaves the previous certificate serving and is
+logged (a half-written certificate must not take the plane down); at start-up it is a
+:class:`~kvfabric.errors.ConfigError`. CAs once loaded cannot be unloaded from a context:
+removing a client CA needs a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+import threading
+
+from kvfabric.config import SecurityConfig
+from kvfabric.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_Stamp = tuple[tuple[int, int, int] | None, ...]
+
+
+class ReloadingTLS:
+    def __init__(self, security: SecurityConfig) -> None:
+        assert security.tls_cert_file is not None
+        self._cert = security.tls_cert_file
+        self._key = security.tls_key_file
+        self._client_ca = security.tls_client_ca_file
+        self._lock = threading.Lock()
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._stamp: _Stamp = ()
+        self.reloads = 0
+        try:
+            self.reload()
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"security.tls_*: cannot load the certificate: {exc}") from None
+
+    @property
+    def mutual(self) -> bool:
+        return self._client_ca is not None
+
+    def reload(self) -> None:
+        """Load the files into the live context (OSError / ssl.SSLError if they are bad)."""
+        with self._lock:
+            stamp = self._stamps()
+            self.context.load_cert_chain(self._cert, self._key)
+            if self._client_ca is not None:
+                self.context.load_verify_locations(cafile=self._client_ca)
+                self.context.verify_mode = ssl.CERT_REQUIRED
+            self._stamp = stamp
+            self.reloads += 1
+
+    def reload_if_changed(self, *, force: bool = False) -> bool:
+        """Reload when a file changed (or ``force``); True if a new certificate was loaded.
+        Never raises: a bad file is logged and the old certificate keeps serving."""
+        if not force and self._stamps() == self._stamp:
+            return False
+        try:
+            self.reload()
+        except (OSError, ssl.SSLError) as exc:
+            log.error("TLS certificate reload failed, still serving the previous one: %s", exc)
+            with self._lock:
+                self._stamp = self._stamps()  # do not retry a bad file every period
+            return False
+        log.info("TLS certificate reloaded from %s", self._cert)
+        return True
+
+    def _stamps(self) -> _Stamp:
+        out = []
+        for path in (self._cert, self._key, self._client_ca):
+            if path is None:
+                continue
+            try:
+                st = os.stat(path)
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError:
+                out.append(None)
+        return tuple(out)
