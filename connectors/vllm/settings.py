@@ -25,6 +25,10 @@ kv_dtype            the fabric's storage dtype (bfloat16,      the engine's KV d
                     scales), converted at the edge when the
                     engine's differs (fp8: quantized at save,
                     dequantized at load)
+reserve_cpu         keep the core vLLM's CPU executor reserves false: an engine with the
+                    for any connector (the engine's OpenMP     connector keeps the thread
+                    team is then one core smaller per rank)    layout it has without one
+                                                               (:mod:`.cpu_threads`)
 ==================  =========================================  =============================
 """
 
@@ -49,6 +53,7 @@ class ConnectorSettings:
     push_to: str | None = None
     expect_timeout_s: float = 5.0
     kv_dtype: str | None = None
+    reserve_cpu: bool = False  # read by the vLLM plugin in .cpu_threads, before any connector
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
@@ -60,6 +65,8 @@ class ConnectorSettings:
             raise ValueError("chunk_tokens must be a positive integer")
         if settings.kv_dtype is not None:  # one spelling per dtype: the namespace's
             settings = replace(settings, kv_dtype=KVDtype.parse(settings.kv_dtype).value)
+        if not isinstance(settings.reserve_cpu, bool):
+            raise ValueError("reserve_cpu must be true or false")
         for name in ("load_timeout_s", "save_timeout_s", "expect_timeout_s"):
             positive_seconds(name, getattr(settings, name))
         return settings

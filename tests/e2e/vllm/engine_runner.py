@@ -12,8 +12,8 @@ Job (JSON object; only `model`, `scratch_dir` and `engines[].prompts` are requir
     model            str   model directory (tests/models/build_tiny_llama.py)
     scratch_dir      str   TMPDIR, VLLM_RPC_BASE_PATH and VLLM_CACHE_ROOT go under it
     multiprocessing  bool  VLLM_ENABLE_V1_MULTIPROCESSING (default false: in-process engine)
-    env              {str: str}  extra environment (e.g. a daemon socket), set before vllm import;
-                           it may override the defaults below
+    env              {str: str | null}  extra environment (e.g. a daemon socket), set before
+                           vllm import; it may override the defaults below (null unsets one)
     engines          list of:
       name                    str   (default "engine<i>")
       kv_transfer_config      dict | null  keyword arguments of vllm.config.KVTransferConfig
@@ -29,6 +29,7 @@ Job (JSON object; only `model`, `scratch_dir` and `engines[].prompts` are requir
       prompts                 list[list[int]]  token ids
       max_tokens              int | list[int]  (default 8; a list gives one value per prompt)
       ignore_eos              bool  (default true: every output has max_tokens tokens)
+      logprobs                int | null  top-k logprobs per generated token (default none)
       kv_transfer_params      list[dict | null]  one per prompt (SamplingParams.extra_args
                               ["kv_transfer_params"], what vLLM 0.32 reads it from)
       kv_transfer_params_from str  name of an earlier engine of the job: each prompt also gets
@@ -69,6 +70,9 @@ Result (JSON object):
         queued_s            float | null  engine core: queued -> first scheduled
         prefill_s           float | null  engine core: first scheduled -> first token
         decode_s            float | null  engine core: first token -> last token
+        logprobs            list[dict[str, float]] | null  with `logprobs`: per generated
+                                   token, token id (as a string) -> logprob, the chosen
+                                   token and the top-k
 """
 
 from __future__ import annotations
@@ -117,11 +121,16 @@ def _setup_env(job: dict) -> None:
     }
     if not multiprocessing:
         env["OMP_NUM_THREADS"] = "1"
-    env.update({str(k): str(v) for k, v in (job.get("env") or {}).items()})
+    extra = job.get("env") or {}
+    env.update({str(k): str(v) for k, v in extra.items() if v is not None})
     os.environ.update(env)
+    for name in (str(k) for k, v in extra.items() if v is None):
+        os.environ.pop(name, None)
     # Connector modules (connectors.*, kvfabric.*) must import here and in vLLM's child
     # processes, whatever the start method.
-    paths = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # (and this directory: the no-op control connector, ``noop_connector``)
+    paths = [str(REPO_ROOT), str(Path(__file__).resolve().parent)] + [
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
@@ -166,6 +175,9 @@ def _output_record(output, generate_s: float) -> dict:
         "num_prompt_tokens": len(output.prompt_token_ids or []),
         "kv_transfer_params": output.kv_transfer_params,
         "generate_s": generate_s,
+        "logprobs": None if completion.logprobs is None else [
+            {str(token): float(entry.logprob) for token, entry in position.items()}
+            for position in completion.logprobs],
         **_timing(output.metrics),
     }
 
@@ -205,11 +217,13 @@ def _run_engine(spec: dict, index: int, model: str, previous: dict[str, dict]) -
     inputs = [TokensPrompt(prompt_token_ids=p, cache_salt=salt) if salt else
               TokensPrompt(prompt_token_ids=p) for p, salt in zip(prompts, salts)]
     ignore_eos = bool(spec.get("ignore_eos", True))
+    logprobs = spec.get("logprobs")
     sampling = []
     for count, kv_params in zip(max_tokens, params):
         extra = {"kv_transfer_params": dict(kv_params)} if kv_params is not None else None
         sampling.append(SamplingParams(temperature=0.0, max_tokens=int(count),
-                                       ignore_eos=ignore_eos, extra_args=extra))
+                                       ignore_eos=ignore_eos, extra_args=extra,
+                                       logprobs=None if logprobs is None else int(logprobs)))
 
     kwargs = {"model": model, "dtype": spec.get("dtype", "bfloat16"),
               "max_model_len": int(spec.get("max_model_len", 4096)),
