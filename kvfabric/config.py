@@ -31,6 +31,7 @@ ENV_PREFIX = "KVFABRIC_"
 CLIENT_ONLY_ENV = frozenset({"KVFABRIC_TOKEN", "KVFABRIC_PYTHON"})
 DEFAULT_HTTP_PORT = 8790
 LOOKUP_TOKENS_CEILING = 1 << 22  # kvfabric.protocol.messages.MAX_TOKENS, without importing it
+CONTROL_FRAME_CEILING = 8 << 20  # kvfabric.protocol.frames.MAX_FRAME, without importing it
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,15 @@ class Limits:
     peer_max_handshakes: int = 256  # handshakes in progress at once, all addresses
     peer_max_handshakes_per_ip: int = 32
     peer_max_connections: int = 512  # authenticated peer connections (one thread each)
+    # Control socket (Unix and TCP listeners): connections before hello are few and short-lived,
+    # no peer (uid on the Unix socket, source address on TCP) can take every session.
+    control_hello_timeout_s: float = 5.0  # a connection must complete its hello within this
+    control_idle_timeout_s: float = 300.0  # no lease, request or bytes this long: closed (0: never)
+    control_hello_max_bytes: int = 64 << 10  # largest frame accepted before hello
+    control_max_pending: int = 256  # connections before hello, all peers (the oldest goes first)
+    control_max_pending_per_peer: int = 64  # the same, per peer (its own oldest goes first)
+    control_max_sessions_per_peer: int = 512  # authenticated sessions per peer
+    control_listen_backlog: int = 1024  # accept queue of each listener (capped by somaxconn)
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_leases_per_session", "request_threads"):
@@ -117,6 +127,24 @@ class Limits:
         if self.lookup_max_tokens > LOOKUP_TOKENS_CEILING:
             raise ConfigError(f"limits.lookup_max_tokens must be at most "
                               f"{LOOKUP_TOKENS_CEILING} (the protocol's bound)")
+        self._check_control()
+
+    def _check_control(self) -> None:
+        for name in ("control_hello_max_bytes", "control_max_pending",
+                     "control_max_pending_per_peer", "control_max_sessions_per_peer",
+                     "control_listen_backlog"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"limits.{name} must be a positive integer")
+        for name, low in (("control_hello_timeout_s", False), ("control_idle_timeout_s", True)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or \
+                    value == 0 and not low:
+                raise ConfigError(f"limits.{name} must be a "
+                                  f"{'non-negative' if low else 'positive'} number of seconds")
+        if not 1024 <= self.control_hello_max_bytes <= CONTROL_FRAME_CEILING:
+            raise ConfigError(f"limits.control_hello_max_bytes must be in [1024, "
+                              f"{CONTROL_FRAME_CEILING}] (the protocol's frame bound)")
 
 
 TLS_PLANES = ("http", "tcp")

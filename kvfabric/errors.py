@@ -103,6 +103,11 @@ class UnsupportedVersionError(ProtocolError):
 
 
 class AuthError(KVFabricError, PermissionError):
+class FrameTooLargeError(ProtocolError):
+    """A frame's length prefix is over the receiver's limit (refused before the body is
+    read). Same kind as :class:`ProtocolError` on the wire."""
+
+
     """Missing or wrong credentials."""
 
     kind = "unauthorized"

@@ -6,7 +6,8 @@ series live in it:
 
 * **Event metrics**, pushed by their callers as things happen: the control server calls
   :meth:`Metrics.session_opened` / :meth:`~Metrics.session_closed` /
-  :meth:`~Metrics.observe_request`; the HTTP API calls :meth:`~Metrics.observe_request` with
+  :meth:`~Metrics.observe_request` / :meth:`~Metrics.control_connection_closed` /
+  :meth:`~Metrics.control_pending`; the HTTP API calls :meth:`~Metrics.observe_request` with
   ``plane="http"``; :class:`~kvfabric.server.instrumented.InstrumentedStore` calls
   :meth:`~Metrics.observe_store_op` and :meth:`~Metrics.count_lookup` (tokens, per tier and
   per tenant).
@@ -113,6 +114,13 @@ class Metrics:
             f"{PREFIX}push_chunks", "Chunks this node pushed, by the target's hardware class "
             "and outcome (pushed, already_there, failed).", ["target_class", "outcome"],
             registry=reg))
+        self._control_closed = _Children(Counter(
+            f"{PREFIX}control_connections_closed", "Control connections refused or closed by "
+            "the daemon, by listener (unix, tcp) and reason.", ["listener", "reason"],
+            registry=reg))
+        self._control_pending = Gauge(
+            f"{PREFIX}control_pending_connections", "Control connections that have not "
+            "completed hello yet.", registry=reg)
         self._tenants = _CappedLabel(max_tenants)
         self._engines = _CappedLabel(max_tenants)
         self._classes = _CappedLabel(max_tenants)
@@ -126,6 +134,14 @@ class Metrics:
 
     def session_closed(self) -> None:
         self._sessions.dec()
+
+    def control_connection_closed(self, listener: str, reason: str) -> None:
+        """The daemon refused or closed a control connection (``reason``: a fixed word such
+        as hello_timeout, idle, per_peer_limit, frame_too_large)."""
+        self._control_closed(listener, reason).inc()
+
+    def control_pending(self, count: int) -> None:
+        self._control_pending.set(count)
 
     def observe_request(self, op: str, seconds: float, error_kind: str | None, *,
                         plane: str = "control") -> None:

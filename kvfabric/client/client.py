@@ -13,8 +13,12 @@
 Reconnects: when the daemon goes away (restart), requests that are safe to repeat
 (lookup, contains, get, reserve, put, delete, stats, ping) reconnect with backoff and retry
 until ``reconnect_timeout``; leases taken on the old session are gone and their handles
-raise :class:`~kvfabric.errors.UnavailableError`. Thread-safe: requests are serialised on
-one connection (use one client per thread for parallelism).
+raise :class:`~kvfabric.errors.UnavailableError`. Connecting (here and on each reconnect)
+retries a busy daemon (full accept queue, at ``max_sessions``, a flood pushing connections
+out) within ``timeout`` and fails fast when none is listening
+(:mod:`kvfabric.client.connection`); every failure is a
+:class:`~kvfabric.errors.KVFabricError`. Thread-safe: requests are serialised on one
+connection (use one client per thread for parallelism).
 """
 
 from __future__ import annotations
@@ -65,8 +69,9 @@ class Client:
         self.engine = engine
         self._backoff = backoff or ExponentialBackoff()
         self._lock = threading.Lock()
-        self._connection: Connection | None = Connection(self.address, token=self._token,
-                                                         timeout=timeout, client=engine)
+        self._connection: Connection | None = Connection(
+            self.address, token=self._token, timeout=timeout, client=engine,
+            backoff=self._backoff)
 
     @property
     def node_id(self) -> str:
@@ -243,7 +248,8 @@ class Client:
             if self._connection is None or self._connection.closed:
                 self._connection = None
                 self._connection = Connection(self.address, token=self._token,
-                                              timeout=self.timeout, client=self.engine)
+                                              timeout=self.timeout, client=self.engine,
+                                              backoff=self._backoff)
             return self._connection
 
     def close(self) -> None:

@@ -4,10 +4,20 @@ Connect (Unix socket, or TCP for remote tooling), ``hello`` (with the token when
 configured), receive the arena descriptors (SCM_RIGHTS) and map them; then one request at a
 time with a deadline each. A deadline that passes mid-reply leaves the stream out of sync,
 so the connection is closed and must be re-established (the client does that).
+
+Connecting is retried with backoff within the connection's deadline when the daemon is
+there but busy: a full accept queue (``EAGAIN`` on the Unix socket), a connection the daemon
+closed before answering hello (a flood pushed it out) or a hello refused as unavailable (at
+``max_sessions``). A refused connection (``ECONNREFUSED``: nothing listening) is retried for
+:data:`REFUSED_RETRY_S` only, and a missing socket file not at all, so that a client of a
+daemon that is down fails fast. Every failure is a :class:`~kvfabric.errors.KVFabricError`
+(:class:`~kvfabric.errors.UnavailableError`, :class:`~kvfabric.errors.DeadlineExceededError`,
+...): no raw ``OSError`` or ``ValueError`` escapes.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import socket
 import threading
@@ -16,6 +26,7 @@ from array import array
 from typing import Any
 
 from kvfabric.client.arenas import ArenaSet
+from kvfabric.client.retry import Backoff, ExponentialBackoff
 from kvfabric.errors import (DeadlineExceededError, KVFabricError, ProtocolError,
                              UnavailableError, error_for_kind)
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
@@ -23,21 +34,45 @@ from kvfabric.protocol.messages import Op, request
 
 MAX_FDS = 16
 CLIENT_NAME = "kvfabric-python"
+REFUSED_RETRY_S = 1.0  # a listener that refuses for this long is down, not busy
+_BUSY = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR})
 
 Address = str | tuple[str, int]
 
 
-def open_socket(address: Address, timeout: float) -> socket.socket:
+def open_socket(address: Address, timeout: float,
+                backoff: Backoff | None = None) -> socket.socket:
+    """A connected socket, within ``timeout`` seconds; busy listeners are retried."""
+    now = time.monotonic()
+    deadline, refused_until = now + timeout, now + min(timeout, REFUSED_RETRY_S)
+    backoff = backoff or ExponentialBackoff()
+    attempt = 0
+    while True:
+        try:
+            return _connect(address, deadline)
+        except OSError as exc:
+            now = time.monotonic()
+            busy = exc.errno in _BUSY or exc.errno == errno.ECONNREFUSED and now < refused_until
+            if not busy or now >= deadline:
+                raise UnavailableError(
+                    f"cannot reach the kvfabric daemon at {address}: {exc}") from None
+        time.sleep(min(backoff.delay(attempt), max(0.0, deadline - now)))
+        attempt += 1
+
+
+def _connect(address: Address, deadline: float) -> socket.socket:
+    timeout = max(deadline - time.monotonic(), 0.001)
+    if isinstance(address, tuple):
+        sock = socket.create_connection(address, timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        if isinstance(address, tuple):
-            sock = socket.create_connection(address, timeout=timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        else:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
-            sock.connect(address)
-    except OSError as exc:
-        raise UnavailableError(f"cannot reach the kvfabric daemon at {address}: {exc}") from None
+        sock.settimeout(timeout)  # a full accept queue: EAGAIN at once, not a wait
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
@@ -45,7 +80,21 @@ def handshake(sock: socket.socket, token: str | None, deadline: float,
               decoder: FrameDecoder, client: str | None = None
               ) -> tuple[dict[str, Any], list[int]]:
     """Send hello (``client``: the engine or tool this session serves, a metrics label),
-    read its reply and any passed descriptors."""
+    read its reply and any passed descriptors. Socket errors come out typed."""
+    try:
+        return _handshake(sock, token, deadline, decoder, client)
+    except KVFabricError:
+        raise
+    except socket.timeout:
+        raise DeadlineExceededError("hello: no reply from the daemon before the deadline") \
+            from None
+    except OSError as exc:
+        raise UnavailableError(f"lost the daemon during hello: {exc}") from None
+
+
+def _handshake(sock: socket.socket, token: str | None, deadline: float,
+               decoder: FrameDecoder, client: str | None) -> tuple[dict[str, Any], list[int]]:
+    sock.settimeout(_remaining(deadline, "hello"))
     sock.sendall(encode_frame(request(0, Op.HELLO, {"token": token,
                                                     "client": client or CLIENT_NAME})))
     fds: list[int] = []
@@ -69,19 +118,40 @@ class Connection:
     """One authenticated session; thread-safe (requests are serialised)."""
 
     def __init__(self, address: Address, *, token: str | None = None,
-                 timeout: float = 30.0, client: str | None = None) -> None:
+                 timeout: float = 30.0, client: str | None = None,
+                 backoff: Backoff | None = None) -> None:
+        """Connect and hello within ``timeout`` seconds (retrying a busy daemon)."""
         self.address = address
         self.timeout = timeout
-        self._decoder = FrameDecoder()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._sock = open_socket(address, timeout)
+        deadline = time.monotonic() + timeout
+        backoff = backoff or ExponentialBackoff()
+        attempt = 0
+        while True:
+            # not reachable (nothing listening, no socket file): raised from here at once
+            self._sock = open_socket(address, _remaining(deadline, "connect"), backoff)
+            self._decoder = FrameDecoder()
+            try:
+                self.hello, fds = handshake(self._sock, token, deadline, self._decoder, client)
+                break
+            except UnavailableError:  # reachable but busy: pushed out, or at max_sessions
+                self._sock.close()
+                pause = backoff.delay(attempt)
+                if time.monotonic() + pause >= deadline:
+                    raise
+                time.sleep(pause)
+                attempt += 1
+            except BaseException:
+                self._sock.close()
+                raise
         try:
-            self.hello, fds = handshake(self._sock, token, time.monotonic() + timeout,
-                                        self._decoder, client)
             self.arenas = ArenaSet(self.hello.get("arenas", []), fds)
-        except BaseException:
+        except BaseException as exc:
             self._sock.close()
+            if isinstance(exc, (OSError, ValueError)) and not isinstance(exc, KVFabricError):
+                raise UnavailableError(f"cannot map the daemon's shared memory: {exc}") \
+                    from None
             raise
         self.closed = False
 

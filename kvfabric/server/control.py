@@ -14,6 +14,15 @@ Bad input never takes the daemon down: a malformed request gets an error reply; 
 frame (garbage length, undecodable body) gets an error reply and the connection is closed,
 because the stream can no longer be trusted. When a connection ends, its session's leases
 are given back.
+
+Floods and slow clients are bounded (:mod:`kvfabric.server.admission`): before its hello a
+connection may send one small frame (``limits.control_hello_max_bytes``) within
+``limits.control_hello_timeout_s``; connections waiting for hello are few (the oldest goes
+first) and do not count against ``max_sessions``; a peer's sessions are capped; idle
+sessions are closed. Large legal requests (a 65,536-key ``contains``, a lookup of millions
+of token ids) are answered in slices on the loop (:mod:`kvfabric.server.slices`), and a
+connection whose requests keep arriving gives the loop back every few milliseconds, so no
+client holds the others up for longer than that.
 """
 
 from __future__ import annotations
@@ -27,17 +36,21 @@ import ssl
 import threading
 import time
 from array import array
+from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfabric.errors import (AuthError, DeadlineExceededError, ForbiddenError, KVFabricError,
-                             ProtocolError, WouldBlockError)
-from kvfabric.protocol.frames import FrameDecoder, encode_frame
+from kvfabric.config import Limits
+from kvfabric.errors import (AuthError, DeadlineExceededError, ForbiddenError,
+                             FrameTooLargeError, KVFabricError, ProtocolError, UnavailableError,
+                             WouldBlockError)
+from kvfabric.protocol.frames import MAX_FRAME, FrameDecoder, encode_frame
 from kvfabric.protocol.messages import (Op, error_reply, ok_reply, parse_request,
                                         request_id_of)
-from kvfabric.server import handlers
+from kvfabric.server import handlers, slices
+from kvfabric.server.admission import Admission, Conn
 from kvfabric.server.handlers import Context
 from kvfabric.server.session import Session
 from kvfabric.server.traffic import Traffic, traffic_of
@@ -56,19 +69,21 @@ class ControlServer:
 
     def __init__(self, ctx: Context, executor: Executor, metrics: Any, *, socket_path: str,
                  tcp_listener: socket.socket | None, max_sessions: int,
-                 tcp_ssl: ssl.SSLContext | None = None) -> None:
+                 tcp_ssl: ssl.SSLContext | None = None, limits: Limits | None = None) -> None:
         """``tcp_listener``: a bound, listening socket for remote sessions (bound by the
         caller, so its port is known before the server starts), or None; ``tcp_ssl``: serve
-        TLS on it (see :mod:`kvfabric.server.tls`)."""
+        TLS on it (see :mod:`kvfabric.server.tls`); ``limits``: the ``control_*`` bounds
+        (default: the defaults, with ``max_sessions``)."""
+        self._limits = limits if limits is not None else Limits(max_sessions=max_sessions)
+        self._admission = Admission(self._limits, metrics)
+        self._sweeper: asyncio.Task[None] | None = None
         self._tcp_ssl = tcp_ssl
         self._ctx = ctx
         self._executor = executor
         self._metrics = metrics
         self._socket_path = Path(socket_path)
         self._tcp_listener = tcp_listener
-        self._max_sessions = max_sessions
         self._servers: list[asyncio.AbstractServer] = []
-        self._connections: dict[Session, asyncio.StreamWriter] = {}
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -79,7 +94,7 @@ class ControlServer:
 
     @property
     def session_count(self) -> int:
-        return len(self._connections)
+        return self._admission.session_count
 
     @property
     def tcp_port(self) -> int | None:
@@ -95,15 +110,23 @@ class ControlServer:
         _remove_stale_socket(self._socket_path)
         unix = await asyncio.start_unix_server(
             lambda r, w: self._serve(r, w, local=True), path=str(self._socket_path),
-            limit=READ_CHUNK)
+            limit=READ_CHUNK, backlog=self._limits.control_listen_backlog)
         os.chmod(self._socket_path, 0o660)  # the node's engines run as the same group
         self._servers.append(unix)
         if self._tcp_listener is not None:
             tcp = await asyncio.start_server(
                 lambda r, w: self._serve(r, w, local=False), sock=self._tcp_listener,
                 limit=READ_CHUNK, ssl=self._tcp_ssl,
+                backlog=self._limits.control_listen_backlog,
                 ssl_handshake_timeout=TLS_HANDSHAKE_S if self._tcp_ssl else None)
             self._servers.append(tcp)
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Idle sessions closed, refusals logged (rate-limited), every so often."""
+        while True:
+            await asyncio.sleep(self._admission.sweep_interval())
+            self._admission.sweep()
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let in-flight requests finish (up to ``grace_s``), close sessions."""
@@ -111,8 +134,9 @@ class ControlServer:
             server.close()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), grace_s)
-        for writer in list(self._connections.values()):
-            writer.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self._admission.close_all()
         for server in self._servers:
             await server.wait_closed()
         with contextlib.suppress(FileNotFoundError):
@@ -120,32 +144,26 @@ class ControlServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
                      local: bool) -> None:
+        conn = self._admission.accept(writer, local=local)
         session = Session(local=local, max_leases=self._ctx.max_leases)
-        if len(self._connections) >= self._max_sessions:
-            await _send(writer, error_reply(0, ProtocolError(
-                f"too many sessions (limit {self._max_sessions})")))
-            writer.close()
-            return
-        self._connections[session] = writer
-        self._metrics.session_opened()
-        decoder = FrameDecoder()
+        # until hello, a frame may be small: an unauthenticated peer holds at most that
+        decoder = FrameDecoder(self._limits.control_hello_max_bytes)
         slots = asyncio.Semaphore(MAX_IN_FLIGHT)
         blocking = asyncio.Semaphore(MAX_BLOCKING_PER_SESSION)
         tasks: set[asyncio.Task[None]] = set()
+        pace = slices.Pacer()
         try:
             while True:
                 data = await reader.read(READ_CHUNK)
                 if not data:
                     break
-                try:
-                    messages = list(decoder.feed(data))
-                except ProtocolError as exc:
-                    await _send(writer, error_reply(0, exc))
-                    break  # the stream is out of sync: nothing after this can be trusted
-                for message in messages:
+                conn.touch()
+                frames = decoder.feed(data)
+                while (message := self._next_message(conn, frames)) is not None:
                     if not session.authenticated:
-                        if not await self._hello(session, message, writer):
+                        if not await self._hello(conn, session, message, writer):
                             return
+                        decoder.limit = MAX_FRAME
                         continue
                     started = time.perf_counter()
                     answer = self._answer_now(session, message)
@@ -156,26 +174,47 @@ class ControlServer:
                     task = asyncio.create_task(self._dispatch(session, answer, writer,
                                                               blocking, started))
                     tasks.add(task)
-                    task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
+                    conn.in_flight += 1
+                    task.add_done_callback(lambda t: _task_done(t, tasks, slots, conn))
+                if conn.closing:
+                    break  # the stream is out of sync: nothing after this can be trusted
+                # read() returns at once while the client keeps data buffered: give the
+                # loop to the others every few milliseconds all the same
+                await pace()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
-            del self._connections[session]
+            self._admission.release(conn)
             leases = session.close()
             if leases:
                 log.info("session %d ended with %d open lease(s); given back", session.id, leases)
-            self._metrics.session_closed()
+            if conn.session is not None:
+                self._metrics.session_closed()
             writer.close()
 
-    async def _hello(self, session: Session, message: Any, writer: asyncio.StreamWriter) -> bool:
+    def _next_message(self, conn: Conn, frames: Iterator[dict[str, Any]]
+                      ) -> dict[str, Any] | None:
+        """The next decoded message; None when the data read so far holds no more, or when
+        the frame was broken (then the connection is closed, with an error reply)."""
+        try:
+            return next(frames, None)
+        except ProtocolError as exc:
+            reason = "frame_too_large" if isinstance(exc, FrameTooLargeError) else "bad_frame"
+            self._admission.close(conn, reason, exc)
+            return None
+
+    async def _hello(self, conn: Conn, session: Session, message: Any,
+                     writer: asyncio.StreamWriter) -> bool:
         request_id = request_id_of(message)
         try:
             request_id, op, args = parse_request(message)
             if op is not Op.HELLO:
                 raise AuthError("a session must start with hello")
             result, fds = handlers.hello(self._ctx, session, args)
+            self._admission.admit(conn, session)  # or UnavailableError: too many sessions
+            self._metrics.session_opened()
             frame = encode_frame(ok_reply(request_id, result))
             await writer.drain()
             if fds:
@@ -185,7 +224,9 @@ class ControlServer:
                 await writer.drain()
             return True
         except KVFabricError as exc:
-            log.warning("session %d refused: %s", session.id, exc)
+            if conn.session is None and not isinstance(exc, UnavailableError):
+                self._admission.refused(conn, "bad_hello")  # counted, logged rate-limited
+            log.debug("session %d refused: %s", session.id, exc)
             await _send(writer, error_reply(request_id, exc))
             return False
 
@@ -201,6 +242,8 @@ class ControlServer:
                 raise ProtocolError(f"{op.value} is only valid as a session's first request")
             if handler.local and not session.local:
                 raise ForbiddenError(f"{op.value} maps shared memory: use the local socket")
+            if slices.is_large(op, args):  # answered a slice at a time, as a task
+                return _Pending(request_id, op, handler, args, sliced=True)
             if handler.waits_for_layers or handler.blocking and handler.batch and not (
                     handler.items and _loop_sized(args.get(handler.items))):
                 # a batch's items done before a wait could not be redone
@@ -227,7 +270,9 @@ class ControlServer:
         """Run a request that waits: on a worker thread, or parked until a layer lands."""
         self._begin()
         try:
-            if pending.handler.waits_for_layers:
+            if pending.sliced:
+                result = await slices.answer(self._ctx, session, pending.op, pending.args)
+            elif pending.handler.waits_for_layers:
                 result = await self._run_waiting(pending.handler, session, pending.args)
             elif pending.redo:
                 result = await self._redo_items(pending, session, blocking)
@@ -345,6 +390,15 @@ class _Pending:
     args: dict[str, Any]
     done: list[Any] | None = None  # a batch tried on the loop: its items' results, and
     redo: list[int] | None = None  # the positions of the items that would have waited
+    sliced: bool = False  # a large request: answered by kvfabric.server.slices
+
+
+def _task_done(task: asyncio.Task[None], tasks: set[asyncio.Task[None]],
+               slots: asyncio.Semaphore, conn: Conn) -> None:
+    tasks.discard(task)
+    slots.release()
+    conn.in_flight -= 1
+    conn.touch()  # a long request that just ended: the idle clock starts now
 
 
 def _loop_sized(items: Any) -> bool:

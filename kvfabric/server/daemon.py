@@ -113,7 +113,7 @@ class Daemon:
                     self.cluster, self.puller, self.pusher),
             self._executor, self.metrics, socket_path=config.socket_path,
             tcp_listener=self._tcp, max_sessions=config.limits.max_sessions,
-            tcp_ssl=self._tls_for("tcp"))
+            tcp_ssl=self._tls_for("tcp"), limits=config.limits)
         self.http_port: int | None = None
         self._http: HttpServer | None = None
         self._stop: asyncio.Event | None = None

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from kvfabric.client import Client
 from kvfabric.hashing import chunk_hashes
-from kvfabric.protocol.frames import MAX_FRAME, MAX_ITEMS, FrameDecoder
+from kvfabric.protocol.frames import HELLO_FRAME, MAX_FRAME, MAX_ITEMS, FrameDecoder
 from kvfabric.protocol.messages import MAX_BATCH, MAX_KEYS, PROTOCOL_VERSION, encode_namespace
 from kvfabric.spec import KVSpec, Namespace
 
@@ -89,6 +89,7 @@ class Raw:
 
     def send(self, message: Any) -> bool:
         body = msgpack.packb(message, use_bin_type=True)
+        self.last_size = len(body)
         return self.send_bytes(struct.pack("<I", len(body)) + body)
 
     def request(self, op: Any, args: Any = OMIT, *, v: Any = PROTOCOL_VERSION,
@@ -584,6 +585,10 @@ def test_fuzz_first_request_must_be_a_valid_hello(daemon, seeded) -> None:
     def case(op: str, args: Any, version: Any) -> None:
         with Raw(daemon.socket) as conn:
             reply = conn.call(op, args, v=version)
+            if conn.last_size > HELLO_FRAME:  # refused by its length alone, before hello
+                assert_error(reply, "bad_request", allow_closed=True)
+                assert conn.wait_closed() == []
+                return
             valid_version = type(version) is int and version == PROTOCOL_VERSION
             if op == "hello" and valid_version and (args is OMIT or isinstance(args, dict)) \
                     and reply is not None and reply.get("ok"):

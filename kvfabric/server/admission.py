@@ -1,0 +1,234 @@
+"""Admission to the control socket: who may hold a connection, and for how long.
+
+A connection is *pending* from accept until its ``hello`` is processed, then a *session*.
+The limits (``limits.control_*`` in :mod:`kvfabric.config`) make sure that a flood of idle,
+slow or half-sent connections never locks a legitimate client out:
+
+- pending connections are bounded in total (``control_max_pending``) and per peer
+  (``control_max_pending_per_peer``). At a bound the *oldest* pending connection (of that
+  peer, or overall) is closed to make room, never the new one: a client that says hello
+  right after connecting always gets in, while a flood only pushes out stale connections,
+  its own first (reasons ``per_peer_limit``, ``pending_overflow``);
+- a pending connection is closed at its hello deadline (``control_hello_timeout_s`` after
+  accept; reason ``hello_timeout``), and may send at most ``control_hello_max_bytes`` before
+  it (the control server reads with that frame limit; ``frame_too_large``);
+- ``max_sessions`` counts sessions only (pending connections are bounded above instead);
+  a hello over it, or over the peer's ``control_max_sessions_per_peer``, is refused with
+  :class:`~kvfabric.errors.UnavailableError` (``max_sessions``, ``per_peer_limit``);
+- a session with no open lease, no request in flight and no traffic (bytes received or a
+  reply sent) for ``control_idle_timeout_s`` is closed (``idle``; 0 turns this off). A
+  session holding leases is never idle-closed: its leases end at their own deadlines (the
+  store's), and the client may still be reading or writing the pages they cover.
+
+A peer is the connecting uid on the Unix socket (``SO_PEERCRED``) and the source address on
+TCP. Every connection the daemon refuses or closes is counted
+(``kvfabric_control_connections_closed_total{listener, reason}``) and summed up in one
+warning line at most every :data:`LOG_EVERY_S` seconds, so a flood cannot flood the log.
+
+Used on the event loop only (no locks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfabric.config import Limits
+from kvfabric.errors import DeadlineExceededError, KVFabricError, UnavailableError
+from kvfabric.protocol.frames import encode_frame
+from kvfabric.protocol.messages import error_reply
+from kvfabric.server.session import Session
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_S = 10.0
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+@dataclass(eq=False)
+class Conn:
+    """One accepted control connection, pending or a session."""
+
+    writer: asyncio.StreamWriter
+    listener: str  # "unix" or "tcp": the metrics' label
+    peer: str  # "uid:1000", "ip:10.0.0.7"
+    accepted: float
+    last_active: float
+    session: Session | None = None
+    in_flight: int = 0  # requests read and not yet answered
+    closing: bool = False
+    deadline: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+
+class Admission:
+    """Tracks pending connections and sessions; closes the ones the limits say must go."""
+
+    def __init__(self, limits: Limits, metrics: Any) -> None:
+        self._limits = limits
+        self._metrics = metrics
+        self._pending: dict[Conn, None] = {}  # in accept order: the first is the oldest
+        self._pending_by_peer: dict[str, dict[Conn, None]] = {}
+        self._sessions: dict[Conn, None] = {}
+        self._sessions_by_peer: Counter[str] = Counter()
+        self._unlogged: Counter[tuple[str, str]] = Counter()
+        self._last_log = float("-inf")
+
+    @property
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    def sessions(self) -> list[Conn]:
+        return list(self._sessions)
+
+    def accept(self, writer: asyncio.StreamWriter, *, local: bool) -> Conn:
+        """Register a new connection as pending (closing older pending ones at a bound) and
+        arm its hello deadline."""
+        now = time.monotonic()
+        conn = Conn(writer, "unix" if local else "tcp", peer_of(writer, local), now, now)
+        mine = self._pending_by_peer.setdefault(conn.peer, {})
+        if len(mine) >= self._limits.control_max_pending_per_peer:
+            self.close(next(iter(mine)), "per_peer_limit", UnavailableError(
+                "too many connections from this peer are waiting for hello; the oldest "
+                "is closed"))
+        if len(self._pending) >= self._limits.control_max_pending:
+            self.close(next(iter(self._pending)), "pending_overflow", UnavailableError(
+                "too many connections are waiting for hello; the oldest is closed"))
+        self._pending[conn] = None
+        mine[conn] = None
+        conn.deadline = asyncio.get_running_loop().call_later(
+            self._limits.control_hello_timeout_s, self._hello_expired, conn)
+        self._metrics.control_pending(len(self._pending))
+        return conn
+
+    def admit(self, conn: Conn, session: Session) -> None:
+        """Make a pending connection whose hello was accepted a session; raises
+        UnavailableError (and counts the refusal) when a session limit is reached."""
+        if conn.closing:
+            raise UnavailableError("the connection was closed before its hello was answered")
+        reason = None
+        if len(self._sessions) >= self._limits.max_sessions:
+            reason, error = "max_sessions", UnavailableError(
+                f"too many sessions (limit {self._limits.max_sessions}); try again later")
+        elif self._sessions_by_peer[conn.peer] >= self._limits.control_max_sessions_per_peer:
+            reason, error = "per_peer_limit", UnavailableError(
+                f"too many sessions from this peer (limit "
+                f"{self._limits.control_max_sessions_per_peer})")
+        if reason is not None:
+            self._count(conn, reason)
+            raise error
+        self._forget_pending(conn)
+        conn.session = session
+        self._sessions[conn] = None
+        self._sessions_by_peer[conn.peer] += 1
+        conn.touch()
+
+    def release(self, conn: Conn) -> None:
+        """The connection ended (any reason): forget it. Idempotent."""
+        self._forget_pending(conn)
+        if self._sessions.pop(conn, 0) is None:
+            self._sessions_by_peer[conn.peer] -= 1
+            if not self._sessions_by_peer[conn.peer]:
+                del self._sessions_by_peer[conn.peer]
+
+    def refused(self, conn: Conn, reason: str) -> None:
+        """Count a connection the control server ends itself (a bad frame or hello)."""
+        self._count(conn, reason)
+
+    def close(self, conn: Conn, reason: str, error: KVFabricError | None = None) -> None:
+        """Close ``conn`` now, telling the client why (best effort: never waits for a client
+        that does not read), and count it. The connection's reader then sees EOF."""
+        if conn.closing:
+            return
+        conn.closing = True
+        self._forget_pending(conn)
+        writer = conn.writer
+        if error is not None and not writer.is_closing():
+            with contextlib.suppress(Exception):
+                writer.write(encode_frame(error_reply(0, error)))
+        writer.close()
+        self._count(conn, reason)
+
+    def close_all(self) -> None:
+        """Shutting down: close every connection, without counting them as refused."""
+        for conn in [*self._pending, *self._sessions]:
+            conn.closing = True
+            self._forget_pending(conn)
+            conn.writer.close()
+
+    def sweep_interval(self) -> float:
+        idle = self._limits.control_idle_timeout_s
+        return LOG_EVERY_S if not idle else min(LOG_EVERY_S, max(0.05, idle / 4))
+
+    def sweep(self) -> None:
+        """Close idle sessions; write the summary of closes not logged yet."""
+        idle = self._limits.control_idle_timeout_s
+        if idle:
+            stale = time.monotonic() - idle
+            for conn in list(self._sessions):
+                session = conn.session
+                if conn.last_active < stale and not conn.in_flight and \
+                        session is not None and not session.lease_count:
+                    self.close(conn, "idle", UnavailableError(
+                        f"session closed after {idle:g} s without requests"))
+        self._log()
+
+    def _hello_expired(self, conn: Conn) -> None:
+        if conn in self._pending:
+            self.close(conn, "hello_timeout", DeadlineExceededError(
+                f"no hello within {self._limits.control_hello_timeout_s:g} s of connecting"))
+
+    def _forget_pending(self, conn: Conn) -> None:
+        if conn.deadline is not None:
+            conn.deadline.cancel()
+            conn.deadline = None
+        if self._pending.pop(conn, 0) is None:
+            mine = self._pending_by_peer[conn.peer]
+            del mine[conn]
+            if not mine:
+                del self._pending_by_peer[conn.peer]
+            self._metrics.control_pending(len(self._pending))
+
+    def _count(self, conn: Conn, reason: str) -> None:
+        self._metrics.control_connection_closed(conn.listener, reason)
+        self._unlogged[(conn.listener, reason)] += 1
+        self._log()
+
+    def _log(self) -> None:
+        now = time.monotonic()
+        if not self._unlogged or now - self._last_log < LOG_EVERY_S:
+            return
+        self._last_log = now
+        summary = ", ".join(f"{listener}/{reason}={n}"
+                            for (listener, reason), n in sorted(self._unlogged.items()))
+        self._unlogged.clear()
+        log.warning("control plane refused or closed connections (since the last such line): "
+                    "%s; %d pending, %d sessions", summary, len(self._pending),
+                    len(self._sessions))
+
+
+def peer_of(writer: asyncio.StreamWriter, local: bool) -> str:
+    """The peer a connection counts against: its uid (Unix socket) or source address."""
+    if local:
+        sock = writer.get_extra_info("socket")
+        try:
+            _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                         _PEERCRED.size))
+        except (OSError, AttributeError, struct.error):
+            return "uid:?"  # not Linux: every local client is one peer
+        return f"uid:{uid}"
+    peername = writer.get_extra_info("peername")
+    return f"ip:{peername[0]}" if isinstance(peername, tuple) and peername else "ip:?"
