@@ -7,7 +7,9 @@ endpoint                    who (auth on)      what
 ==========================  =================  ============================================
 ``GET /healthz``            anyone             200 while the process serves HTTP (plus
                                                ``warnings``: planes exposed insecurely)
-``GET /readyz``             anyone             200 when ``daemon.ready``, else 503
+``GET /readyz``             anyone             200 when ``daemon.ready``, else 503; both
+                                               say ``degraded`` (and which tiers) while a
+                                               disk fault degrades the SSD tier
 ``GET /metrics``            admin              Prometheus text exposition (its tenant
                                                labels would show tenants each other)
 ``POST /v1/lookup``         admin, tenants     longest stored prefix of a prompt or chain
@@ -183,17 +185,23 @@ class ErrorResponse(BaseModel):
     detail: list[Issue] | None = None
 
 
+_DEGRADED = ("tiers a disk fault (full disk, quota, I/O error) degraded: they serve what "
+             "they hold but take no new objects until the fault clears")
+
+
 class HealthResponse(BaseModel):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "degraded"] = "ok"
     node_id: str
     uptime_s: float
+    degraded: list[str] = Field(default_factory=list, description=_DEGRADED)
     warnings: list[str] = Field(default_factory=list, description="planes listening beyond "
                                 "loopback without authentication (security.allow_insecure)")
 
 
 class ReadyResponse(BaseModel):
-    status: Literal["ready", "not_ready"]
+    status: Literal["ready", "degraded", "not_ready"]
     node_id: str
+    degraded: list[str] | None = Field(None, description=_DEGRADED + " (still ready: 200)")
     reason: str | None = Field(None, description="why not ready")
 
 
@@ -237,6 +245,11 @@ class TierStatsBody(BaseModel):
     bytes_saved: int = Field(0, description="SSD tier in fp8: native bytes minus bytes written")
     corrupt_records: int
     torn_records: int
+    degraded: bool = Field(False, description="SSD tier: a disk fault stopped new objects")
+    disk_errors: dict[str, int] = Field(default_factory=dict,
+                                        description="SSD tier: I/O errors by errno name")
+    refused_demotions: int = Field(0, description="SSD tier: objects evicted from memory "
+                                   "instead of demoted while it was degraded")
 
 
 class TotalsBody(BaseModel):
@@ -272,6 +285,7 @@ class StatsResponse(BaseModel):
     namespaces: list[NamespaceStatsBody]
     warnings: list[str] = Field(default_factory=list, description="planes listening beyond "
                                 "loopback without authentication (security.allow_insecure)")
+    degraded: list[str] = Field(default_factory=list, description=_DEGRADED)
 
 
 class EvictResponse(BaseModel):
@@ -460,8 +474,10 @@ def _warnings(daemon: DaemonView) -> list[str]:
 
 @_probes.get("/healthz")
 async def healthz(daemon: Daemon) -> HealthResponse:
-    return HealthResponse(node_id=daemon.node_id, uptime_s=_uptime(daemon),
-                          warnings=_warnings(daemon))
+    degraded = daemon.store.degraded_tiers  # lock-free: fine on the event loop
+    return HealthResponse(status="degraded" if degraded else "ok", node_id=daemon.node_id,
+                          uptime_s=_uptime(daemon), warnings=_warnings(daemon),
+                          degraded=degraded)
 
 
 @_probes.get("/readyz", response_model_exclude_none=True,
@@ -470,7 +486,10 @@ async def readyz(daemon: Daemon, response: Response) -> ReadyResponse:
     ready = daemon.ready
     if not ready:  # starting, draining before shutdown, or a plane stopped accepting
         response.status_code = 503
-    return ReadyResponse(status="ready" if ready else "not_ready", node_id=daemon.node_id,
+    # a degraded SSD tier still serves (memory, and reads of what it holds): ready, but said
+    degraded = daemon.store.degraded_tiers or None
+    status = "not_ready" if not ready else "degraded" if degraded else "ready"
+    return ReadyResponse(status=status, node_id=daemon.node_id, degraded=degraded,
                          reason=None if ready else getattr(daemon, "not_ready_reason", None))
 
 
@@ -528,7 +547,7 @@ def stats(daemon: Daemon, _: Admin) -> StatsResponse:
         namespaces=[NamespaceStatsBody(model=n.model_id, tenant=n.tenant, lookups=n.lookups,
                                        lookup_tokens=n.lookup_tokens, hit_tokens=n.hit_tokens)
                     for n in snapshot.namespaces],
-        warnings=_warnings(daemon))
+        warnings=_warnings(daemon), degraded=list(snapshot.degraded_tiers))
 
 
 @_api.post("/admin/evict", name="evict")

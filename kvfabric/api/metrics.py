@@ -223,6 +223,8 @@ _TIER_COUNTERS = (
     ("tier_corrupt_records", "corrupt_records",
      "SSD records that failed their checks; skipped or dropped, never served."),
     ("tier_torn_records", "torn_records", "Torn (partially written) SSD records skipped."),
+    ("tier_refused_demotions", "refused_demotions",
+     "Objects evicted from memory instead of demoted because the SSD tier was degraded."),
 )
 _STORE_COUNTERS = (
     ("store_commits", "puts", "Objects committed (every layer written)."),
@@ -301,11 +303,21 @@ def _families(stats: StoreStats | None) -> list[Metric]:
                       for name, attr, doc in _TIER_COUNTERS]
     store_families = [(attr, CounterMetricFamily(PREFIX + name, doc))
                       for name, attr, doc in _STORE_COUNTERS]
+    degraded = GaugeMetricFamily(
+        f"{PREFIX}tier_degraded", "1 while a disk fault (full disk, quota, I/O error) keeps "
+        "new objects out of the tier; what it holds stays readable.", labels=["tier"])
+    disk_errors = CounterMetricFamily(
+        f"{PREFIX}tier_disk_errors", "I/O errors of the SSD tier, by errno name (ENOSPC, "
+        "EDQUOT, EIO, ...).", labels=["tier", "errno"])
     if stats is not None:
         for tier in stats.tiers:
             info.add_metric([tier.name, tier.kind], 1)
             for attr, family in tier_families:
                 family.add_metric([tier.name], getattr(tier, attr))
+            degraded.add_metric([tier.name], int(tier.degraded))
+            for name, count in sorted(tier.disk_errors.items()):  # a few errno names at most
+                disk_errors.add_metric([tier.name, name], count)
         for attr, family in store_families:
             family.add_metric([], getattr(stats, attr))
-    return [info, *(f for _, f in tier_families), *(f for _, f in store_families)]
+    return [info, *(f for _, f in tier_families), degraded, disk_errors,
+            *(f for _, f in store_families)]

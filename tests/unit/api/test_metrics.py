@@ -34,7 +34,9 @@ class FixedStats:
     def stats(self) -> StoreStats:
         ssd = TierStats(name="ssd", kind="ssd", capacity_bytes=1000, used_bytes=400, objects=7,
                         hit_tokens=0, hit_chunks=0, evictions=11, promotions=12, demotions=13,
-                        bytes_in=14, bytes_out=15, corrupt_records=16, torn_records=17)
+                        bytes_in=14, bytes_out=15, corrupt_records=16, torn_records=17,
+                        degraded=True, disk_errors={"ENOSPC": 18, "EIO": 19},
+                        refused_demotions=20)
         dram = TierStats(name="dram", kind="dram", capacity_bytes=500, used_bytes=100, objects=3,
                          hit_tokens=0, hit_chunks=0, evictions=21, promotions=22, demotions=23,
                          bytes_in=24, bytes_out=25)
@@ -161,10 +163,15 @@ def test_store_snapshot_maps_every_field_to_its_metric() -> None:
         ("kvfabric_tier_corrupt_records_total", "ssd"): 16,
         ("kvfabric_tier_torn_records_total", "dram"): 0,
         ("kvfabric_tier_torn_records_total", "ssd"): 17,
+        ("kvfabric_tier_degraded", "dram"): 0, ("kvfabric_tier_degraded", "ssd"): 1,
+        ("kvfabric_tier_refused_demotions_total", "dram"): 0,
+        ("kvfabric_tier_refused_demotions_total", "ssd"): 20,
     }
     for (name, tier), number in expected.items():
         assert value(metrics, name, tier=tier) == number, name
     assert value(metrics, "kvfabric_tier_info", tier="ssd", kind="ssd") == 1
+    assert value(metrics, "kvfabric_tier_disk_errors_total", tier="ssd", errno="ENOSPC") == 18
+    assert value(metrics, "kvfabric_tier_disk_errors_total", tier="ssd", errno="EIO") == 19
     store_counters = {"kvfabric_store_commits_total": 31, "kvfabric_store_pins_total": 32,
                       "kvfabric_store_deletes_total": 33,
                       "kvfabric_store_leases_expired_total": 34,
