@@ -4,15 +4,21 @@ Contract: :func:`parse_lookup` runs on a worker thread (never the HTTP or contro
 turns raw body bytes (already capped by :class:`~kvfabric.api.body_limit.BodyLimit`) into a
 validated request model:
 
-1. ``json.loads``; malformed JSON is :class:`BodyInvalid`;
+1. the JSON is parsed in pieces, giving the GIL back between them, so no single call holds
+   it for long (one ``json.loads`` of a 15 MB body held it for 0.3 s, stalling the control
+   plane's loop that long): the top-level object is walked key by key; the two lists that may
+   be long (``token_ids``, ``chunk_hashes``) are parsed :data:`PIECE_CHARS` characters at a
+   time, cut at commas (their valid items never contain one, so a cut inside an item only
+   turns an invalid body into a 422); any other value must fit in :data:`VALUE_CHARS`.
+   Malformed JSON is :class:`BodyInvalid`;
 2. the count of ``token_ids`` / ``chunk_hashes`` is checked *before* any item is validated:
    over ``max_tokens`` token ids is :class:`BodyTooLarge` (413), over ``max_hashes`` hashes
    a 422 with one issue;
 3. the items are checked in slices of :data:`SLICE` by plain type and range tests (token ids:
    ``int``, not ``bool``, in int32; hashes: hex strings of the key length), releasing the GIL
-   between slices so other threads (the control plane's loop) run meanwhile; a bad item is one
-   issue, at most :data:`MAX_ISSUES` reported plus how many more there are, never echoing the
-   input. Building one pydantic error per item cost 13 s for a million bad ids;
+   between slices; a bad item is one issue, at most :data:`MAX_ISSUES` reported plus how many
+   more there are, never echoing the input. Building one pydantic error per item cost 13 s for
+   a million bad ids;
 4. the rest of the body (namespace, scope, exactly one of the lists) is validated by the
    model, with the long lists swapped out for empty ones, then swapped back in.
 """
@@ -20,13 +26,20 @@ validated request model:
 from __future__ import annotations
 
 import json
+import re
 import time
+from json.decoder import scanstring
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 SLICE = 1 << 15
+PIECE_CHARS = 1 << 17  # ~2 ms of json.loads per piece
+VALUE_CHARS = 1 << 16  # the namespace, scope: small
+LONG_LISTS = ("token_ids", "chunk_hashes")
+_WS = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
 MAX_ISSUES = 10
 INT32 = (-(1 << 31), (1 << 31) - 1)
 
@@ -48,8 +61,8 @@ class BodyInvalid(Exception):
 def parse_lookup(raw: bytes, model: type[Model], *, max_tokens: int, max_hashes: int,
                  hash_chars: int) -> Model:
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        data = _loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, IndexError, RecursionError) as exc:
         raise BodyInvalid([_issue([], f"JSON decode error: {exc}", "json_invalid")], 1) from None
     if not isinstance(data, dict):
         return _validate(model, data)  # the model reports the wrong shape
@@ -72,6 +85,77 @@ def parse_lookup(raw: bytes, model: type[Model], *, max_tokens: int, max_hashes:
     for name, items in lists.items():
         setattr(parsed, name, items)  # checked above; the model holds them as given
     return parsed
+
+
+def _loads(text: str) -> Any:
+    """``json.loads(text)``, in pieces (see the module docstring); ValueError if malformed."""
+    i = _WS.match(text, 0).end()  # type: ignore[union-attr]
+    if not text.startswith("{", i):
+        return _small_value(text, i, "body", whole=True)[0]
+    out: dict[str, Any] = {}
+    i = _skip(text, i + 1)
+    if text.startswith("}", i):
+        return _end(text, i + 1, out)
+    while True:
+        if not text.startswith('"', i):
+            raise ValueError(f"expected a key at {i}")
+        key, i = scanstring(text, i + 1)
+        i = _skip(text, i)
+        if not text.startswith(":", i):
+            raise ValueError(f"expected ':' at {i}")
+        i = _skip(text, i + 1)
+        if key in LONG_LISTS and text.startswith("[", i):
+            out[key], i = _long_list(text, i)
+        else:
+            out[key], i = _small_value(text, i, key)
+        i = _skip(text, i)
+        if text.startswith(",", i):
+            i = _skip(text, i + 1)
+        elif text.startswith("}", i):
+            return _end(text, i + 1, out)
+        else:
+            raise ValueError(f"expected ',' or '}}' at {i}")
+
+
+def _skip(text: str, i: int) -> int:
+    return _WS.match(text, i).end()  # type: ignore[union-attr]
+
+
+def _end(text: str, i: int, value: Any) -> Any:
+    if _skip(text, i) != len(text):
+        raise ValueError(f"extra data at {i}")
+    return value
+
+
+def _small_value(text: str, i: int, key: str, *, whole: bool = False) -> tuple[Any, int]:
+    window = text[i:i + VALUE_CHARS] if not whole else text[i:]
+    truncated = len(window) < len(text) - i
+    value, end = _DECODER.raw_decode(window)
+    if truncated and end >= len(window) - 1:  # it may go on past the window
+        raise ValueError(f"the value of {key!r} is over {VALUE_CHARS} characters")
+    return value, i + end
+
+
+def _long_list(text: str, i: int) -> tuple[list[Any], int]:
+    """The array at ``text[i] == '['``, parsed PIECE_CHARS at a time."""
+    end = text.find("]", i)
+    if end < 0:
+        raise ValueError(f"unterminated array at {i}")
+    items: list[Any] = []
+    pos = i + 1
+    if not text[pos:end].strip(" \t\n\r"):
+        return items, end + 1
+    while pos <= end:
+        cut = text.rfind(",", pos, pos + PIECE_CHARS) if end - pos > PIECE_CHARS else -1
+        if cut < 0:
+            cut = end  # the rest fits (or one item is longer than a piece)
+        piece = text[pos:cut]
+        if not piece.strip(" \t\n\r"):
+            raise ValueError(f"empty item at {pos}")
+        items.extend(json.loads("[" + piece + "]"))
+        pos = cut + 1
+        time.sleep(0)  # give the GIL to other threads between pieces
+    return items, end + 1
 
 
 def _validate(model: type[Model], data: Any) -> Model:

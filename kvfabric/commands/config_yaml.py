@@ -27,7 +27,8 @@ def config_dict(config: DaemonConfig) -> dict[str, Any]:
     return {"node_id": config.node_id, "socket_path": config.socket_path,
             "log_level": config.log_level, "http": asdict(config.http),
             "tcp": asdict(config.tcp), "auth": _auth(config.auth),
-            "limits": asdict(config.limits), "store": _store(config.store)}
+            "limits": asdict(config.limits), "store": _store(config.store),
+            "security": asdict(config.security)}
 
 
 def _auth(auth: AuthConfig) -> dict[str, Any]:

@@ -8,7 +8,8 @@ threads, and every bound below holds:
 
 * a handshake must finish within ``handshake_timeout_s`` of the accept, or it is closed;
 * at most ``max_handshakes`` handshakes are in progress at once, and ``max_per_ip`` from one
-  address; beyond that a new connection is closed at once;
+  address; beyond that the oldest one (of that address, or of all) is closed to make room, so
+  a flood cannot lock out a peer that completes its handshake promptly;
 * at most ``max_connections`` authenticated connections (``connections()``); beyond that a
   handshake is answered ``{ok: false, kind: "unavailable"}`` and closed;
 * a handshake frame larger than :data:`MAX_HANDSHAKE_FRAME` is refused unread.
@@ -16,8 +17,8 @@ threads, and every bound below holds:
 The accept loop survives errors: out of file descriptors (EMFILE/ENFILE) or memory, it
 sheds its oldest pending handshake, pauses accepting for :data:`PAUSE_S` and carries on;
 anything unexpected in one iteration is logged and the loop goes on. If the thread ever ends
-other than by :meth:`close`, :attr:`alive` turns False and :attr:`failure` says why (the
-daemon's ``/readyz`` reports it).
+other than by :meth:`close` (say, the listener was shut down under it), :attr:`alive` turns
+False and :attr:`failure` says why (the daemon's ``/readyz`` reports it).
 """
 
 from __future__ import annotations
@@ -75,10 +76,15 @@ class _Pending:
 @dataclass
 class AcceptStats:
     accepted: int = 0
-    refused: int = 0  # over a limit at accept or at the end of the handshake
+    refused: int = 0  # over the connection cap, at accept or at the end of the handshake
+    evicted: int = 0  # pending handshakes closed to make room for newer ones
     timed_out: int = 0
     failed: int = 0  # bad frame or bad credentials
     accept_errors: int = 0
+
+
+class _ListenerGone(Exception):
+    """The listening socket was closed or shut down by someone other than close()."""
 
 
 class Acceptor:
@@ -130,9 +136,14 @@ class Acceptor:
             while not self._stopping:
                 try:
                     self._iterate()
+                except _ListenerGone:
+                    raise
                 except Exception:  # one bad iteration must not end accepting for good
                     log.exception("peer transport: accept loop error (continuing)")
                     time.sleep(PAUSE_S)
+        except _ListenerGone as exc:
+            self.failure = f"accept loop ended: {exc}"
+            log.critical("peer transport: %s", self.failure)
         except BaseException as exc:
             self.failure = f"accept loop died: {type(exc).__name__}: {exc}"
             log.critical("peer transport: %s", self.failure)
@@ -175,9 +186,10 @@ class Acceptor:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                if self._stopping or exc.errno in (errno.EBADF, errno.EINVAL):
-                    self._stopping = True  # the listener was closed under us
+                if self._stopping:
                     return
+                if exc.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
+                    raise _ListenerGone(f"listener unusable: {exc}") from None
                 self.stats.accept_errors += 1
                 if exc.errno in _RESOURCE_ERRNOS:
                     self._shed_and_pause(exc)
@@ -188,11 +200,14 @@ class Acceptor:
 
     def _admit(self, sock: socket.socket, ip: str) -> None:
         limits = self.limits
-        if (len(self._pending) >= limits.max_handshakes or self._per_ip[ip] >= limits.max_per_ip
-                or self._connections() >= limits.max_connections):
+        if self._connections() >= limits.max_connections:
             self.stats.refused += 1
             sock.close()
             return
+        if self._per_ip[ip] >= limits.max_per_ip:  # this address's oldest makes room
+            self._evict(next(p for p in self._pending.values() if p.ip == ip))
+        if len(self._pending) >= limits.max_handshakes:  # the oldest of all makes room
+            self._evict(next(iter(self._pending.values())))
         try:
             sock.setblocking(False)
             hello, state = self._greet()
@@ -265,6 +280,10 @@ class Acceptor:
         except (KeyError, ValueError):
             pass
 
+    def _evict(self, pending: _Pending) -> None:
+        self.stats.evicted += 1
+        self._drop(pending)
+
     def _drop(self, pending: _Pending) -> None:
         self._release(pending)
         pending.sock.close()
@@ -273,7 +292,7 @@ class Acceptor:
         """Out of descriptors or memory: free the oldest handshake's descriptor and stop
         accepting for a moment, instead of spinning on a listener that stays readable."""
         if self._pending:
-            self._drop(min(self._pending.values(), key=lambda p: p.deadline))
+            self._evict(next(iter(self._pending.values())))  # the oldest
         if not self._paused_until:
             self._selector.unregister(self._listener)
             self._paused_until = time.monotonic() + PAUSE_S
