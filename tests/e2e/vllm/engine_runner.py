@@ -2,6 +2,9 @@
 
     python tests/e2e/vllm/engine_runner.py JOB.json RESULT.json
 
+While it runs it appends one JSON line per step (vllm imported, an engine built, a prompt
+generated) to RESULT.progress, so a parent can tell a slow job from a stalled one.
+
 Meant to run as a subprocess of the tests (vLLM leaves threads, sockets and global state behind,
 and its multiprocessing switch is read at import time). The engines of a job run one after
 another in this process: each gets a fresh `vllm.LLM`, runs its prompts, and is shut down and
@@ -92,6 +95,15 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 _CLEANUP: list[Path] = []  # removed before exiting (os._exit skips atexit)
+_PROGRESS: list[Path] = []  # RESULT.progress: one JSON line per step, for the parent's deadline
+
+
+def progress(event: str, **fields: object) -> None:
+    """Append one line to the progress file: the parent kills a job only when these stop
+    coming (a stall), so a slow but moving job on a loaded machine still finishes."""
+    for path in _PROGRESS:
+        with open(path, "a") as out:
+            out.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
 
 
 def _setup_env(job: dict) -> None:
@@ -242,14 +254,17 @@ def _run_engine(spec: dict, index: int, model: str, previous: dict[str, dict]) -
     kwargs.update(spec.get("llm_kwargs") or {})
 
     started = time.perf_counter()
+    progress("build", engine=name)
     llm = LLM(**kwargs)
     record: dict = {"name": name, "build_s": time.perf_counter() - started}
+    progress("built", engine=name, build_s=record["build_s"])
     try:
         outputs: list[dict] = []
         if spec.get("batch", False):
             started = time.perf_counter()
             results = llm.generate(inputs, sampling, use_tqdm=False)
             record["generate_s"] = time.perf_counter() - started
+            progress("batch", engine=name)
             outputs = [_output_record(r, record["generate_s"]) for r in results]
         else:
             reset_after = set(spec.get("reset_prefix_cache_after") or [])
@@ -257,6 +272,7 @@ def _run_engine(spec: dict, index: int, model: str, previous: dict[str, dict]) -
                 started = time.perf_counter()
                 (result,) = llm.generate([prompt], [params_i], use_tqdm=False)
                 outputs.append(_output_record(result, time.perf_counter() - started))
+                progress("prompt", engine=name, index=i)
                 if i in reset_after and not llm.reset_prefix_cache():
                     raise RuntimeError(f"reset_prefix_cache failed after prompt {i}")
             record["generate_s"] = sum(o["generate_s"] for o in outputs)
@@ -280,6 +296,7 @@ def run_job(job: dict) -> dict:
         import vllm
 
         result["import_s"] = time.perf_counter() - started
+        progress("imported", import_s=result["import_s"])
         result["vllm_version"] = vllm.__version__
         previous: dict[str, dict] = {}
         for index, spec in enumerate(job["engines"]):
@@ -300,6 +317,7 @@ def main(argv: list[str]) -> int:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
     job = json.loads(Path(argv[0]).read_text())
+    _PROGRESS.append(Path(argv[1]).with_suffix(".progress"))
     result = run_job(job)
     tmp = Path(argv[1]).with_suffix(".partial")
     tmp.write_text(json.dumps(result, indent=1))
