@@ -26,6 +26,17 @@ intended cache can hit; every hit must report ``num_cached_tokens`` as expected.
 recompute's (with random weights a near-tie can flip between the 1-token step of a hit and
 the full prefill; it should stay at or near 0).
 
+* job 3, the connector's cost to the engine when it loads nothing (issue 19): a
+  two-process engine (what ``vllm serve`` runs) with ``VLLM_CPU_NUM_OF_RESERVED_CPU`` unset,
+  ``plain-a`` / ``saving-a`` / ``plain-b`` / ``saving-b`` in turn (no connector / the
+  connector, ``kv_both``, saving every chunk of prompts the fabric does not hold; the ``a``
+  and ``b`` pairs run their own prompts, so nothing is ever loaded), 16 output tokens each.
+  ``step_time_with_connector_vs_without`` is the median engine time per request (vLLM's
+  ``prefill_s`` + ``decode_s``: first scheduled to last token) with the connector over
+  without; ``logprob_max_abs_diff_no_load`` the largest difference of a generated token's
+  logprob between the two (0: bit-identical), ``outputs_differing_no_load`` the requests
+  whose tokens differ.
+
 TTFT is the runner's per-request ``engine_ttft_s``: vLLM's engine-core interval from the
 request being queued to its first token (monotonic clock). It includes the connector's
 lookup (``get_num_new_matched_tokens``, run while scheduling) and its loads, which
@@ -84,6 +95,9 @@ TARGETS: dict[str, tuple[str, float]] = {
     "ttft_hit_ssd_vs_recompute": ("<=", 0.3),
     "ttft_hit_dram_vs_local_prefix_cache": ("<=", 1.5),
     "load_share_of_hit_ttft": ("<=", 0.1),
+    "step_time_with_connector_vs_without": ("<=", 1.03),
+    "logprob_max_abs_diff_no_load": ("<=", 0.0),
+    "outputs_differing_no_load": ("<=", 0),
 }
 
 FIGURES: list[tuple[str, str]] = [
@@ -92,6 +106,10 @@ FIGURES: list[tuple[str, str]] = [
     ("ttft_hit_dram_vs_local_prefix_cache", "fabric hit from DRAM / vLLM local prefix-cache hit"),
     ("load_share_of_hit_ttft", "connector load_seconds / TTFT, DRAM-hit engine"),
     ("load_share_of_hit_ttft_ssd", "connector load_seconds / TTFT, SSD-hit engine"),
+    ("step_time_with_connector_vs_without", "engine time per request, connector saving, "
+     "nothing loaded / no connector"),
+    ("logprob_max_abs_diff_no_load", "largest |logprob difference|, connector vs none"),
+    ("outputs_differing_no_load", "requests whose tokens differ, connector vs none"),
     ("ttft_recompute_s", "median engine TTFT, no connector, prompt not cached"),
     ("ttft_hit_dram_s", "median engine TTFT, fabric hit from DRAM"),
     ("ttft_hit_ssd_s", "median engine TTFT, fabric hit from SSD"),
@@ -183,10 +201,12 @@ class Daemon:
         return {t["kind"]: int(t["hit_tokens"]) for t in self.stats()["tiers"]}
 
 
-def run_job(workdir: Path, model: Path, engines: list[dict]) -> dict:
-    """One engine_runner job in a subprocess (own session: vLLM children die with it)."""
+def run_job(workdir: Path, model: Path, engines: list[dict], **options: Any) -> dict:
+    """One engine_runner job in a subprocess (own session: vLLM children die with it);
+    ``options``: further job keys (``multiprocessing``, ``env``)."""
     workdir.mkdir(parents=True)
-    job = {"model": str(model), "scratch_dir": str(workdir / "scratch"), "engines": engines}
+    job = {"model": str(model), "scratch_dir": str(workdir / "scratch"), "engines": engines,
+           **options}
     job_file, result_file, log_file = (workdir / "job.json", workdir / "result.json",
                                        workdir / "log")
     job_file.write_text(json.dumps(job))
@@ -253,6 +273,43 @@ def load_share(record: dict) -> tuple[float, float]:
     return seconds / sum(ttfts(record, list(range(count)))), seconds / count
 
 
+def engine_seconds(record: dict) -> list[float]:
+    """Per request: first scheduled -> last token (vLLM's prefill_s + decode_s)."""
+    return [float(o["prefill_s"]) + float(o["decode_s"] or 0.0) for o in record["outputs"]]
+
+
+def logprob_diff(a: dict, b: dict) -> tuple[float, int]:
+    """Largest |logprob difference| of the tokens two runs of the same prompts list (up to
+    a request's first differing token) and how many requests' tokens differ."""
+    worst, differing = 0.0, 0
+    for x, y in zip(a["outputs"], b["outputs"]):
+        differing += x["token_ids"] != y["token_ids"]
+        for tx, ty, lx, ly in zip(x["token_ids"], y["token_ids"], x["logprobs"], y["logprobs"]):
+            worst = max([worst] + [abs(lx[t] - ly[t]) for t in lx.keys() & ly.keys()])
+            if tx != ty:
+                break
+    return worst, differing
+
+
+def connector_cost(root: Path, model: Path, kv: dict, n: int) -> dict[str, Any]:
+    """Job 3: the connector saving and loading nothing against no connector, ABAB."""
+    pairs = {"a": [prompt(3000 + i) for i in range(n)],
+             "b": [prompt(4000 + i) for i in range(n)]}
+    engines = []
+    for pair, prompts in pairs.items():
+        for name, config in ((f"plain-{pair}", None), (f"saving-{pair}", kv)):
+            engines.append({**engine(name, prompts, config), "max_tokens": 16, "logprobs": 1})
+    job = run_job(root / "job3", model, engines, multiprocessing=True,
+                  env={"VLLM_CPU_NUM_OF_RESERVED_CPU": None})
+    plain = engine_seconds(job["plain-a"]) + engine_seconds(job["plain-b"])
+    saving = engine_seconds(job["saving-a"]) + engine_seconds(job["saving-b"])
+    diffs = [logprob_diff(job[f"plain-{p}"], job[f"saving-{p}"]) for p in pairs]
+    return {"step_time_with_connector_vs_without": median(saving) / median(plain),
+            "logprob_max_abs_diff_no_load": max(d for d, _ in diffs),
+            "outputs_differing_no_load": sum(c for _, c in diffs),
+            "engine_seconds_per_request": {"without": plain, "with": saving}}
+
+
 def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
     n = cfg.prompts
     warm, measured = prompt(1000), [prompt(i) for i in range(n)]
@@ -276,6 +333,7 @@ def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
         before = daemon.tier_hit_tokens()
         job2 = run_job(root / "job2", model, [engine("hit-ssd", hit_prompts, kv)])
         after = daemon.tier_hit_tokens()
+        cost = connector_cost(root, model, kv, n)
     finally:
         daemon.kill()
 
@@ -305,6 +363,7 @@ def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
     kv_bytes = (2 * MODEL["layers"] * MODEL["kv_heads"] * MODEL["head_dim"] * 2
                 * PROMPT_TOKENS)
     return {
+        **cost,
         "ttft_hit_dram_vs_recompute": hit_dram / recompute,
         "ttft_hit_ssd_vs_recompute": hit_ssd / recompute,
         "ttft_hit_dram_vs_local_prefix_cache": hit_dram / local,

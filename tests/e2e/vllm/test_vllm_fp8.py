@@ -10,22 +10,23 @@ element ``|x| * 2**-4 + scale * 2**-10`` for fp32, widened by one more rounding 
 Both producers are the same bf16 engine on the same tokens, so the fp8 object must also be
 exactly ``quantize`` of the bf16 one (scales included): that is asserted too.
 
-(2) Tokens. Criterion: the **first generated token** of every prompt equals the consumer's
-own monolithic run (same engine dtype, no connector); later tokens are reported, not
-asserted. Why the first token only: fp8 KV differs from the engine's own by up to 1/16
-relative per element (relative L2 about 0.027 per layer, measured), far more than bf16
-rounding, and on this random-weight model (init_std 0.3) greedy continuations part for good
-at the first near-tie of two logits: the engine's own bf16 and fp32 monolithic runs of these
-prompts already part at the 2nd or 3rd token. The first token is the one the loaded KV alone
-decides (the consumer computes only the last prompt token on top of it) and the one a wrong
-load changes (the control below). Measured: the first token agrees on every prompt for both
-consumers; the second agrees on 1 of 8 runs (the leading-equal counts are printed with -s,
-beside those of bf16 vs fp32 monolithic).
+(2) The first token's distribution. The first generated position is the one the loaded KV
+alone decides (the consumer computes only the last prompt token on top of it); later
+positions are reported, not asserted (this random-weight model's own bf16 and fp32 runs
+already part after 1-3 tokens). fp8 KV differs from the engine's own by up to 1/16 relative
+per element (relative L2 about 0.027 per layer), so an exact first-token equality is a
+coin toss at a near-tie (it failed on an AMD host: 292 vs 512 on prompt 4, the KV inside its
+bound). Criterion, per prompt, on the top-k logprobs of the first position: the consumer's
+logprobs within ``B`` of its monolithic run's, and a differing first token only where the
+monolithic run's two leading logprobs are within ``2 B`` (a near-tie). ``B`` is derived from
+the same run: the largest first-position logprob difference between the bf16 and the fp32
+monolithic runs (bf16 rounding, 2**-8 relative, applied everywhere) times 16 (fp8's 2**-4
+relative error per KV element is 16 times bf16's), at least ``MIN_BOUND``.
 
 (3) Negative controls: for a control prompt the fabric holds fp8 noise of a plausible
 magnitude (planted with the same write path before the engines run): the consumers load it
-(all but the last prompt token cached) and their first token differs from the monolithic
-run's, and the drift check of (1) rejects it; the drift check also rejects the real fp8 KV
+(all but the last prompt token cached), their first token differs from the monolithic
+run's and its logprobs move by more than ``B``, and the drift check of (1) rejects it; the drift check also rejects the real fp8 KV
 read with a layout mistake (K/V heads swapped).
 """
 
@@ -37,6 +38,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from logprob_bounds import compare
 
 from kvfabric.client import Client
 from kvfabric.convert import fp8
@@ -47,6 +49,9 @@ from kvfabric.spec import KVSpec, Namespace
 CHUNK = 256
 PROMPT_LEN = 700  # two full chunks and a partial one of 188 tokens
 MAX_TOKENS = 8
+TOP_K = 5
+FP8_OVER_BF16_ROUNDING = 16  # 2**-4 / 2**-8
+MIN_BOUND = 0.01  # where bf16 and fp32 happen to agree closely on every prompt
 SEEDS = (31, 32, 33, 34)
 CONTROL_SEED = 39
 MEASURED: dict[str, object] = {}
@@ -137,15 +142,17 @@ def run(start_module_daemon, job_runner, tiny_model, tmp_path_factory) -> dict:
     every = PROMPTS + [CONTROL]
     fp8_at = {"kv_dtype": "float8_e4m3"}
     result = job_runner(tmp_path_factory.mktemp("fp8"), {"engines": [
-        {"name": "bf16", "prompts": every, "max_tokens": MAX_TOKENS},
-        {"name": "fp32", "dtype": "float32", "prompts": every, "max_tokens": MAX_TOKENS},
+        {"name": "bf16", "prompts": every, "max_tokens": MAX_TOKENS, "logprobs": TOP_K},
+        {"name": "fp32", "dtype": "float32", "prompts": every, "max_tokens": MAX_TOKENS,
+         "logprobs": TOP_K},
         {"name": "prefill-bf16", "prompts": every, "max_tokens": 1,
          "kv_transfer_config": connector("kv_producer", daemon.socket)},
         {"name": "prefill-fp8", "prompts": PROMPTS, "max_tokens": 1,
          "kv_transfer_config": connector("kv_producer", daemon.socket, **fp8_at)},
-        {"name": "bf16-decode", "prompts": every, "max_tokens": MAX_TOKENS,
+        {"name": "bf16-decode", "prompts": every, "max_tokens": MAX_TOKENS, "logprobs": TOP_K,
          "kv_transfer_config": connector("kv_consumer", daemon.socket, **fp8_at)},
         {"name": "fp32-decode", "dtype": "float32", "prompts": every, "max_tokens": MAX_TOKENS,
+         "logprobs": TOP_K,
          "kv_transfer_config": connector("kv_consumer", daemon.socket, **fp8_at)},
     ]})
     MEASURED["vllm_job_wall_s"] = round(result["wall_s"], 1)
@@ -202,20 +209,37 @@ def test_drift_of_the_loaded_kv_stays_inside_the_bound(run, tiny_model, dtype) -
     assert noise_off > 0.5 and swapped_off > 0.5
 
 
+def first_token_bound(result) -> float:
+    """B: fp8's rounding over bf16's times the bf16-vs-fp32 first-position difference."""
+    precision = max(compare(a, b, positions=1).max_logprob_diff for a, b in
+                    zip(result.outputs("bf16")[:len(PROMPTS)],
+                        result.outputs("fp32")[:len(PROMPTS)]))
+    return max(MIN_BOUND, FP8_OVER_BF16_ROUNDING * precision)
+
+
 @pytest.mark.parametrize("engine", ["bf16", "fp32"])
 def test_first_token_matches_the_consumers_monolithic_run(run, engine) -> None:
-    own = run["result"].outputs(engine)
-    decoded = run["result"].outputs(f"{engine}-decode")
-    agree = []
+    result = run["result"]
+    own, decoded = result.outputs(engine), result.outputs(f"{engine}-decode")
+    bound = first_token_bound(result)
+    comparisons, agree = [], []
     for mono, dec in zip(own[:len(PROMPTS)], decoded[:len(PROMPTS)]):
         assert dec["num_cached_tokens"] == PROMPT_LEN - 1  # the fp8 KV was loaded
-        assert dec["token_ids"][0] == mono["token_ids"][0]
+        comparisons.append(compare(mono, dec, positions=1))
         agree.append(leading_equal(dec["token_ids"], mono["token_ids"]))
+    MEASURED[f"{engine}_first_token"] = {
+        "bound": round(bound, 5),
+        "max_logprob_diff": round(max(c.max_logprob_diff for c in comparisons), 5),
+        "first_tokens_differing": sum(c.first_difference is not None for c in comparisons)}
     MEASURED[f"{engine}_consumer_leading_tokens_equal"] = agree
     MEASURED["bf16_vs_fp32_monolithic_leading_tokens_equal"] = [
         leading_equal(a["token_ids"], b["token_ids"])
-        for a, b in zip(run["result"].outputs("bf16"), run["result"].outputs("fp32"))]
-    # negative control: the planted noise is loaded, and the first token is not the same
+        for a, b in zip(result.outputs("bf16"), result.outputs("fp32"))]
+    assert all(c.within(bound) for c in comparisons), (bound, comparisons)
+    # negative control: the planted noise is loaded; the first token and its logprobs move
     control_mono, control_dec = own[len(PROMPTS)], decoded[len(PROMPTS)]
     assert control_dec["num_cached_tokens"] == PROMPT_LEN - 1
+    control = compare(control_mono, control_dec, positions=1)
+    MEASURED[f"{engine}_control_logprob_diff"] = round(control.max_logprob_diff, 4)
     assert control_dec["token_ids"][0] != control_mono["token_ids"][0]
+    assert not control.within(bound)
