@@ -339,12 +339,13 @@ def exposed_planes(config: DaemonConfig) -> list[str]:
     """Planes bound beyond loopback without the authentication that protects them: one line
     each, saying what an outsider could do. Empty: nothing is exposed."""
     out = []
-    if config.http.port is not None and not is_loopback(config.http.host) \
-            and not config.auth.enabled:
+    # configured, not read: an unreadable token file fails the start on its own
+    auth = bool(config.auth.token or config.auth.token_file or config.auth.tenants)
+    if config.http.port is not None and not is_loopback(config.http.host) and not auth:
         out.append(f"HTTP on {config.http.host}:{config.http.port} without auth tokens: "
                    "anyone who reaches it has admin rights (stats, evict, metrics)")
     if config.tcp.port is not None and not is_loopback(config.tcp.host):
-        if not config.auth.enabled:
+        if not auth:
             out.append(f"TCP control on {config.tcp.host}:{config.tcp.port} without auth "
                        "tokens: remote clients get admin sessions")
         if config.cluster.index == "redis" and config.cluster.secret_file is None:

@@ -1,15 +1,18 @@
 """Server-side TLS for the HTTP and TCP control planes, with certificate reload.
 
 Contract: :class:`ReloadingTLS` holds one ``ssl.SSLContext`` (TLS 1.2 or newer) that both
-planes' listeners use for their whole life. :meth:`ReloadingTLS.reload` loads the
-certificate chain and key (and, with a client CA, requires client certificates signed by it:
-mutual TLS) into that same context, so connections accepted afterwards get the new
-certificate and established ones keep theirs. :meth:`reload_if_changed` does so when a file's
+planes' listeners use for their whole life (with a client CA it requires client certificates
+signed by it: mutual TLS). :meth:`ReloadingTLS.reload` builds a *new* context from the
+certificate chain and key and swaps it in; the listeners' context hands every new connection
+to the current one in its SNI callback (OpenSSL calls it for every ClientHello, with or without
+a server name). Mutating the listeners' context in place instead would race with handshakes
+running on other threads (a new certificate with the old key: failed handshakes). So
+connections accepted afterwards get the new certificate and established ones keep theirs.
+:meth:`reload_if_changed` does so when a file's
 mtime, size or inode changed (a rename-into-place counts); the daemon calls it periodically
 and on SIGHUP. A file that cannot be loaded leaves the previous certificate serving and is
 logged (a half-written certificate must not take the plane down); at start-up it is a
-:class:`~kvfabric.errors.ConfigError`. CAs once loaded cannot be unloaded from a context:
-removing a client CA needs a restart.
+:class:`~kvfabric.errors.ConfigError`. The client CA file is re-read with the certificate.
 """
 
 from __future__ import annotations
@@ -34,14 +37,28 @@ class ReloadingTLS:
         self._key = security.tls_key_file
         self._client_ca = security.tls_client_ca_file
         self._lock = threading.Lock()
-        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
         self._stamp: _Stamp = ()
         self.reloads = 0
         try:
+            self.context = self._build()  # the listeners'
+            self._current = self.context
             self.reload()
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"security.tls_*: cannot load the certificate: {exc}") from None
+        self.context.sni_callback = self._select
+
+    def _select(self, connection: ssl.SSLObject, _name: str | None,
+                _context: ssl.SSLContext) -> None:
+        connection.context = self._current  # the newest certificate, for this handshake
+
+    def _build(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self._cert, self._key)
+        if self._client_ca is not None:  # both contexts: OpenSSL asks each at its step
+            context.load_verify_locations(cafile=self._client_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
     @property
     def mutual(self) -> bool:
@@ -51,10 +68,7 @@ class ReloadingTLS:
         """Load the files into the live context (OSError / ssl.SSLError if they are bad)."""
         with self._lock:
             stamp = self._stamps()
-            self.context.load_cert_chain(self._cert, self._key)
-            if self._client_ca is not None:
-                self.context.load_verify_locations(cafile=self._client_ca)
-                self.context.verify_mode = ssl.CERT_REQUIRED
+            self._current = self._build()  # one assignment: a handshake sees old or new
             self._stamp = stamp
             self.reloads += 1
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -33,6 +34,14 @@ def _container() -> dict[str, Any]:
     return container
 
 
+def _serve_argv() -> list[str]:
+    """The ``kvfabric serve ...`` argv the container runs (directly, or exec'd by sh -c)."""
+    command = _container()["command"]
+    if command[0] != "sh":
+        return command
+    return shlex.split(command[2].rsplit("exec ", 1)[1])
+
+
 def _configmap_config(tmp_path: Path) -> Path:
     (configmap,) = _docs("configmap.yaml")
     path = tmp_path / "kvfabric.yaml"
@@ -58,8 +67,9 @@ def test_daemonset_runs_serve_on_the_configmap(tmp_path: Path) -> None:
     assert daemonset["kind"] == "DaemonSet"
     pod = daemonset["spec"]["template"]["spec"]
     container = _container()
-    assert container["command"][:2] == ["kvfabric", "serve"]
-    config_path = container["command"][container["command"].index("--config") + 1]
+    argv = _serve_argv()
+    assert argv[:2] == ["kvfabric", "serve"]
+    config_path = argv[argv.index("--config") + 1]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     (configmap,) = _docs("configmap.yaml")
@@ -133,3 +143,41 @@ def test_entry_point_script_honours_kvfabric_python(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout)["store"]["data_dir"] == str(tmp_path)
     assert (tmp_path / "ran").read_text().split()[:3] == ["-m", "kvfabric.cli", "serve"]
+
+
+def test_configmap_config_passes_the_bind_rule_with_its_token_secret_mounted(
+        tmp_path: Path) -> None:
+    """Regression: on the old manifests HTTP listened on the pod IP with auth off; the daemon
+    now refuses that, so the ConfigMap turns tokens on and the DaemonSet mounts the Secret."""
+    from kvfabric.config import check_binds
+
+    config = load_config(_configmap_config(tmp_path), env={})
+    assert check_binds(config) == [] and config.auth.token_file
+    mounts = {m["name"]: m["mountPath"] for m in _container()["volumeMounts"]}
+    volumes = {v["name"]: v for v in _daemonset()["spec"]["template"]["spec"]["volumes"]}
+    token_dir = str(Path(config.auth.token_file).parent)
+    by_path = {path: name for name, path in mounts.items()}
+    assert volumes[by_path[token_dir]]["secret"]["secretName"] == "kvfabric-token"
+
+
+def test_systemd_unit_bounds_files_tasks_and_cores() -> None:
+    """Regression: the issue found the unit without the limits a flood runs into."""
+    service = _unit()["Service"]
+    assert int(service["LimitNOFILE"]) >= 65536
+    assert 1024 <= int(service["TasksMax"]) < 65536
+    assert service["LimitCORE"] == "0"  # a core dump would hold tenants' KV on disk
+
+
+def test_daemonset_raises_the_file_limit_or_refuses_to_start(tmp_path: Path) -> None:
+    """The container's entry script sets the soft file limit to the hard one and exits 2
+    (a config error: no restart loop) when that is below 65536; run it for real."""
+    command = _container()["command"]
+    assert command[:2] == ["sh", "-c"]
+    fake = tmp_path / "kvfabric"  # stands in for the real CLI on PATH
+    fake.write_text('#!/bin/sh\necho "ran $*"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    low = subprocess.run(["sh", "-c", f"ulimit -n 4096 && {command[2]}"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert low.returncode == 2 and "file limit 4096" in low.stderr
+    assert "ran" not in low.stdout

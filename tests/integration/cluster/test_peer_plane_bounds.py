@@ -1,0 +1,148 @@
+"""The peer transport plane of real daemons under a flood: 600 connections that never
+handshake cost no thread, a member's pull still works, and the accept loop outlives running
+out of file descriptors (EMFILE) with /readyz still 200."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from kvfabric.client import Client
+from kvfabric.hashing import chunk_hashes
+from kvfabric.spec import KVSpec, Namespace
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
+NS = Namespace("flood-model", SPEC, tenant_salt="t1")
+DEADLINE_S = 5.0
+
+
+def settings(redis_url: str, node_id: str, secret: Path, *extra: str) -> list[str]:
+    return ["store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
+            "store.tiers.ssd.capacity=32MiB", f"node_id={node_id}", "cluster.index=redis",
+            f"cluster.redis_url={redis_url}", "cluster.heartbeat_s=0.2", "tcp.port=0",
+            "cluster.transport=socket", f"cluster.secret_file={secret}",
+            "limits.peer_handshake_timeout_s=2", *extra]
+
+
+def threads_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads line")
+
+
+def transport_port(daemon) -> int:
+    """The daemon's listening TCP port that is neither its control nor its HTTP port."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{daemon.proc.pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{daemon.proc.pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    (port,) = ports - {daemon.info["tcp_port"], daemon.info["http_port"]}
+    return port
+
+
+def flood(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections from 20 loopback addresses that never answer the greeting."""
+    out = []
+    for i in range(n):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((f"127.0.0.{2 + i % 20}", 0))
+        try:
+            sock.connect(("127.0.0.1", port))
+        except OSError:
+            sock.close()
+            continue
+        out.append(sock)
+    return out
+
+
+def put_chain(socket_path: str, n_chunks: int) -> tuple[list[bytes], list[bytes]]:
+    refs = chunk_hashes(NS, list(range(n_chunks * SPEC.chunk_tokens)))
+    rng = np.random.default_rng(11)
+    payloads = [rng.integers(0, 256, SPEC.chunk_bytes, dtype=np.uint8).tobytes() for _ in refs]
+    with Client(socket_path) as client:
+        for ref, data in zip(refs, payloads):
+            assert client.put(NS, ref.key, data, parent=ref.parent)
+    return [r.key for r in refs], payloads
+
+
+def pull(puller, keys: list[bytes], payloads: list[bytes]) -> None:
+    deadline = time.monotonic() + 10
+    with Client(puller.socket) as client:
+        while True:  # until the index shows the owner's chain
+            result = client.prefetch(NS, keys=keys, timeout=DEADLINE_S)
+            if result["pulled"] + result["already_local"] == len(keys):
+                break
+            assert time.monotonic() < deadline, result
+            time.sleep(0.1)
+        for key, data in zip(keys, payloads):
+            with client.get(NS, key) as reader:
+                assert reader.to_bytes() == data
+
+
+def test_600_silent_connections_cost_no_thread_and_a_pull_still_works(
+        redis_server, start_daemon, tmp_path: Path) -> None:
+    """Regression: on the old code each connection to the peer port got a thread before its
+    handshake (600 connections: 600 threads, held for io_timeout), and once threads ran out
+    the accept loop ended for good while /readyz stayed 200."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 32)
+    owner = start_daemon(*settings(redis_server.url, "node-a", secret))
+    member = start_daemon(*settings(redis_server.url, "node-b", secret))
+    keys, payloads = put_chain(owner.socket, 4)
+    port = transport_port(owner)
+    before = threads_of(owner.proc.pid)
+    strangers = flood(port, 600)
+    try:
+        assert len(strangers) == 600
+        time.sleep(0.5)
+        assert threads_of(owner.proc.pid) <= before + 4
+        pull(member, keys, payloads)  # during the flood
+        assert threads_of(owner.proc.pid) <= before + 8  # + the member's connection
+        assert httpx.get(f"{owner.http_url}/readyz", timeout=5).status_code == 200
+    finally:
+        for sock in strangers:
+            sock.close()
+
+
+def test_the_accept_loop_outlives_running_out_of_file_descriptors(
+        redis_server, start_daemon, tmp_path: Path) -> None:
+    """Regression: on the old code the first accept() error (EMFILE here) ended the accept
+    thread for good: no peer could pull from the node again, and /readyz still said 200."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 32)
+    owner = start_daemon(*settings(redis_server.url, "node-a", secret))
+    member = start_daemon(*settings(redis_server.url, "node-b", secret))
+    keys, payloads = put_chain(owner.socket, 2)
+    port = transport_port(owner)
+    pid = owner.proc.pid
+    limits = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir(f"/proc/{pid}/fd"))
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (in_use + 20, limits[1]))
+    strangers = flood(port, 200)  # the kernel completes them; accept() runs out of fds
+    try:
+        time.sleep(1.0)
+        assert "accept failed" in owner.read_log()  # it did hit EMFILE, and said so
+    finally:
+        for sock in strangers:
+            sock.close()
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, limits)
+    time.sleep(2.5)  # handshake deadlines give the descriptors back
+    pull(member, keys, payloads)
+    assert httpx.get(f"{owner.http_url}/readyz", timeout=5).status_code == 200
