@@ -231,7 +231,8 @@ class AsyncClient:
         return AsyncRemoteReader(session, ns, key, reply, want=want)
 
     async def contains(self, ns: Any, keys: Sequence[bytes]) -> list[bool]:
-        return list(await self._call(Op.CONTAINS, requests.keys_args(ns, keys)))
+        return list(await self._call(Op.CONTAINS, requests.keys_args(
+            ns, keys, packed=await self._packs_keys())))
 
     async def delete(self, ns: Any, key: bytes) -> bool:
         return bool(await self._call(Op.DELETE, requests.key_args(ns, key)))

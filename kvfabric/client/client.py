@@ -208,7 +208,8 @@ class Client:
         return RemoteReader(session, ns, key, reply, want=want)
 
     def contains(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
-        return list(self._call(Op.CONTAINS, requests.keys_args(ns, keys)))
+        return list(self._call(Op.CONTAINS, requests.keys_args(ns, keys,
+                                                               packed=self._packs_keys())))
 
     def delete(self, ns: Namespace, key: bytes) -> bool:
         return bool(self._call(Op.DELETE, requests.key_args(ns, key)))

@@ -106,8 +106,11 @@ def _read_options(args: dict[str, Any], ns: Namespace, timeout: float | None,
     return args
 
 
-def keys_args(ns: Namespace, keys: Sequence[bytes]) -> dict[str, Any]:
-    return {"ns": encode_namespace(ns), "keys": list(keys)}
+def keys_args(ns: Namespace, keys: Sequence[bytes], *, packed: bool = False
+              ) -> dict[str, Any]:
+    """``packed``: one bin of keys (a daemon that announced "packed_keys" decodes it in
+    well under a millisecond; a list of 65,536 keys costs it ~8 ms)."""
+    return {"ns": encode_namespace(ns), "keys": pack_keys(keys) if packed else list(keys)}
 
 
 def key_args(ns: Namespace, key: bytes) -> dict[str, Any]:

@@ -230,3 +230,39 @@ def test_prefill_and_decode_examples_share_one_cluster_with_distinct_roles() -> 
     assert prefill.node_id != decode.node_id
     assert prefill.cluster.hardware_class != decode.cluster.hardware_class
     assert prefill.tcp.port and decode.tcp.port  # peers reach both
+
+
+def test_control_plane_limits_have_bounded_defaults_and_take_settings() -> None:
+    """Regression: on the old code the control socket had none of these settings (no hello
+    deadline, no idle timeout, no pre-hello frame limit, no per-peer caps, backlog 100)."""
+    limits = load_config(env={}).limits
+    assert limits.control_hello_timeout_s == 5.0
+    assert limits.control_idle_timeout_s == 300.0
+    assert limits.control_hello_max_bytes == 64 << 10
+    assert limits.control_max_pending == 256 and limits.control_max_pending_per_peer == 64
+    assert limits.control_max_sessions_per_peer == 512
+    assert limits.control_listen_backlog == 1024
+    limits = load_config(env={"KVFABRIC_LIMITS__CONTROL_IDLE_TIMEOUT_S": "0"},
+                         overrides=["limits.control_hello_timeout_s=0.5",
+                                    "limits.control_hello_max_bytes=4096"]).limits
+    assert (limits.control_idle_timeout_s, limits.control_hello_timeout_s,
+            limits.control_hello_max_bytes) == (0, 0.5, 4096)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("limits.control_hello_timeout_s=0", "control_hello_timeout_s must be a positive"),
+    ("limits.control_hello_timeout_s=soon", "control_hello_timeout_s must be a positive"),
+    ("limits.control_idle_timeout_s=-1", "control_idle_timeout_s must be a non-negative"),
+    ("limits.control_hello_max_bytes=100", "control_hello_max_bytes must be in"),
+    ("limits.control_hello_max_bytes=16MiB", "control_hello_max_bytes must be a positive"),
+    ("limits.control_hello_max_bytes=9000000", "control_hello_max_bytes must be in"),
+    ("limits.control_max_pending=0", "control_max_pending must be a positive"),
+    ("limits.control_max_pending_per_peer=true", "control_max_pending_per_peer must be a"),
+    ("limits.control_max_sessions_per_peer=-3", "control_max_sessions_per_peer must be a"),
+    ("limits.control_listen_backlog=1.5", "control_listen_backlog must be a positive"),
+])
+def test_bad_control_plane_limits_are_refused(setting: str, message: str) -> None:
+    """Regression: on the old code these keys did not exist (refused as unknown, with
+    another message)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(env={}, overrides=[setting])

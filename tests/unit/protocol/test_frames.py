@@ -15,9 +15,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvfabric.errors import ProtocolError
+from kvfabric.errors import FrameTooLargeError, ProtocolError
 from kvfabric.protocol.frames import (
     HEADER,
+    HELLO_FRAME,
     MAX_FRAME,
     MAX_ITEMS,
     FrameDecoder,
@@ -226,3 +227,29 @@ def test_frame_length_accepts_exactly_the_lengths_up_to_the_limit(length) -> Non
     else:
         with pytest.raises(ProtocolError):
             frame_length(header)
+
+
+def test_a_lower_limit_refuses_a_longer_frame_at_its_header() -> None:
+    """Regression: on the old code every decoder took frames up to MAX_FRAME (8 MiB), so a
+    peer that had not said hello could make the daemon buffer that much."""
+    decoder = FrameDecoder(HELLO_FRAME)
+    ok = encode_frame({"op": "hello", "pad": b"\x00" * (HELLO_FRAME - 100)})
+    assert len(ok) - HEADER <= HELLO_FRAME
+    assert feed_all(decoder, split(ok, [3, 1000])) == [msgpack.unpackb(ok[HEADER:])]
+    with pytest.raises(FrameTooLargeError, match=f"exceeds the limit {HELLO_FRAME}"):
+        list(decoder.feed(struct.pack("<I", HELLO_FRAME + 1)))  # the header alone: refused
+    assert decoder.pending == HEADER  # nothing of the body was waited for, or kept
+
+
+def test_the_limit_can_be_raised_between_frames() -> None:
+    """The daemon raises a connection's limit once its hello is answered: frames already
+    buffered behind the hello are read with the new limit.
+
+    Regression: on the old code FrameDecoder had no limit of its own to raise."""
+    big = encode_frame({"op": "lookup", "pad": b"\x00" * (HELLO_FRAME * 2)})
+    decoder = FrameDecoder(HELLO_FRAME)
+    frames = decoder.feed(encode_frame({"op": "hello"}) + big)
+    assert next(frames) == {"op": "hello"}
+    decoder.limit = MAX_FRAME
+    assert next(frames)["op"] == "lookup"
+    assert decoder.pending == 0
