@@ -54,6 +54,13 @@ class CapacityError(KVFabricError, MemoryError):
     kind = "no_capacity"
 
 
+class QuotaExceededError(CapacityError):
+    """The tenant is at one of its quotas (bytes in a tier, reservations in flight,
+    namespaces) and none of its own objects can make way: the node may have room for others."""
+
+    kind = "quota_exceeded"
+
+
 class ObjectAbortedError(KVFabricError):
     """The writer of an object aborted (or its reservation expired) before it completed."""
 
@@ -96,6 +103,11 @@ class ProtocolError(KVFabricError, ValueError):
     kind = "bad_request"
 
 
+class FrameTooLargeError(ProtocolError):
+    """A frame's length prefix is over the receiver's limit (refused before the body is
+    read). Same kind as :class:`ProtocolError` on the wire."""
+
+
 class UnsupportedVersionError(ProtocolError):
     """The peer speaks a protocol version this side does not."""
 
@@ -103,11 +115,6 @@ class UnsupportedVersionError(ProtocolError):
 
 
 class AuthError(KVFabricError, PermissionError):
-class FrameTooLargeError(ProtocolError):
-    """A frame's length prefix is over the receiver's limit (refused before the body is
-    read). Same kind as :class:`ProtocolError` on the wire."""
-
-
     """Missing or wrong credentials."""
 
     kind = "unauthorized"

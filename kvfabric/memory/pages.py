@@ -27,18 +27,28 @@ from kvfabric.errors import CapacityError
 PAGE_ID_TYPECODE = "I"  # uint32 page ids: 4 bytes each in an object's page list
 
 
+class Pages(array):
+    """An object's page ids (uint32) and the pool they belong to: page ids are relative to
+    one allocator (one arena), so the pages name it. An ``array`` in every other respect."""
+
+    __slots__ = ("pool",)
+
+
 class PageAllocator:
     """Hands out page ids in ``[0, num_pages)``; never the same page twice, never loses one."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, pool: Any = None) -> None:
+        """``pool``: stamped on every :class:`Pages` this allocator hands out."""
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         if num_pages >= 1 << 32:
             raise ValueError("at most 2**32 - 1 pages per arena")
         self._num_pages = num_pages
+        self.pool = pool
         self._free = array(PAGE_ID_TYPECODE, range(num_pages - 1, -1, -1))  # top = lowest id
         self._in_use = np.zeros(num_pages, dtype=np.bool_)
         self._resident = np.zeros(num_pages, dtype=np.bool_)  # handed out since last released
+        self._freed = False  # pages were freed since the last take_cold
 
     @property
     def num_pages(self) -> int:
@@ -52,17 +62,20 @@ class PageAllocator:
     def used_pages(self) -> int:
         return self._num_pages - len(self._free)
 
-    def alloc(self, count: int) -> array:
+    def alloc(self, count: int) -> Pages:
         """``count`` distinct free pages, or :class:`CapacityError` with nothing taken."""
         if count < 0:
             raise ValueError(f"page count must be >= 0, got {count}")
         if count > len(self._free):
             raise CapacityError(f"need {count} pages, {len(self._free)} free")
-        if count == 0:
-            return array(PAGE_ID_TYPECODE)
-        pages = self._free[-count:]  # a copy
+        pages = Pages(PAGE_ID_TYPECODE)
+        pages.pool = self.pool
+        if not count:
+            return pages  # (a slice [-0:] would be every free page)
+        taken = self._free[-count:]  # a copy
         del self._free[-count:]
-        pages.reverse()
+        taken.reverse()
+        pages.extend(taken)
         ids = np.frombuffer(pages, dtype=np.uint32)
         self._in_use[ids] = True
         self._resident[ids] = True
@@ -81,12 +94,16 @@ class PageAllocator:
             raise ValueError("double free: a page is not allocated (or listed twice)")
         self._in_use[ids] = False
         self._free.frombytes(ids[::-1].astype(np.uint32).tobytes())
+        self._freed = True
 
     def take_cold(self, keep: int) -> np.ndarray:
         """Free pages that may hold memory, except the ``keep`` on top of the stack (the next
         ones :meth:`alloc` hands out): sorted ids, marked released. The caller gives their
         memory back to the OS."""
         cold = max(0, len(self._free) - max(0, keep))
+        if not self._freed and keep > 0:  # nothing new can lie below the top since last time
+            return np.empty(0, dtype=np.uint32)
+        self._freed = False
         if not cold:
             return np.empty(0, dtype=np.uint32)
         below = np.frombuffer(self._free[:cold], dtype=np.uint32)  # a copy's buffer

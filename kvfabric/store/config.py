@@ -8,6 +8,7 @@ A config is a frozen value built from a plain mapping (parsed YAML, environment,
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -105,6 +106,77 @@ class TierConfig:
         return cls(kind=kind, **data)
 
 
+QUOTA_LIMITS = ("reservations", "namespaces")
+ANY_TENANT = "*"
+
+
+@dataclass(frozen=True)
+class Quota:
+    """What one tenant (a namespace ``tenant_salt``) may hold; None: no limit of that kind.
+
+    ``tiers`` maps memory tier names to bytes (an int) or a share of the tier (a float in
+    (0, 1]; ``"40%"`` in YAML): the tenant's objects there never take more, whoever put them.
+    ``reservations``: writes in flight at once (a reservation whose lease expired counts
+    until its session ends). ``namespaces``: namespaces holding data at once.
+    """
+
+    tiers: Mapping[str, int | float] = field(default_factory=dict)
+    reservations: int | None = None
+    namespaces: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in QUOTA_LIMITS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ConfigError(f"quota {name} must be a positive integer, got {value!r}")
+        for tier, limit in self.tiers.items():
+            if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0 \
+                    or isinstance(limit, float) and limit > 1:
+                raise ConfigError(f"quota for tier {tier!r} must be a size or a share in "
+                                  f"(0, 100%], got {limit!r}")
+
+    @classmethod
+    def from_dict(cls, data: Any, what: str) -> "Quota":
+        if isinstance(data, Quota):
+            return data
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{what} must be a mapping of tier names, reservations, "
+                              f"namespaces")
+        tiers: dict[str, int | float] = {}
+        limits: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in QUOTA_LIMITS:
+                limits[key] = value
+            elif isinstance(value, str) and value.strip().endswith("%"):
+                try:
+                    tiers[str(key)] = float(value.strip()[:-1]) / 100
+                except ValueError:
+                    raise ConfigError(f"{what}.{key}: cannot parse {value!r}") from None
+            else:
+                tiers[str(key)] = parse_size(value, f"{what}.{key}")
+        try:
+            return cls(tiers=tiers, **limits)
+        except ConfigError as exc:
+            raise ConfigError(f"{what}: {exc}") from None
+
+    def over(self, default: "Quota | None") -> "Quota":
+        """This quota, with what it leaves unset taken from ``default``."""
+        if default is None:
+            return self
+        return Quota(tiers={**default.tiers, **self.tiers},
+                     reservations=self.reservations if self.reservations is not None
+                     else default.reservations,
+                     namespaces=self.namespaces if self.namespaces is not None
+                     else default.namespaces)
+
+    def tier_bytes(self, tier: str, capacity: int) -> int | None:
+        limit = self.tiers.get(tier)
+        if limit is None:
+            return None
+        return int(limit * capacity) if isinstance(limit, float) else min(limit, capacity)
+
+
 def default_tiers() -> tuple[TierConfig, ...]:
     """Embedded defaults: 1 GiB of DRAM in front of 8 GiB of SSD under the data dir."""
     return (TierConfig(TierKind.DRAM, 1 * GiB), TierConfig(TierKind.SSD, 8 * GiB))
@@ -124,12 +196,19 @@ class StoreConfig:
     maintenance_interval_s: float = 0.25
     compact_dead_ratio: float = 0.5  # SSD segments with this share of dead bytes get compacted
     persist_on_close: bool = True  # write memory-resident objects to SSD when closing
+    # share of a memory tier's capacity that free pages may keep resident (per arena); the
+    # maintenance pass gives the rest of the free memory back to the OS
+    free_memory_kept: float = 0.15
+    # tenant (namespace tenant_salt) -> Quota; "*" applies to every tenant without an entry
+    # of its own (field by field); namespaces without a tenant salt have no quota
+    quotas: Mapping[str, Quota] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.data_dir, str):
             raise ConfigError(f"data_dir must be a path string, got {self.data_dir!r}")
         for name in ("high_watermark", "low_watermark", "reservation_timeout_s",
-                     "pin_timeout_s", "maintenance_interval_s", "compact_dead_ratio"):
+                     "pin_timeout_s", "maintenance_interval_s", "compact_dead_ratio",
+                     "free_memory_kept"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{name} must be a number, got {value!r}")
@@ -153,6 +232,29 @@ class StoreConfig:
                 raise ConfigError(f"{name} must be positive")
         if "\x00" in self.data_dir:
             raise ConfigError("data_dir contains a NUL byte")
+        if not 0 <= self.free_memory_kept <= 1:
+            raise ConfigError("free_memory_kept must be a share of the tier in [0, 1]")
+        self._check_quotas()
+
+    def _check_quotas(self) -> None:
+        if not isinstance(self.quotas, Mapping):
+            raise ConfigError("quotas must map tenant names to quotas")
+        memory = {t.name for t in self.tiers if t.kind is not TierKind.SSD}
+        for tenant, quota in self.quotas.items():
+            if not isinstance(tenant, str) or not tenant or not isinstance(quota, Quota):
+                raise ConfigError(f"quotas: {tenant!r} must be a tenant name mapped to a quota")
+            unknown = set(quota.tiers) - memory
+            if unknown:
+                raise ConfigError(f"quotas.{tenant}: {sorted(unknown)} name no memory tier; "
+                                  f"memory tiers: {sorted(memory)}")
+
+    def quota_for(self, tenant: str) -> Quota | None:
+        """The quota of ``tenant`` (its own over the ``*`` one); None: unlimited."""
+        if not tenant:
+            return None
+        own = self.quotas.get(tenant)
+        default = self.quotas.get(ANY_TENANT)
+        return default if own is None else own.over(default)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StoreConfig":
@@ -172,6 +274,11 @@ class StoreConfig:
                     raise ConfigError(f"store.tiers entries must be mappings, got {tier!r}")
                 tiers.append(tier)
             data["tiers"] = tuple(tiers)
+        if "quotas" in data:
+            if not isinstance(data["quotas"], Mapping):
+                raise ConfigError("store.quotas must map tenant names to quota mappings")
+            data["quotas"] = {str(tenant): Quota.from_dict(quota, f"store.quotas.{tenant}")
+                              for tenant, quota in data["quotas"].items()}
         try:
             return cls(**data)
         except TypeError as exc:

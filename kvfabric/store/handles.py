@@ -13,7 +13,10 @@ Both are context managers that always give the lease back.
 
 Leases have deadlines (set by the store's config). After a deadline the store reclaims the
 lease: a late commit raises :class:`~kvfabric.errors.LeaseExpiredError`, and so does a read
-through an expired pin. Views obtained before expiry must not be used after it.
+through an expired pin. Views obtained before expiry must not be used after it. An expired
+reservation's pages stay quarantined (no other object gets them) until the writer calls
+:meth:`ObjectWriter.close` (leaving the ``with`` block does): a writer that was frozen
+past its deadline may still write into them when it wakes up.
 Handles are meant for one thread each; the store they call into is thread-safe.
 """
 
@@ -38,6 +41,8 @@ class LeaseOwner(Protocol):
     def _commit_layers(self, writer: "ObjectWriter", mask: int) -> bool: ...
     def _abort(self, writer: "ObjectWriter") -> None: ...
     def _unpin(self, reader: "ObjectReader") -> None: ...
+    def _end_quarantine(self, writer: "ObjectWriter") -> None: ...
+    def arena_id(self, entry: Entry) -> int | None: ...
     def _layer_ready(self, entry: Entry, layer: int) -> bool: ...
     def _wait_layer(self, entry: Entry, layer: int, timeout: float | None) -> None: ...
 
@@ -71,6 +76,11 @@ class _Lease(PayloadAccess):
     @property
     def tier_index(self) -> int:
         return self._entry.tier
+
+    @property
+    def arena_id(self) -> int | None:
+        """The shared-memory arena the pages lie in (None: not a host arena)."""
+        return self._store.arena_id(self._entry)
 
     @property
     def pages(self) -> array:
@@ -131,8 +141,15 @@ class ObjectWriter(_Lease, PayloadWriter):
         if not self.closed and not self.expired:
             self._store._abort(self)
 
-    def __exit__(self, exc_type: object, *rest: object) -> None:
+    def close(self) -> None:
+        """:meth:`abort` if still open, and give back an expired reservation's quarantined
+        pages: the caller promises not to touch the pages again. Idempotent."""
         self.abort()
+        if self.expired:
+            self._store._end_quarantine(self)
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        self.close()
 
 
 class ObjectReader(_Lease, PayloadReader):

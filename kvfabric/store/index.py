@@ -16,6 +16,12 @@ entries attribute by attribute in Python: a side map gives each key a :class:`Lo
 (namespace, tier, tokens) shared by every full chunk of one namespace in one tier, so a
 chain's tags are fetched and grouped into runs in C and only each run is looked at here.
 
+Tenants whose memory is bounded (a quota) also get candidate lists of their own per tier
+(:meth:`LocalIndex.track_tenant`), so a tenant at its quota makes room among its own objects
+without walking everyone else's. And the index counts entries per namespace: when a
+namespace's last entry leaves, ``on_namespace_empty`` is called (the store forgets the
+namespace, so namespaces that hold nothing cost no table slot).
+
 Not thread-safe: the store calls it under its lock. Entries are mutable records owned by the
 index (``__slots__`` keep them small: the index budget is a few hundred bytes per object).
 """
@@ -25,7 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from itertools import groupby
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 from kvfabric.spec import Namespace
 
@@ -123,7 +129,8 @@ class LocalIndex:
     first namespace's object.
     """
 
-    def __init__(self, num_tiers: int) -> None:
+    def __init__(self, num_tiers: int,
+                 on_namespace_empty: Callable[[Namespace], None] | None = None) -> None:
         self._entries: dict[bytes, Entry] = {}
         self._shadow: dict[tuple[bytes, bytes], Entry] = {}  # (ns seed, key) on collisions
         self._candidates: list[OrderedDict[Entry, None]] = [OrderedDict()
@@ -138,6 +145,52 @@ class LocalIndex:
         self._tags: dict[bytes, LookupTag | None] = {}
         # the shared full-chunk tags, by (namespace seed, tier): at most namespaces x tiers
         self._shared_tags: dict[tuple[bytes, int], LookupTag] = {}
+        # candidates of tracked tenants, by (tenant, tier), in the same LRU order
+        self._tracked: set[str] = set()
+        self._by_tenant: dict[tuple[str, int], OrderedDict[Entry, None]] = {}
+        self._ns_entries: dict[bytes, int] = {}  # namespace seed -> indexed entries
+        self._on_namespace_empty = on_namespace_empty
+        self._peak = 0  # most entries held since the tables were last rebuilt
+
+    def track_tenant(self, tenant: str) -> None:
+        """Keep candidate lists of ``tenant``'s own (for :meth:`pick_victim` by tenant).
+        Call before the tenant's first entry is added."""
+        self._tracked.add(tenant)
+
+    def namespace_entries(self, ns: Namespace) -> int:
+        return self._ns_entries.get(ns.seed, 0)
+
+    def compact(self) -> bool:
+        """Rebuild the key tables once they hold under a quarter of their peak: a dict
+        never shrinks by deletion, so after an evict-all it would keep its peak size."""
+        if len(self) * 4 >= self._peak or self._peak < 1024:
+            return False
+        self._entries = dict(self._entries)
+        self._tags = dict(self._tags)
+        self._shadow = dict(self._shadow)
+        self._orphans = dict(self._orphans)
+        self._candidates = [OrderedDict(c) for c in self._candidates]
+        self._by_tenant = {k: OrderedDict(c) for k, c in self._by_tenant.items() if c}
+        self._peak = len(self)
+        return True
+
+    def _candidate_put(self, entry: Entry, front: bool) -> None:
+        candidates = self._candidates[entry.tier]
+        candidates[entry] = None
+        if front:
+            candidates.move_to_end(entry, last=False)
+        if self._tracked and entry.ns.tenant_salt in self._tracked:
+            own = self._by_tenant.setdefault((entry.ns.tenant_salt, entry.tier), OrderedDict())
+            own[entry] = None
+            if front:
+                own.move_to_end(entry, last=False)
+
+    def _candidate_drop(self, entry: Entry, tier: int) -> None:
+        self._candidates[tier].pop(entry, None)
+        if self._tracked:
+            own = self._by_tenant.get((entry.ns.tenant_salt, tier))
+            if own is not None:
+                own.pop(entry, None)
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._shadow)
@@ -249,6 +302,8 @@ class LocalIndex:
             self._retag(entry)
         entry.kids = self._orphans.pop((ns.seed, key), None)
         self._tier_counts[entry.tier] += 1
+        self._ns_entries[ns.seed] = self._ns_entries.get(ns.seed, 0) + 1
+        self._peak = max(self._peak, len(self))
         parent = self.find(ns, entry.parent)
         if parent is not None:
             parent.kids = _add_kid(parent.kids, entry)
@@ -268,7 +323,7 @@ class LocalIndex:
         else:
             return
         self._tier_counts[entry.tier] -= 1
-        self._candidates[entry.tier].pop(entry, None)
+        self._candidate_drop(entry, entry.tier)
         if entry.kids is not None:
             self._orphans[(ns.seed, key)] = entry.kids
             entry.kids = None
@@ -283,12 +338,25 @@ class LocalIndex:
                 self._orphans.pop(slot, None)
             else:
                 self._orphans[slot] = left
+        left_in_ns = self._ns_entries[ns.seed] - 1
+        if left_in_ns:
+            self._ns_entries[ns.seed] = left_in_ns
+        else:
+            del self._ns_entries[ns.seed]
+            for tier in range(len(self._tier_counts)):
+                self._shared_tags.pop((ns.seed, tier), None)
+            if self._on_namespace_empty is not None:
+                self._on_namespace_empty(ns)
 
     def touch(self, entry: Entry) -> None:
         """Mark a candidate most recently used (others are ordered through their children)."""
         candidates = self._candidates[entry.tier]
         if entry in candidates:
             candidates.move_to_end(entry)
+            own = self._by_tenant.get((entry.ns.tenant_salt, entry.tier)) \
+                if self._tracked else None
+            if own is not None and entry in own:
+                own.move_to_end(entry)
 
     def _indexed(self, entry: Entry) -> bool:
         return self.find(entry.ns, entry.key) is entry
@@ -297,7 +365,7 @@ class LocalIndex:
         """Re-home an entry in another tier (demotion / promotion)."""
         indexed = self._indexed(entry)
         if indexed:
-            self._candidates[entry.tier].pop(entry, None)
+            self._candidate_drop(entry, entry.tier)
             self._tier_counts[entry.tier] -= 1
             self._tier_counts[tier] += 1
         entry.tier = tier
@@ -310,9 +378,12 @@ class LocalIndex:
             if parent is not None:
                 self._refresh(parent, front=True)
 
-    def pick_victim(self, tier: int) -> Entry | None:
-        """The least recently used candidate of ``tier`` that is complete, unpinned, still."""
-        for entry in self._candidates[tier]:
+    def pick_victim(self, tier: int, tenant: str | None = None) -> Entry | None:
+        """The least recently used candidate of ``tier`` that is complete, unpinned, still
+        (``tenant``: among that tracked tenant's entries only)."""
+        candidates = self._candidates[tier] if tenant is None else \
+            self._by_tenant.get((tenant, tier), {})
+        for entry in candidates:
             if entry.pins == 0 and entry.ready == READY_ALL and not entry.flags & MOVING:
                 return entry
         return None
@@ -347,10 +418,7 @@ class LocalIndex:
             eligible = kids.tier != tier
         else:
             eligible = all(kid.tier != tier for kid in kids)
-        candidates = self._candidates[tier]
         if not eligible:
-            candidates.pop(entry, None)
-        elif entry not in candidates:
-            candidates[entry] = None
-            if front:
-                candidates.move_to_end(entry, last=False)
+            self._candidate_drop(entry, tier)
+        elif entry not in self._candidates[tier]:
+            self._candidate_put(entry, front)

@@ -32,7 +32,7 @@ import msgpack
 import numpy as np
 
 from kvfabric.errors import (CapacityError, CorruptRecordError, DeadlineExceededError,
-                             NotFoundError, WouldBlockError)
+                             NotFoundError, QuotaExceededError, WouldBlockError)
 from kvfabric.hashing import KEY_BYTES
 from kvfabric.memory.copy import Piece, copy_pieces, total_bytes
 from kvfabric.spec import KVSpec, Namespace
@@ -80,25 +80,37 @@ class Placement:
         assert isinstance(tier, PagedTier)
         return tier.pieces(entry.handle, offset, length)
 
-    def allocate(self, nbytes: int) -> tuple[int, Any]:
-        """Pages in the first memory tier that can make room; CapacityError otherwise."""
+    def allocate(self, nbytes: int, tenant: str = "") -> tuple[int, Any]:
+        """Pages for an object of ``tenant`` (its pool, in the tenant's arenas where it has
+        them) in the first memory tier that can make room; CapacityError otherwise
+        (QuotaExceededError when a tier refused because the tenant is at its quota there)."""
         errors = []
+        quota = False
         for tier_index in self.paged:
+            tier = self.tiers[tier_index]
             try:
-                self.make_room(tier_index, nbytes)
-                return tier_index, self.tiers[tier_index].allocate(nbytes)  # type: ignore
+                self.make_room(tier_index, nbytes, tenant)
+                return tier_index, tier.allocate(nbytes, tier.pool_of(tenant))  # type: ignore
             except CapacityError as exc:
+                quota = quota or isinstance(exc, QuotaExceededError)
                 errors.append(f"{self.names[tier_index]}: {exc}")
-        raise CapacityError(f"no memory tier can hold {nbytes} bytes ({'; '.join(errors)})")
+        error = QuotaExceededError if quota else CapacityError
+        raise error(f"no memory tier can hold {nbytes} bytes ({'; '.join(errors)})")
 
-    def make_room(self, tier_index: int, nbytes: int) -> None:
+    def make_room(self, tier_index: int, nbytes: int, tenant: str = "") -> None:
+        """Free pages in ``tier_index`` for ``nbytes`` of ``tenant``: a tenant whose own pool
+        is full (its quota) demotes its own objects, and only those; otherwise victims are
+        the tier's least recently used."""
         tier = self.tiers[tier_index]
         assert isinstance(tier, PagedTier)
         if nbytes > tier.capacity_bytes:
             raise CapacityError(f"object of {nbytes} bytes is larger than the tier")
+        pool = tier.pool_of(tenant)
         reclaimed = False
         deadline = time.monotonic() + self.config.reservation_timeout_s
-        while not tier.can_fit(nbytes):
+        if pool is not None and not tier.pool_can_fit(nbytes, pool):
+            self.make_room_in_pool(tier_index, nbytes, tenant, deadline)
+        while not tier.can_fit(nbytes, pool):
             pending = self.pending_demotion[tier_index]
             if pending and (pending >= nbytes or tier.can_fit(nbytes - pending)):
                 # the SSD writes under way free enough: demoting more would only be churn
@@ -116,6 +128,37 @@ class Placement:
             else:
                 raise CapacityError(f"{self.names[tier_index]} is full of pinned or "
                                     f"incomplete objects")
+
+    def make_room_in_pool(self, tier_index: int, nbytes: int, tenant: str,
+                          deadline: float) -> None:
+        """A tenant at its quota of a tier: demote its own objects there until its pool has
+        the pages; QuotaExceededError when none can move."""
+        tier = self.tiers[tier_index]
+        assert isinstance(tier, PagedTier)
+        pool = tier.pool_of(tenant)
+        reclaimed = False
+        in_flight: list[Entry] = []  # victims on their way to SSD: their pages free later
+        while not tier.pool_can_fit(nbytes, pool):
+            in_flight = [v for v in in_flight if v.flags & MOVING]
+            short = tier.pages_for(nbytes) - tier.pool_free_pages(pool)
+            if in_flight and sum(tier.pages_for(v.ns.spec.layout(v.num_tokens).nbytes)
+                                 for v in in_flight) >= short:
+                self.wait(deadline, "waiting for the tenant's SSD demotions to free memory")
+                continue
+            victim = self.index.pick_victim(tier_index, tenant)
+            if victim is not None:
+                self.demote(victim)
+                in_flight.append(victim)
+            elif in_flight:
+                self.wait(deadline, "waiting for the tenant's SSD demotions to free memory")
+            elif not reclaimed:
+                reclaimed = True  # its own stale leases may be what holds its memory
+                self._reclaim()
+            else:
+                raise QuotaExceededError(
+                    f"tenant {tenant!r} holds its whole quota of {self.names[tier_index]} "
+                    f"({tier.pool_bytes(pool)} bytes) in objects that cannot move (being "
+                    f"written, read, or quarantined)")
 
     def demote(self, entry: Entry) -> None:
         """Move a victim to the next lower tier that can take it (the SSD always can, by
@@ -158,10 +201,11 @@ class Placement:
         wins over the move.
         """
         src_index = entry.tier
+        tier, tenant = self.tiers[tier_index], entry.ns.tenant_salt
         entry.flags |= MOVING
         try:
-            self.make_room(tier_index, nbytes)
-            pages = self.tiers[tier_index].allocate(nbytes)  # type: ignore[union-attr]
+            self.make_room(tier_index, nbytes, tenant)
+            pages = tier.allocate(nbytes, tier.pool_of(tenant))  # type: ignore[union-attr]
         finally:
             entry.flags &= ~MOVING
         if entry.flags & REMOVED or entry.tier != src_index or entry.pins:
@@ -247,7 +291,7 @@ class Placement:
         nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
         entry.flags |= MOVING  # first: allocating may wait, and other readers must wait too
         try:
-            return self.allocate(nbytes)
+            return self.allocate(nbytes, entry.ns.tenant_salt)
         except BaseException:
             entry.flags &= ~MOVING
             self.free_if_dead(entry)
@@ -367,10 +411,13 @@ class Placement:
             self.evict(victim)
 
     def drop(self, entry: Entry, *, disk_already_dead: bool = False) -> None:
-        """Take an entry out of the index; its storage goes when the last pin does."""
+        """Take an entry out of the index; its storage goes when the last pin does (an SSD
+        copy at once: a crash must not bring back what was deleted or evicted)."""
         was_listed = entry.complete and self.index.find(entry.ns, entry.key) is entry
         self.index.remove(entry)
         entry.flags |= REMOVED
+        if entry.ssd_copy is not None:
+            self.drop_copy(entry)
         if disk_already_dead and entry.tier == self.disk_index:
             entry.handle = None
         self.free_if_dead(entry)

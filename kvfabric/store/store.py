@@ -18,6 +18,16 @@ the low watermark; a put that finds no room demotes synchronously. The last tier
 Victims are chosen by :class:`~kvfabric.store.index.LocalIndex`: leaves of a chain first,
 LRU among leaves; pinned, moving or incomplete objects never. Every eviction is counted.
 
+Tenants: a configured tenant's objects live in arenas of its own, within its quotas
+(:mod:`kvfabric.store.tenants`); :meth:`TieredStore.arenas` says which arenas a tenant's
+clients may map. A namespace is forgotten once it holds nothing (no table slot, no counters).
+
+Leases: a reservation whose deadline passes is aborted, but its pages stay **quarantined**
+(taken, used by nothing) until the writer gives the lease back (:meth:`ObjectWriter.close`;
+the daemon does it when the writer's session ends): a writer frozen past its deadline may
+still be copying into them, and they must not belong to another object when it resumes. An
+expired pin is simply dropped: a late reader only reads (and is told its read may be torn).
+
 Durability: an SSD demotion is acknowledged (the object leaves memory) only once its record
 is written; SSD contents survive a restart and are re-indexed from the segment headers.
 Memory tiers are volatile.
@@ -34,7 +44,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +67,7 @@ from kvfabric.store.placement import Placement, decode_meta
 from kvfabric.store.shards import HeadRange, HeadShards, head_mask
 from kvfabric.store.stats import (NamespaceCounters, NamespaceStats, StoreStats, TierCounters,
                                   TierStats)
+from kvfabric.store.tenants import EVERY_TENANT, ArenaInfo, Tenancy
 from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.host import HostTier
 
@@ -74,7 +85,10 @@ InventoryListener = Callable[[list[StoredObject], list[RemovedObject]], None]
 class TieredStore:
     """Objects (chunks) in memory / SSD tiers with a prefix-aware local index."""
 
-    def __init__(self, config: StoreConfig | None = None, *, maintenance: bool = True) -> None:
+    def __init__(self, config: StoreConfig | None = None, *, maintenance: bool = True,
+                 tenants: Iterable[str] = ()) -> None:
+        """``tenants``: tenant salts whose objects get arenas of their own (the daemon's
+        token tenants); tenants named in ``config.quotas`` get them too."""
         self.config = config or StoreConfig()
         data_dir = Path(self.config.data_dir)
         try:
@@ -92,7 +106,14 @@ class TieredStore:
             raise
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._index = LocalIndex(len(self._tiers))
+        self._index = LocalIndex(len(self._tiers), self._namespace_empty)
+        try:
+            self._tenancy = Tenancy(self.config, self._tiers, self._names, self._index,
+                                    tenants)
+        except BaseException:
+            for tier in self._tiers:
+                tier.close()
+            raise
         self._tier_counters = [TierCounters() for _ in self._tiers]
         self._placement = Placement(self._tiers, self._names, self._index, self._tier_counters,
                                     self._cond, self.config,
@@ -101,7 +122,10 @@ class TieredStore:
         self._disk_index = self._placement.disk_index
         self._ns_counters: dict[tuple[str, str], NamespaceCounters] = {}
         self._namespaces: dict[bytes, Namespace] = {}
+        self._ns_pairs: dict[tuple[str, str], int] = {}  # (model, tenant) -> namespaces held
         self._leases: dict[int, _Lease] = {}
+        # expired reservations whose writers have not given them back: pages held for them
+        self._quarantine: dict[int, ObjectWriter] = {}
         self._layer_listeners: list[Callable[[], None]] = []
         self._inventory_listeners: list[InventoryListener] = []
         self._count = dict.fromkeys(("lookups", "lookup_tokens", "hit_tokens", "miss_tokens",
@@ -134,11 +158,22 @@ class TieredStore:
             head_mask(heads, ns.spec.num_kv_heads)  # validates the range
         with self._lock:
             self._check_open()
-            ns = self._intern(ns)
-            existing = self._index.find(ns, key)
+            known = self._namespaces.get(ns.seed)
+            existing = None if known is None else self._index.find(known, key)
             if existing is not None:
                 return self._join(existing, parent, num_tokens, heads)
-            tier, pages = self._placement.allocate(nbytes)
+            if known is None:  # fail before allocating: a namespace over the tenant's limit
+                self._tenancy.add_namespace(ns, check_only=True)
+            self._tenancy.begin_write(ns.tenant_salt, check_only=True)
+            tier, pages = self._placement.allocate(nbytes, ns.tenant_salt)
+            try:  # allocating may have waited: the namespace may be gone, the key taken
+                ns = self._intern(ns)
+                if self._index.find(ns, key) is not None:
+                    raise AlreadyExistsError(f"{key.hex()} was stored meanwhile")
+                self._tenancy.begin_write(ns.tenant_salt, check_only=True)
+            except BaseException:
+                self._tiers[tier].free(pages)  # type: ignore[union-attr]
+                raise
             entry = Entry(key, parent, ns, num_tokens, tier, pages)
             if heads is not None:
                 entry.shards = HeadShards(ns.spec.num_kv_heads, ns.spec.num_layers)
@@ -158,6 +193,7 @@ class TieredStore:
 
     def _new_writer(self, entry: Entry, heads: HeadRange | None) -> ObjectWriter:
         mask = entry.shards.claim(heads) if heads is not None else 0
+        self._tenancy.begin_write(entry.ns.tenant_salt)
         entry.pins += 1  # the writer's reservation
         writer = ObjectWriter(self, entry, time.monotonic() + self.config.reservation_timeout_s,
                               heads=heads, head_mask=mask)
@@ -289,7 +325,15 @@ class TieredStore:
         self._leases.pop(id(lease), None)
         entry = lease._entry
         entry.pins -= 1
+        if isinstance(lease, ObjectWriter):
+            self._tenancy.end_write(entry.ns.tenant_salt)
         self._placement.free_if_dead(entry)
+
+    def _end_quarantine(self, writer: ObjectWriter) -> None:
+        """The writer of an expired reservation gave it back: its pages may be reused."""
+        with self._lock:
+            if self._quarantine.pop(id(writer), None) is not None:
+                self._end_lease(writer)
 
     def add_layer_listener(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (under the store lock: it must be quick and must not call the
@@ -446,9 +490,18 @@ class TieredStore:
         return evicted
 
     def host_arenas(self) -> list[tuple[int, str, SharedArena]]:
-        """(tier index, tier name, arena) of every shared-memory tier, for local clients."""
-        return [(i, self._names[i], tier.arena) for i, tier in enumerate(self._tiers)
-                if isinstance(tier, HostTier)]
+        """(arena id, tier name, arena) of every shared-memory arena (the default arena of
+        tier ``i`` has id ``i``): what a peer transport registers."""
+        return [(a.arena_id, a.tier_name, a.arena) for a in self._tenancy.arenas()]
+
+    def arenas(self, tenant: Any = EVERY_TENANT) -> list[ArenaInfo]:
+        """The arenas a local session of ``tenant`` may map (None: the admin's default
+        arenas only; no argument: every arena)."""
+        return self._tenancy.arenas(tenant)
+
+    def arena_id(self, entry: Entry) -> int | None:
+        """The arena an entry's pages lie in (None: not in a host arena)."""
+        return self._tenancy.arena_id(entry.tier, entry.handle)
 
     @property
     def degraded_tiers(self) -> list[str]:
@@ -474,10 +527,17 @@ class TieredStore:
         expired = [lease for lease in self._leases.values() if lease.deadline <= now]
         for lease in expired:
             entry = lease._entry
-            if isinstance(lease, ObjectWriter) and not entry.complete:
-                self._abort_entry(entry)
-            log.warning("%s on %s expired; reclaimed", type(lease).__name__, entry.key.hex())
-            self._end_lease(lease)
+            if isinstance(lease, ObjectWriter):
+                if not entry.complete:
+                    self._abort_entry(entry)
+                # quarantined: its pin keeps the pages until the writer gives the lease back
+                self._leases.pop(id(lease), None)
+                self._quarantine[id(lease)] = lease
+                log.warning("reservation of %s expired; aborted, its pages quarantined until "
+                            "the writer lets go", entry.key.hex())
+            else:
+                log.warning("pin on %s expired; reclaimed", entry.key.hex())
+                self._end_lease(lease)
             lease.expired = True
         self._count["expired"] += len(expired)
         if expired:
@@ -494,6 +554,7 @@ class TieredStore:
             if self._closed:
                 return
             self._reclaim_expired(time.monotonic())
+            self._release_memory()
             for tier_index in self._placement.paged:
                 self._placement.drain_to_low_watermark(tier_index)
             disk = self._placement.disk()
@@ -528,7 +589,7 @@ class TieredStore:
                             record.key.hex(), exc)
                 disk.delete(record.extent)
                 continue
-            entry = Entry(record.key, parent, self._intern(ns), num_tokens,
+            entry = Entry(record.key, parent, self._intern(ns, recovering=True), num_tokens,
                           self._disk_index, record.extent)  # type: ignore[arg-type]
             entry.ready = READY_ALL
             if fmt == FP8:
@@ -537,14 +598,44 @@ class TieredStore:
 
     # ------------------------------------------------------------------ helpers
 
-    def _intern(self, ns: Namespace) -> Namespace:
+    def _release_memory(self) -> None:
+        """Give free memory back to the OS, and shrink the index's tables after a mass
+        eviction (neither does it by itself)."""
+        for tier in self._tiers:
+            if isinstance(tier, HostTier):
+                tier.release_free_memory(int(self.config.free_memory_kept *
+                                             tier.capacity_bytes))
+        self._index.compact()
+
+    def _intern(self, ns: Namespace, *, recovering: bool = False) -> Namespace:
         known = self._namespaces.get(ns.seed)
         if known is not None:
             return known
         if len(self._namespaces) >= MAX_NAMESPACES:
             raise SpecError(f"too many namespaces (limit {MAX_NAMESPACES})")
+        self._tenancy.add_namespace(ns, force=recovering)
         self._namespaces[ns.seed] = ns
+        pair = (ns.model_id, ns.tenant_salt)
+        self._ns_pairs[pair] = self._ns_pairs.get(pair, 0) + 1
         return ns
+
+    def _namespace_empty(self, ns: Namespace) -> None:
+        """The index's last entry of ``ns`` left: forget the namespace (lock held)."""
+        if self._namespaces.get(ns.seed) is not ns:
+            return
+        del self._namespaces[ns.seed]
+        self._tenancy.drop_namespace(ns)
+        pair = (ns.model_id, ns.tenant_salt)
+        left = self._ns_pairs[pair] - 1
+        if left:
+            self._ns_pairs[pair] = left
+        else:  # no namespace of this (model, tenant) holds data: no counters, no label slot
+            del self._ns_pairs[pair]
+            self._ns_counters.pop(pair, None)
+
+    def holds_namespace(self, ns: Namespace) -> bool:
+        """Whether ``ns`` holds any object (no lock: one dict read)."""
+        return ns.seed in self._namespaces
 
     def _lookup_entry(self, ns: Namespace, key: bytes) -> Entry | None:
         """The entry of ``key`` in ``ns``; never creates namespace state."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfabric.tiers.base import PagedTier, TierKind
+from kvfabric.tiers.base import PagedTier, Pool, TierKind, View
 
 
 class DeviceTier(PagedTier):
@@ -23,6 +23,12 @@ class DeviceTier(PagedTier):
         super().__init__(name, TierKind.DEVICE, size, page_size)
         self.device = torch.device(device)
         self._pool = torch.empty(size, dtype=torch.uint8, device=self.device)
+
+    def add_pool(self, tenant: str, capacity_bytes: int) -> None:
+        raise ValueError("device memory is not shared with clients: it has one pool")
+
+    def _viewer(self, pool: Pool) -> View:
+        return self._view
 
     def _view(self, page_id: int, start: int, end: int) -> Any:
         base = page_id * self.page_size

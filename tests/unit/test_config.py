@@ -266,3 +266,11 @@ def test_bad_control_plane_limits_are_refused(setting: str, message: str) -> Non
     another message)."""
     with pytest.raises(ConfigError, match=message):
         load_config(env={}, overrides=[setting])
+
+
+def test_store_quotas_can_be_set_per_tenant_from_flags(tmp_path: Path) -> None:
+    config = load_config(env={}, overrides=[f"store.data_dir={tmp_path}",
+                                            "store.quotas.team-a.dram=1GiB",
+                                            "store.quotas.*.reservations=8"])
+    quota = config.store.quota_for("team-a")
+    assert quota is not None and quota.tiers == {"dram": 1 << 30} and quota.reservations == 8

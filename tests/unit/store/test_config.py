@@ -57,3 +57,39 @@ def test_unknown_store_keys_and_bad_watermarks() -> None:
         StoreConfig(high_watermark=0.5, low_watermark=0.8)
     with pytest.raises(ConfigError, match="tier name"):
         TierConfig(TierKind.DRAM, 1 << 20, name="../evil")
+
+
+def test_quotas_parse_sizes_shares_and_counts_and_merge_over_the_default() -> None:
+    config = StoreConfig.from_dict({
+        "tiers": [{"kind": "dram", "capacity": "1GiB"}, {"kind": "ssd", "capacity": "4GiB"}],
+        "quotas": {"*": {"dram": "25%", "reservations": 64, "namespaces": 8},
+                   "team-a": {"dram": "128MiB"}}})
+    own = config.quota_for("team-a")
+    assert own is not None and own.tier_bytes("dram", 1 << 30) == 128 << 20
+    assert (own.reservations, own.namespaces) == (64, 8)  # from "*"
+    other = config.quota_for("team-b")
+    assert other is not None and other.tier_bytes("dram", 1 << 30) == 256 << 20
+    assert config.quota_for("") is None  # namespaces without a tenant salt: no quota
+    assert StoreConfig().quota_for("team-a") is None and StoreConfig().free_memory_kept == 0.15
+
+
+@pytest.mark.parametrize("quotas,message", [
+    ({"a": {"tape": "1GiB"}}, "name no memory tier"),
+    ({"a": {"ssd": "1GiB"}}, "name no memory tier"),
+    ({"a": {"dram": "150%"}}, "share"),
+    ({"a": {"dram": "lots"}}, "cannot parse"),
+    ({"a": {"reservations": 0}}, "positive integer"),
+    ({"a": {"namespaces": "many"}}, "positive integer"),
+    ({"a": "1GiB"}, "must be a mapping"),
+    (["a"], "must map tenant names"),
+])
+def test_bad_quotas_are_refused_with_the_key(quotas: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        StoreConfig.from_dict({"tiers": [{"kind": "dram", "capacity": "1GiB"},
+                                         {"kind": "ssd", "capacity": "4GiB"}],
+                               "quotas": quotas})
+
+
+def test_free_memory_kept_is_a_share() -> None:
+    with pytest.raises(ConfigError, match="free_memory_kept"):
+        StoreConfig(free_memory_kept=1.5)

@@ -346,15 +346,52 @@ def test_hostile_ssd_path_is_refused(tmp_path: Path) -> None:
 
 
 def test_expired_reservation_is_reclaimed_and_late_commit_fails(tmp_path: Path) -> None:
+    """The object is aborted at the deadline, but its pages stay quarantined until the
+    writer lets go of them (it may still be writing): only then are they free."""
     store = make_store(tmp_path, reservation_timeout_s=0.05)
     key = chunk_keys(NS, list(range(16)))[0]
     writer = store.reserve(NS, key)
     time.sleep(0.1)
     store.maintain()
-    assert store._tiers[0].used_bytes == 0  # type: ignore[union-attr]
+    assert not store.contains(NS, key) and store.stats().expired_leases == 1
+    assert store._tiers[0].used_bytes == CHUNK  # type: ignore[union-attr]
     with pytest.raises(LeaseExpiredError):
         writer.commit()
-    assert not store.contains(NS, key) and store.stats().expired_leases == 1
+    writer.close()
+    assert store._tiers[0].used_bytes == 0  # type: ignore[union-attr]
+    store.close()
+
+
+def test_a_writer_frozen_past_its_deadline_never_writes_into_another_objects_pages(
+        tmp_path: Path) -> None:
+    """Regression: on the old code an expired reservation's pages were freed at the deadline
+    and handed to the next object while the frozen writer still held views of them; when it
+    resumed, its bytes landed in the other object (1 of 16 chunks served wrong)."""
+    store = make_store(tmp_path, TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=PAGE),
+                       reservation_timeout_s=0.05)
+    frozen_key, *others = chunk_keys(NS, list(range(16 * 8)))
+    frozen = store.reserve(NS, frozen_key)
+    views = frozen.layer_pieces(0)  # taken before it froze
+    time.sleep(0.1)
+    store.maintain()  # the deadline passes while it is frozen
+    stored = []
+    for key in others:  # the memory is wanted: each put that fits goes in
+        try:
+            assert store.put(NS, key, payload(key))
+            stored.append(key)
+        except CapacityError:
+            pass
+    assert stored
+    for view in views:  # the writer wakes up and finishes its copy
+        view[:] = 0xEE
+    for key in stored:
+        if store.contains(NS, key):
+            with store.get(NS, key) as reader:
+                assert reader.to_bytes() == payload(key).tobytes()
+    with pytest.raises(LeaseExpiredError):
+        frozen.commit()
+    frozen.close()  # now its pages may be reused
+    assert store._tiers[0].used_bytes <= 2 * CHUNK  # type: ignore[union-attr]
     store.close()
 
 

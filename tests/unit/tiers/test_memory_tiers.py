@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -69,3 +70,49 @@ def test_a_host_tier_is_dram_or_cxl() -> None:
     for kind in (TierKind.SSD, TierKind.DEVICE):
         with pytest.raises(ValueError, match="dram or cxl"):
             HostTier("x", kind, PAGE, PAGE)
+
+
+def test_a_tenant_pool_is_an_arena_of_its_own_within_the_tiers_one_budget() -> None:
+    """Regression: on the old code a host tier had one arena for every tenant, so any client
+    handed its descriptor could read and overwrite every tenant's objects."""
+    tier = HostTier("dram", TierKind.DRAM, 4 * PAGE, PAGE)
+    try:
+        tier.add_pool("team-a", 2 * PAGE)
+        assert tier.pool_of("team-a") == "team-a" and tier.pool_of("team-b") is None
+        mine = tier.allocate(2 * PAGE, "team-a")
+        shared = tier.allocate(PAGE)
+        assert mine.pool == "team-a" and list(mine) == [0, 1]  # ids are per pool
+        for piece in tier.pieces(mine, 0, 2 * PAGE):
+            assert np.shares_memory(piece, tier.arenas["team-a"].array)
+            assert not np.shares_memory(piece, tier.arena.array)
+        assert tier.arenas["team-a"].fd != tier.arena.fd
+        with pytest.raises(CapacityError):  # the pool is full (its size is its quota)
+            tier.allocate(PAGE, "team-a")
+        tier.allocate(PAGE)
+        with pytest.raises(CapacityError):  # the tier's budget is spent across pools
+            tier.allocate(PAGE)
+        assert tier.used_bytes == tier.capacity_bytes == 4 * PAGE
+        tier.free(mine)
+        tier.free(shared)
+        assert tier.used_bytes == PAGE and len(tier.allocate(2 * PAGE, "team-a")) == 2
+    finally:
+        tier.close()
+
+
+def test_free_memory_goes_back_to_the_os_but_the_most_recently_freed_stays() -> None:
+    """Regression: on the old code pages freed by an eviction kept their memory for good
+    (the daemon's RSS stayed at its peak after evict-all)."""
+    tier = HostTier("dram", TierKind.DRAM, 8 * PAGE, PAGE)
+    try:
+        pages = tier.allocate(8 * PAGE)
+        for piece in tier.pieces(pages, 0, 8 * PAGE):
+            piece[:] = 1
+        blocks = os.fstat(tier.arena.fd).st_blocks
+        tier.free(pages)
+        assert tier.release_free_memory(keep_bytes=2 * PAGE) == 6 * PAGE
+        assert os.fstat(tier.arena.fd).st_blocks <= blocks * 2 // 8 + 8
+        assert tier.release_free_memory(keep_bytes=2 * PAGE) == 0  # nothing new to give back
+        assert tier.release_free_memory(keep_bytes=0) == 2 * PAGE
+        assert os.fstat(tier.arena.fd).st_blocks == 0
+    finally:
+        tier.close()
