@@ -3,11 +3,15 @@
 The consumer keeps chunk -> {(node, epoch, tier)} and persists the id of the last applied
 event, so after a restart it resumes exactly there (no event lost, none applied twice). With no
 saved id it rebuilds from ``snapshot()``. (Not handled here: a stream that lost the saved id
-because Redis restarted empty; a router then deletes its state file and starts over.) Run: ``python examples/kv_event_consumer.py redis://127.0.0.1:6379/0 state.id``
+because Redis restarted empty; a router then deletes its state file and starts over.)
+
+Run: ``python examples/kv_event_consumer.py redis://127.0.0.1:6379/0 state.id`` (``--help`` for
+the options); it prints one line per event until Ctrl-C, or until ``--max-events`` were applied.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -82,16 +86,38 @@ def _id(stream_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def main(url: str, state_file: str) -> None:
-    from kvfabric.cluster.redis_index import RedisGlobalIndex
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Follow a kvfabric cluster's KV event stream (Redis global index): rebuild "
+                    "from a snapshot on first start, resume from the saved event id after.")
+    parser.add_argument("url", help="the global index's Redis URL, e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument("state_file", type=Path,
+                        help="where the id of the last applied event is kept (created)")
+    parser.add_argument("--max-events", type=int, default=None, metavar="N",
+                        help="exit once N events were applied (default: follow until Ctrl-C)")
+    return parser
 
-    with RedisGlobalIndex(url) as index:
-        view = RouterView(index, Path(state_file))
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from kvfabric.cluster.redis_index import RedisGlobalIndex  # redis-py: only to run
+
+    applied = 0
+    with RedisGlobalIndex(args.url) as index:
+        view = RouterView(index, args.state_file)
         view.start()
-        while True:
-            for event in view.poll():
-                print(event.stream_id, event.kind, event.node_id, event.tier, len(event.keys))
+        print(f"following {args.url}: {len(view.chunks)} chunks known, from event {view.last_id}",
+              flush=True)
+        try:
+            while args.max_events is None or applied < args.max_events:
+                for event in view.poll():
+                    applied += 1
+                    print(event.stream_id, event.kind, event.node_id, event.tier,
+                          len(event.keys), flush=True)
+        except KeyboardInterrupt:  # Ctrl-C is the normal way out: no traceback
+            pass
+    return 0
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    sys.exit(main())
