@@ -151,6 +151,27 @@ def test_a_chunk_read_back_from_ssd_survives_a_crash(tmp_path: Path) -> None:
         store.close()
 
 
+def test_a_deleted_chunk_does_not_come_back_from_its_kept_copy(tmp_path: Path) -> None:
+    """A read-back chunk keeps its SSD record (see above); deleting the chunk must kill that
+    record at once, even while a reader still pins the memory copy, or a crash would bring
+    the deleted chunk back."""
+    store = make_store(tmp_path, persist_on_close=False)
+    keys = put_keys(store, range(24))
+    store.flush()
+    key = next(k for k in keys if store.tier_of(NS, k) == "ssd")
+    reader = store.get(NS, key)  # read back into memory, and still pinned
+    assert store.delete(NS, key)
+    live = disk_of(store).stats().records_live
+    store.close()  # a crash: memory lost, the pin never released
+    del reader
+    store = make_store(tmp_path, persist_on_close=False)
+    try:
+        assert not store.contains(NS, key)
+        assert len(store) == live
+    finally:
+        store.close()
+
+
 def test_kept_copies_are_the_first_ssd_space_given_up(tmp_path: Path) -> None:
     """Regression: on the old code a read-back chunk's record was dead at once (the promise
     above broken); the copies it now keeps must not cost the SSD any object: when the SSD
