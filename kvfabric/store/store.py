@@ -29,8 +29,11 @@ still be copying into them, and they must not belong to another object when it r
 expired pin is simply dropped: a late reader only reads (and is told its read may be torn).
 
 Durability: an SSD demotion is acknowledged (the object leaves memory) only once its record
-is written; SSD contents survive a restart and are re-indexed from the segment headers.
-Memory tiers are volatile.
+is written; SSD contents survive a restart and are re-indexed from the segment headers, and
+an object read back from SSD keeps its record there until the SSD needs the space (so a
+crash after a read loses nothing). Memory tiers are volatile. A disk fault degrades the SSD
+tier (``degraded_tiers``): puts go on, memory evicts instead of demoting, the SSD is still
+read, and :meth:`TieredStore.maintain` probes until it takes writes again.
 
 Locking: one re-entrant lock guards the index, the tiers' allocators and the counters. Bulk
 copies between memory tiers run under it (they are memcpy-fast); SSD reads and writes run
