@@ -38,10 +38,11 @@ offsets, accounting and segment table and is never held across payload I/O or a 
 
 Errors: ConfigError (bad arguments, hostile paths), CapacityError (raised synchronously by
 write), TierDegradedError (raised synchronously by write while degraded, or on the write
-future when the write itself failed), RecordFieldError (bad key/meta/pieces; a ValueError), CorruptRecordError (failed
-checksum or structure at read), StaleExtentError (the extent no longer names a live record:
-deleted, compacted away, or never valid), KVFabricError (use before scan / after close),
-OSError (a failed read, as CorruptRecordError; a failed delete is counted, not raised).
+future when the write itself failed), RecordFieldError (bad key/meta/pieces; a ValueError),
+CorruptRecordError (failed checksum or structure at read, or a read that failed with an
+I/O error), StaleExtentError (the extent no longer names a live record: deleted, compacted
+away, or never valid), KVFabricError (use before scan / after close). A failed delete is
+counted (and degrades the tier), not raised.
 """
 
 from __future__ import annotations
