@@ -16,6 +16,17 @@ from pathlib import Path
 import pytest
 from redis_servers import RedisServer
 
+E2E_DIR = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/e2e/ (real engines, whole-daemon walks) is marked ``e2e``, so
+    ``bash tests/run.sh -m "not e2e"`` runs the fast part; CI runs everything."""
+    for item in items:
+        if item.path.resolve().is_relative_to(E2E_DIR):
+            item.add_marker(pytest.mark.e2e)
+
+
 for _var, _value in {"LMCACHE_TRACK_USAGE": "false", "VLLM_NO_USAGE_STATS": "1",
                      "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}.items():
     os.environ.setdefault(_var, _value)
