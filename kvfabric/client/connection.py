@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import select
 import socket
 import threading
 import time
@@ -32,7 +33,7 @@ from kvfabric.errors import (DeadlineExceededError, KVFabricError, ProtocolError
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
 from kvfabric.protocol.messages import Op, request
 
-MAX_FDS = 16
+MAX_FDS = 253  # SCM_RIGHTS limit: an admin session gets every tenant's arenas
 CLIENT_NAME = "kvfabric-python"
 REFUSED_RETRY_S = 1.0  # a listener that refuses for this long is down, not busy
 _BUSY = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR})
@@ -153,12 +154,32 @@ class Connection:
                 raise UnavailableError(f"cannot map the daemon's shared memory: {exc}") \
                     from None
             raise
-        self.closed = False
+        self._closed = False
+        self._poll = select.poll()  # tells a session the daemon ended while it was idle
+        self._poll.register(self._sock, select.POLLIN)
+
+    @property
+    def closed(self) -> bool:
+        """Whether this session is over: closed here, or ended by the daemon while no
+        request was in flight (it closes idle sessions, and sends nothing unasked otherwise:
+        anything readable then is its hang-up or a stream-level error). Callers holding a
+        connection check this before a request and open a new one, instead of losing the
+        request on a session that is already gone."""
+        if self._closed:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False  # a request is in flight: it reports its own errors
+        try:
+            if not self._closed and self._poll.poll(0):
+                self._close_locked()
+            return self._closed
+        finally:
+            self._lock.release()
 
     def call(self, op: Op, args: dict[str, Any], timeout: float | None = None) -> Any:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
-            if self.closed:
+            if self._closed:
                 raise UnavailableError("connection is closed")
             request_id = next(self._ids)
             frame = encode_frame(request(request_id, op, args))  # too big: nothing sent
@@ -195,8 +216,8 @@ class Connection:
             self._close_locked()
 
     def _close_locked(self) -> None:
-        if not self.closed:
-            self.closed = True
+        if not self._closed:
+            self._closed = True
             self._sock.close()
             self.arenas.close()
 

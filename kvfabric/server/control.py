@@ -126,7 +126,10 @@ class ControlServer:
         """Idle sessions closed, refusals logged (rate-limited), every so often."""
         while True:
             await asyncio.sleep(self._admission.sweep_interval())
-            self._admission.sweep()
+            try:
+                self._admission.sweep()
+            except Exception:  # a bug here must not end the sweeps for good
+                log.exception("control plane sweep failed")
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let in-flight requests finish (up to ``grace_s``), close sessions."""

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from kvfabric.client import Client
-from kvfabric.client.connection import REFUSED_RETRY_S
+from kvfabric.client.connection import REFUSED_RETRY_S, Connection
 from kvfabric.errors import DeadlineExceededError, KVFabricError, UnavailableError
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
 from kvfabric.protocol.messages import Op, request
@@ -278,36 +278,35 @@ def test_a_frame_over_the_pre_hello_limit_is_refused_before_it_is_buffered(
 
 def test_idle_sessions_are_closed_and_sessions_with_leases_or_traffic_are_not(
         start_daemon) -> None:
-    """With ``control_idle_timeout_s=1``: a session that does nothing for 2.5 s is closed
-    (its next request fails: the client does not reconnect here); one holding a write lease
-    and one that pings every 0.3 s stay open on the same connection.
+    """With ``control_idle_timeout_s=1``: a session that does nothing for 2.5 s is closed by
+    the daemon (the connection sees it before its next request, and a Client on it
+    reconnects instead of failing that request); one holding a write lease and one that
+    pings every 0.3 s stay open (the lease is committed through the same session).
 
     Regression: on the old code no session was ever closed for idling.
     """
     daemon = start_daemon(*SMALL, "limits.control_idle_timeout_s=1")
-    idle = Client(daemon.socket, timeout=10, reconnect=False)
+    idle = Connection(daemon.socket, timeout=10)
+    busy = Connection(daemon.socket, timeout=10)
+    quiet_client = Client(daemon.socket, timeout=10)
     holder = Client(daemon.socket, timeout=10, reconnect=False)
-    busy = Client(daemon.socket, timeout=10, reconnect=False)
-    for client in (idle, holder, busy):
-        client.ping()
     writer = holder.reserve(NS, b"\x07" * 16)
     end = time.monotonic() + 2.5
     while time.monotonic() < end:
-        busy.ping()
+        assert busy.call(Op.PING, {}) == "pong"
         time.sleep(0.3)
-    with pytest.raises(UnavailableError):
-        idle.ping()
-    busy.ping()
-    holder.ping()
+    assert idle.closed, "an idle session outlived control_idle_timeout_s"
+    assert not busy.closed
+    quiet_client.ping()  # its session was closed too: it reconnects, the request succeeds
     writer.write(payload(7))
-    writer.commit()
+    writer.commit()  # through the session that held the lease all along
     out = np.empty(SPEC.chunk_bytes, dtype=np.uint8)
     with holder.get(NS, b"\x07" * 16) as reader:
         reader.read_into(out)
     assert out.tobytes() == payload(7).tobytes()
-    for client in (idle, holder, busy):
-        client.close()
-    assert closed_count(daemon, "idle") == 1
+    for closable in (idle, busy, quiet_client, holder):
+        closable.close()
+    assert closed_count(daemon, "idle") == 2
 
 
 def test_sessions_per_peer_are_capped_on_both_listeners(start_daemon) -> None:
