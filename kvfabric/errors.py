@@ -48,6 +48,10 @@ class AlreadyExistsError(KVFabricError):
     kind = "exists"
 
 
+class DuplicateNodeError(AlreadyExistsError):
+    """Another live daemon is registered in the global index under this node id."""
+
+
 class CapacityError(KVFabricError, MemoryError):
     """No tier can make room for the request (everything left is pinned or too small)."""
 

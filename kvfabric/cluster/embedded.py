@@ -22,11 +22,13 @@ from kvfabric.cluster.index import (
     GlobalLookup,
     IndexSnapshot,
     KVEvent,
+    LiveRegistration,
     Location,
     NodeInfo,
     Update,
     check_key,
     parse_stream_id,
+    refuse_duplicate,
 )
 from kvfabric.errors import LeaseExpiredError, SpecError, UnavailableError
 
@@ -79,14 +81,25 @@ class EmbeddedIndex(BatchingIndex):
     def stale(self) -> bool:
         return False
 
-    def register(self, info: NodeInfo) -> NodeInfo:
+    def register(self, info: NodeInfo, *, takeover_after_s: float = 0.0) -> NodeInfo:
         st = self._state
+        if self._info is None or self._info.node_id != info.node_id:  # not a re-register
+            refuse_duplicate(info, lambda: self._live_registration(info.node_id),
+                             takeover_after_s)
         with st.cond:
             epoch = st.epochs.get(info.node_id, 0) + 1
             st.epochs[info.node_id] = epoch
             self._info = replace(info, epoch=epoch)
             st.nodes[info.node_id] = (self._info, time.monotonic() + st.lease_ttl)
         return self._info
+
+    def _live_registration(self, node_id: str) -> LiveRegistration | None:
+        st = self._state
+        with st.cond:
+            entry = st.nodes.get(node_id)
+            if entry is None or entry[1] <= time.monotonic():
+                return None
+            return LiveRegistration(entry[0].address, entry[0].epoch, entry[1])
 
     def heartbeat(self) -> None:
         info = self._require_info()

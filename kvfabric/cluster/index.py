@@ -11,6 +11,12 @@ Contract
   node are invisible to every reader from that moment on (a restarted node never shows its old
   inventory) and are cleaned up later. The node calls :meth:`heartbeat` more often than its
   lease TTL; once the lease expires, every reader ignores the node's entries at once.
+* **Node ids are unique among live nodes.** A handle's first :meth:`register` of a node id
+  whose lease is live under *another* address is refused with
+  :class:`~kvfabric.errors.DuplicateNodeError` (two daemons configured with the same id, e.g.
+  ``--node-id "$(hostname)"`` twice on one host), unless that lease is not renewed within
+  ``takeover_after_s`` (its daemon is gone: a crash, then a restart on another port). The same
+  address is a restart of the same node and takes over at once (:func:`refuse_duplicate`).
 * **Writes are batched off the hot path.** :meth:`publish` only queues updates and never blocks
   on the backend nor raises because it is down; a background flusher sends them in batches
   (and appends one :class:`KVEvent` per chain run to the event stream). :meth:`flush` waits
@@ -47,7 +53,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Self
 
-from kvfabric.errors import DeadlineExceededError, KVFabricError, SpecError, UnavailableError
+from kvfabric.errors import (DeadlineExceededError, DuplicateNodeError, KVFabricError,
+                             SpecError, UnavailableError)
 from kvfabric.hashing import KEY_BYTES, ROOT
 
 EventKind = Literal["stored", "removed"]
@@ -195,6 +202,52 @@ class KVEvent:
 
 
 @dataclass(frozen=True)
+class LiveRegistration:
+    """A node id's registration while its lease runs. ``lease_mark`` changes whenever the
+    holder renews the lease (its deadline, on the backend's clock)."""
+
+    address: str
+    epoch: int
+    lease_mark: float
+
+
+DUPLICATE_POLL_S = 0.05
+
+
+def refuse_duplicate(info: NodeInfo, current: Callable[[], LiveRegistration | None],
+                     takeover_after_s: float) -> None:
+    """Raise DuplicateNodeError if a live daemon already holds ``info.node_id``.
+
+    ``current()`` reads the node id's live registration (None: none, or its lease lapsed).
+    One under the same address is this node's previous incarnation: no error. One under
+    another address is watched for ``takeover_after_s``: a renewal of its lease means a live
+    daemon (refused); none means a dead one, which the caller then replaces. Whoever calls
+    this with more than one heartbeat period of ``takeover_after_s`` never replaces a live
+    node by accident.
+    """
+    first = current()
+    if first is None or first.address == info.address:
+        return
+    give_up = time.monotonic() + takeover_after_s
+    while time.monotonic() < give_up:
+        time.sleep(min(DUPLICATE_POLL_S, max(0.0, give_up - time.monotonic())))
+        now = current()
+        if now is None:
+            return  # its lease lapsed meanwhile
+        if now != first:
+            first = now
+            break  # renewed (or re-registered): a live daemon
+    else:
+        if takeover_after_s > 0:
+            return  # not renewed: a dead incarnation
+    raise DuplicateNodeError(
+        f"node id {info.node_id!r} is already registered by a live daemon at {first.address} "
+        f"(epoch {first.epoch}); this daemon would be at {info.address}. Give each daemon its "
+        f"own node_id (--node-id, or node_id in the config; two daemons on one host need "
+        f"two ids, so not just the host name), or stop the other one first")
+
+
+@dataclass(frozen=True)
 class IndexSnapshot:
     """Every live (chunk, node, tier) as ``stored`` events, consistent with ``stream_id``:
     apply ``events``, then every stream event after ``stream_id``."""
@@ -207,8 +260,12 @@ class GlobalIndex(abc.ABC):
     """A node's (or router's) handle on the global index; see the module docstring."""
 
     @abc.abstractmethod
-    def register(self, info: NodeInfo) -> NodeInfo:
-        """Register this node under a new epoch (returned in the NodeInfo) and start its lease."""
+    def register(self, info: NodeInfo, *, takeover_after_s: float = 0.0) -> NodeInfo:
+        """Register this node under a new epoch (returned in the NodeInfo) and start its lease.
+
+        Raises DuplicateNodeError when another live node holds ``info.node_id`` under another
+        address and renews its lease within ``takeover_after_s`` (0: refused while it is
+        live); see :func:`refuse_duplicate`."""
 
     @abc.abstractmethod
     def heartbeat(self) -> None:

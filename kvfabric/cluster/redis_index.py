@@ -66,11 +66,13 @@ from kvfabric.cluster.index import (
     IndexSnapshot,
     Inventory,
     KVEvent,
+    LiveRegistration,
     Location,
     NodeInfo,
     Update,
     check_key,
     parse_stream_id,
+    refuse_duplicate,
 )
 from kvfabric.errors import LeaseExpiredError, SpecError, UnavailableError
 from kvfabric.hashing import KEY_BYTES
@@ -176,6 +178,16 @@ return {t[1], t[2], redis.call('HGETALL', KEYS[1])}
 """
 
 
+# KEYS[1] the registry's live hash, KEYS[2] the node's hash; ARGV node. Returns {the live
+# entry ('epoch:deadline_ms') or false, now_ms, the registered address or false}.
+_REGISTRATION = """
+local t = redis.call('TIME')
+return {redis.call('HGET', KEYS[1], ARGV[1]),
+        tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000),
+        redis.call('HGET', KEYS[2], 'address')}
+"""
+
+
 class RedisGlobalIndex(BatchingIndex):
     """One node's (or router's) client of the Redis global index.
 
@@ -217,6 +229,7 @@ class RedisGlobalIndex(BatchingIndex):
         self._update = self._r.register_script(_UPDATE)
         self._lookup = self._r.register_script(_LOOKUP)
         self._live = self._r.register_script(_LIVE)
+        self._registration = self._r.register_script(_REGISTRATION)
         self._send_lock = threading.RLock()  # one writer at a time: flusher vs. republish
         self._info: NodeInfo | None = None
         self._seeds: set[bytes] = set()  # namespaces whose live hash carries our epoch
@@ -247,9 +260,25 @@ class RedisGlobalIndex(BatchingIndex):
             raise UnavailableError(f"global index (Redis) unavailable: {exc}") from None
 
     # -- registry -----------------------------------------------------------------------
-    def register(self, info: NodeInfo) -> NodeInfo:
+    def register(self, info: NodeInfo, *, takeover_after_s: float = 0.0) -> NodeInfo:
+        if self._info is None or self._info.node_id != info.node_id:  # not a re-register
+            refuse_duplicate(info, lambda: self._live_registration(info.node_id),
+                             takeover_after_s)
         with self._send_lock:
             return self._register(info)
+
+    def _live_registration(self, node_id: str) -> LiveRegistration | None:
+        def run() -> list[Any]:
+            return self._registration(keys=[self._live_key(None), self._reg("node", node_id)],
+                                      args=[node_id])
+
+        live, now_ms, address = self._call(run)
+        if not live:
+            return None
+        epoch, deadline = (int(x) for x in live.split(b":"))
+        if deadline <= int(now_ms):
+            return None
+        return LiveRegistration(address.decode() if address else "", epoch, deadline)
 
     def _register(self, info: NodeInfo) -> NodeInfo:
         min_epoch = self._info.epoch + 1 if self._info is not None else 1

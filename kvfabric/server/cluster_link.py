@@ -27,8 +27,9 @@ from kvfabric.cluster import EmbeddedIndex, EmbeddedState
 from kvfabric.cluster.index import (ChunkRecord, GlobalIndex, GlobalLookup, Location, NodeInfo,
                                     check_name)
 from kvfabric.config import ClusterConfig
-from kvfabric.errors import (ConfigError, KVFabricError, LeaseExpiredError, NotFoundError,
-                             SpecError, SpecMismatchError, UnavailableError)
+from kvfabric.errors import (ConfigError, DuplicateNodeError, KVFabricError,
+                             LeaseExpiredError, NotFoundError, SpecError, SpecMismatchError,
+                             UnavailableError)
 from kvfabric.spec import Namespace
 from kvfabric.store.store import RemovedObject, StoredObject, TieredStore
 
@@ -91,8 +92,13 @@ class ClusterLink:
 
     # -- membership -------------------------------------------------------------------
     def _try_register(self) -> bool:
+        """Join the index; DuplicateNodeError when another live daemon uses this node id
+        (its lease renewed while we watched it for up to three heartbeats)."""
+        config = self._config
         try:
-            self._epoch = self._index.register(self._info).epoch
+            self._epoch = self._index.register(
+                self._info, takeover_after_s=min(config.lease_ttl_s, 3 * config.heartbeat_s)
+            ).epoch
         except UnavailableError as exc:
             self._log_unavailable(exc)
             return False
@@ -116,6 +122,8 @@ class ClusterLink:
             except LeaseExpiredError as exc:
                 # another process registered this node id: two daemons share a node_id
                 log.error("global index: %s; is node_id %r used twice?", exc, self.node_id)
+            except DuplicateNodeError as exc:  # a late join found the id taken: retried
+                log.error("cannot join the global index: %s", exc)
             except KVFabricError:
                 log.exception("global index heartbeat failed")
 
