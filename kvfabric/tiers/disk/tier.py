@@ -727,8 +727,8 @@ class DiskTier:
                     st.file.truncate(st.size)
             except TierDegradedError:
                 return False
-            except OSError as exc:
-                self._health.failed_write(exc, "probing for free space", need)
+            except OSError as exc:  # not the failed write's size: the probe must not grow
+                self._health.failed_write(exc, "probing for free space")
                 return False
             self._health.recovered()
             return True

@@ -245,9 +245,11 @@ def test_failed_records_in_a_segment_are_truncated_away(small_fs: Path,
                                                         open_tier: Opener) -> None:
     """Regression: on the old code a failed write's span stayed reserved in its segment
     (used_bytes grew with every failure); now the segment file ends where the last record
-    that landed ends, and the next record after recovery follows it directly."""
+    that landed ends, and the next record after recovery follows it directly. Probes that
+    fail while the disk is full do not make the next one ask for more room (a first version
+    doubled it per probe: after a few seconds of a full disk it never recovered)."""
     directory = small_fs / "ssd"
-    tier = open_tier(directory, segment_bytes=4 * MiB)
+    tier = open_tier(directory, segment_bytes=64 * MiB)
     landed = [tier.write(key_of(i), b"", [payload(SIZE, i)]).result() for i in range(3)]
     filler = fill_blocks(small_fs)
     for i in range(10, 13):  # refused at once, or failed on the future: both typed
@@ -255,6 +257,8 @@ def test_failed_records_in_a_segment_are_truncated_away(small_fs: Path,
             tier.write(key_of(i), b"", [payload(SIZE, i)]).result()
     end = landed[-1].offset + landed[-1].span
     assert (directory / seg_mod.segment_name(1)).stat().st_size == end == tier.used_bytes
+    for _ in range(8):  # the maintenance tick probing a full disk for a while
+        assert tier.probe() is False
     os.unlink(filler)
     assert tier.probe()
     after = tier.write(key_of(20), b"", [payload(SIZE, 20)]).result()
