@@ -397,8 +397,31 @@ def load_config(path: str | os.PathLike | None = None, *,
     return build_config(data)
 
 
+# Settings holding a path where a leading ``~`` means the daemon user's home, as in a shell
+# (configs/dev.yaml keeps everything under ~/.local/share/kvfabric).
+HOME_PATHS = (("socket_path",), ("store", "data_dir"), ("auth", "token_file"),
+              ("cluster", "secret_file"), ("security", "tls_cert_file"),
+              ("security", "tls_key_file"), ("security", "tls_client_ca_file"))
+
+
+def _expand_home(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with ``~`` expanded in the :data:`HOME_PATHS` settings (copied, not changed)."""
+    out = dict(data)
+    for path in HOME_PATHS:
+        node: Any = out
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                break
+            node[part] = node = dict(node[part])
+        else:
+            value = node.get(path[-1])
+            if isinstance(value, str) and value.startswith("~"):
+                node[path[-1]] = os.path.expanduser(value)
+    return out
+
+
 def build_config(data: Mapping[str, Any]) -> DaemonConfig:
-    data = dict(data)
+    data = _expand_home(dict(data))
     known = {"node_id", "socket_path", "log_level", "store", *_SECTIONS}
     unknown = set(data) - known
     if unknown:

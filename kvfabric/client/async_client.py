@@ -16,10 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvfabric.client import requests
-from kvfabric.client.arenas import ArenaSet
 from kvfabric.client.client import (DEFAULT_PREFETCH_S, DEFAULT_PUSH_S, PREFETCH_REPLY_MARGIN_S,
                                     default_address)
-from kvfabric.client.connection import Address, handshake, open_socket, result_of
+from kvfabric.client.connection import Address, map_arenas, open_session, result_of
 from kvfabric.client.objects import AsyncRemoteReader, AsyncRemoteWriter
 from kvfabric.client.retry import Backoff, ExponentialBackoff
 from kvfabric.errors import (AlreadyExistsError, DeadlineExceededError, KVFabricError,
@@ -46,24 +45,29 @@ class AsyncConnection:
         self = cls()
         self.timeout = timeout
         loop = asyncio.get_running_loop()
-        decoder = FrameDecoder()
 
-        def connect() -> tuple[Any, dict[str, Any], list[int]]:
-            sock = open_socket(address, timeout)
-            try:
-                hello, fds = handshake(sock, token, time.monotonic() + timeout, decoder)
-            except BaseException:
-                sock.close()
-                raise
+        def connect() -> tuple[Any, FrameDecoder, dict[str, Any], list[int]]:
+            # a thread: a busy daemon is retried with backoff (see open_session)
+            sock, decoder, hello, fds = open_session(address, token,
+                                                     time.monotonic() + timeout)
             sock.setblocking(False)
-            return sock, hello, fds
+            return sock, decoder, hello, fds
 
-        sock, self.hello, fds = await loop.run_in_executor(None, connect)
-        self.arenas = ArenaSet(self.hello.get("arenas", []), fds)
-        if isinstance(address, tuple):
-            self._reader, self._writer = await asyncio.open_connection(sock=sock)
-        else:
-            self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+        sock, decoder, self.hello, fds = await loop.run_in_executor(None, connect)
+        try:
+            self.arenas = map_arenas(self.hello, fds)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            if isinstance(address, tuple):
+                self._reader, self._writer = await asyncio.open_connection(sock=sock)
+            else:
+                self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+        except OSError as exc:
+            sock.close()
+            self.arenas.close()
+            raise UnavailableError(f"lost the daemon after hello: {exc}") from None
         self.closed = False
         self._pump = asyncio.create_task(self._read_replies(decoder))
         return self

@@ -115,6 +115,43 @@ def _handshake(sock: socket.socket, token: str | None, deadline: float,
             return result_of(message), fds
 
 
+def open_session(address: Address, token: str | None, deadline: float,
+                 backoff: Backoff | None = None, client: str | None = None
+                 ) -> tuple[socket.socket, FrameDecoder, dict[str, Any], list[int]]:
+    """Connect and hello before ``deadline`` (monotonic): the socket, its decoder, the hello
+    reply and the passed descriptors. A daemon that is reachable but busy (it closed the
+    connection before answering, or answered ``unavailable``: at ``max_sessions``) is asked
+    again with backoff; one that is not reachable fails at once (see :func:`open_socket`)."""
+    backoff = backoff or ExponentialBackoff()
+    attempt = 0
+    while True:
+        sock = open_socket(address, _remaining(deadline, "connect"), backoff)
+        decoder = FrameDecoder()
+        try:
+            hello, fds = handshake(sock, token, deadline, decoder, client)
+            return sock, decoder, hello, fds
+        except UnavailableError:
+            sock.close()
+            pause = backoff.delay(attempt)
+            if time.monotonic() + pause >= deadline:
+                raise
+            time.sleep(pause)
+            attempt += 1
+        except BaseException:
+            sock.close()
+            raise
+
+
+def map_arenas(hello: dict[str, Any], fds: list[int]) -> ArenaSet:
+    """The arenas the hello announced, mapped from ``fds`` (typed errors only)."""
+    try:
+        return ArenaSet(hello.get("arenas", []), fds)
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, KVFabricError):
+            raise
+        raise UnavailableError(f"cannot map the daemon's shared memory: {exc}") from None
+
+
 class Connection:
     """One authenticated session; thread-safe (requests are serialised)."""
 
@@ -126,33 +163,12 @@ class Connection:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        deadline = time.monotonic() + timeout
-        backoff = backoff or ExponentialBackoff()
-        attempt = 0
-        while True:
-            # not reachable (nothing listening, no socket file): raised from here at once
-            self._sock = open_socket(address, _remaining(deadline, "connect"), backoff)
-            self._decoder = FrameDecoder()
-            try:
-                self.hello, fds = handshake(self._sock, token, deadline, self._decoder, client)
-                break
-            except UnavailableError:  # reachable but busy: pushed out, or at max_sessions
-                self._sock.close()
-                pause = backoff.delay(attempt)
-                if time.monotonic() + pause >= deadline:
-                    raise
-                time.sleep(pause)
-                attempt += 1
-            except BaseException:
-                self._sock.close()
-                raise
+        self._sock, self._decoder, self.hello, fds = open_session(
+            address, token, time.monotonic() + timeout, backoff, client)
         try:
-            self.arenas = ArenaSet(self.hello.get("arenas", []), fds)
-        except BaseException as exc:
+            self.arenas = map_arenas(self.hello, fds)
+        except BaseException:
             self._sock.close()
-            if isinstance(exc, (OSError, ValueError)) and not isinstance(exc, KVFabricError):
-                raise UnavailableError(f"cannot map the daemon's shared memory: {exc}") \
-                    from None
             raise
         self._closed = False
         self._poll = select.poll()  # tells a session the daemon ended while it was idle

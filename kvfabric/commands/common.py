@@ -1,4 +1,8 @@
-"""What the client-side subcommands share: where the daemon is, its token, error exits."""
+"""What the client-side subcommands share: where the daemon is, its token, error exits.
+
+Light on purpose (the standard library and :mod:`kvfabric.errors`): every subcommand module
+imports it at start-up; the client library loads in :func:`connect`.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,28 @@ import argparse
 import os
 import sys
 
-from kvfabric.client import Client
-from kvfabric.client.client import default_address
 from kvfabric.errors import KVFabricError, UnavailableError
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing at start-up
+if TYPE_CHECKING:
+    from kvfabric.client import Client
 
 EXIT_UNAVAILABLE = 1  # the daemon is unreachable or refused the request
 EXIT_USAGE = 2  # bad flags, config or input: the same code argparse uses
 
 TOKEN_ENV = "KVFABRIC_TOKEN"
 CONNECT_TIMEOUT_S = 10.0
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their line breaks (example blocks); option help is wrapped."""
+
+
+def add_command(commands: argparse._SubParsersAction, name: str, *, help: str,
+                description: str) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` shows ``description`` as written (plain text)."""
+    return commands.add_parser(name, help=help, description=description,
+                               formatter_class=HelpFormatter)
 
 
 def fail(command: str, message: str, code: int) -> int:
@@ -47,7 +64,8 @@ def token_of(args: argparse.Namespace) -> str | None:
 
 def connect(args: argparse.Namespace) -> Client:
     """A session on ``--socket``; a one-shot tool fails at once instead of reconnecting."""
+    from kvfabric.client import Client
+    from kvfabric.client.client import default_address
+
     return Client(args.socket or default_address(), token=token_of(args),
                   timeout=CONNECT_TIMEOUT_S, reconnect=False)
-
-

@@ -5,9 +5,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvfabric.commands.common import add_command
+
+DESCRIPTION = """\
+Run the tiered store on its own (no daemon, no external service): write a synthetic prompt's
+KV layer by layer into the fastest tier, let capacity pressure push it down through every tier
+kind (device, DRAM, CXL, SSD), find it again with a prefix lookup, read it back byte-exact, and
+restart the store to show the SSD part survives. The device tier needs torch
+(pip install -e '.[device]'); without it the demo says so and runs the others."""
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("demo", help="store KV through every tier and read it back")
+    parser = add_command(commands, "demo", help="store KV through every tier and read it back",
+                         description=DESCRIPTION)
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="keep the store here (default: a temporary directory, removed)")
     parser.set_defaults(handler=run)

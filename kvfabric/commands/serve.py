@@ -8,15 +8,16 @@ override the file, which overrides the embedded defaults (see :mod:`kvfabric.con
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from kvfabric.commands.common import EXIT_UNAVAILABLE, EXIT_USAGE, fail
+from kvfabric.commands.common import EXIT_UNAVAILABLE, EXIT_USAGE, add_command, fail
 from kvfabric.errors import ConfigError, KVFabricError
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing at start-up
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Any
 
 # (flag, dotted key, the value is a string): strings are passed quoted so that YAML scalar
 # parsing cannot turn a node id "007" or a directory named "null" into a number or None.
@@ -41,6 +42,8 @@ class _Override(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
+        import json
+
         value = str(values)
         item = value if self.key is None else \
             f"{self.key}={json.dumps(value) if self.quoted else value}"
@@ -58,12 +61,27 @@ class _Insecure(argparse.Action):
         namespace.overrides = [*(namespace.overrides or []), "security.allow_insecure=true"]
 
 
+DESCRIPTION = """\
+Run the node daemon until SIGTERM / SIGINT (Ctrl-C). Settings come from, highest first: these
+flags (in the order given), KVFABRIC_* environment variables, the --config file, the embedded
+defaults (DRAM 1 GiB + SSD 8 GiB under ./kvfabric-data, the socket
+./kvfabric-data/kvfabric.sock, HTTP on 127.0.0.1:8790, no authentication).
+
+Before building anything it checks the config: token and secret files, TLS certificates, the
+bind rule, memory tiers against physical RAM and SSD tiers against free disk
+(store.allow_overcommit: true to start anyway), the data dir, socket and ports. --check runs
+these checks alone.
+
+examples:
+  kvfabric serve
+  kvfabric token new ~/.local/share/kvfabric/admin-token
+  kvfabric serve --config configs/dev.yaml --check
+  kvfabric serve --config configs/dev.yaml"""
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "serve", help="run the node daemon until SIGTERM / SIGINT",
-        description="Run the node daemon. Precedence: flags > KVFABRIC_* environment > "
-                    "--config file > embedded defaults (DRAM 1 GiB + SSD 8 GiB under "
-                    "./kvfabric-data, HTTP on 127.0.0.1:8790).")
+    parser = add_command(commands, "serve", help="run the node daemon until SIGTERM / SIGINT",
+                         description=DESCRIPTION)
     parser.add_argument("--config", type=Path, default=None, metavar="FILE",
                         help="YAML config file")
     parser.add_argument("--set", action=_Override, dest="overrides", metavar="KEY=VALUE",
@@ -80,25 +98,45 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="write JSON {pid, node_id, socket, tcp_port, http_port} here once "
                              "serving")
     parser.add_argument("--print-config", action="store_true",
-                        help="print the effective config as YAML (tokens redacted) and exit")
+                        help="print the effective config as YAML (tokens redacted) and exit; "
+                             "exits 2 after it if serve would refuse the config")
+    parser.add_argument("--check", action="store_true",
+                        help="run every check serve runs before serving (credentials, "
+                             "capacities, directories, socket, ports), print what the daemon "
+                             "would use and exit: 0 if it would start, 2 if not")
     parser.set_defaults(handler=run, overrides=[])
 
 
 def run(args: argparse.Namespace) -> int:
     from kvfabric.commands.config_yaml import config_yaml
     from kvfabric.config import load_config
+    from kvfabric.preflight import preflight
 
     try:
         config = load_config(args.config, overrides=args.overrides)
         if args.print_config:
             sys.stdout.write(config_yaml(config))
-            return 0
-        _ = config.auth.admin_token  # an unreadable token file fails now, not per request
+            sys.stdout.flush()
+        # before the store is built: a missing token or secret file, a tier larger than
+        # the machine, a busy port fail here with every reason at once
+        checked = preflight(config)
     except ConfigError as exc:
         return fail("serve", str(exc), EXIT_USAGE)
+    if args.print_config:
+        return 0
+    if args.check:
+        print("\n".join(["kvfabric serve --check: the daemon would start with",
+                         *(f"  {line}" for line in checked.lines),
+                         *(f"WARNING: {warning}"
+                           for warning in (*checked.warnings, *checked.insecure))]))
+        return 0
+    import logging
+
     level = logging.DEBUG if args.verbose else getattr(logging, config.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)
+    for warning in checked.warnings:  # the daemon logs the insecure planes itself
+        logging.getLogger("kvfabric.preflight").warning("%s", warning)
     from kvfabric.server.daemon import run as run_daemon  # uvicorn and the store: only here
 
     try:

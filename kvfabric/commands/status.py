@@ -9,21 +9,30 @@ readiness and session count).
 from __future__ import annotations
 
 import argparse
-import json
-import urllib.error
-import urllib.request
-from typing import Any
 
-from kvfabric.commands.common import (add_socket_arg, add_token_arg, connect, daemon_error,
-                                      token_of)
-from kvfabric.commands.stats_table import from_store_stats, render
+from kvfabric.commands.common import (add_command, add_socket_arg, add_token_arg, connect,
+                                      daemon_error, token_of)
 from kvfabric.errors import KVFabricError, ProtocolError, UnavailableError, error_for_kind
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing at start-up
+if TYPE_CHECKING:
+    from typing import Any
 
 HTTP_TIMEOUT_S = 10.0
 
+DESCRIPTION = """\
+Print a running daemon's tiers (capacity, use, objects), its token hit rate and counters, and
+the hit rate per tenant. Asks the control socket by default, or the HTTP API with --url (which
+adds the daemon's uptime, readiness and session count).
+
+examples:
+  kvfabric status
+  kvfabric status --url http://127.0.0.1:8790 --json"""
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("status", help="tiers, hit rates and counters of a daemon")
+    parser = add_command(commands, "status", help="tiers, hit rates and counters of a daemon",
+                         description=DESCRIPTION)
     source = parser.add_mutually_exclusive_group()
     add_socket_arg(source)
     source.add_argument("--url", default=None, metavar="http://HOST:PORT",
@@ -34,20 +43,33 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvfabric.commands.stats_table import render
+
     try:
         stats = _from_http(args.url, token_of(args)) if args.url else _from_socket(args)
     except KVFabricError as exc:
         return daemon_error("status", exc)
-    print(json.dumps(stats, indent=2) if args.json else render(stats))
+    if args.json:
+        import json
+
+        print(json.dumps(stats, indent=2))
+    else:
+        print(render(stats))
     return 0
 
 
 def _from_socket(args: argparse.Namespace) -> dict[str, Any]:
+    from kvfabric.commands.stats_table import from_store_stats
+
     with connect(args) as client:
         return from_store_stats(client.stats(), node_id=client.node_id)
 
 
 def _from_http(url: str, token: str | None) -> dict[str, Any]:
+    import json
+    import urllib.error  # http.client and email: ~20 ms, only for --url
+    import urllib.request
+
     request = urllib.request.Request(url.rstrip("/") + "/v1/stats",
                                      headers={"Accept": "application/json"})
     if token:
@@ -66,8 +88,10 @@ def _from_http(url: str, token: str | None) -> dict[str, Any]:
         raise ProtocolError(f"{url} did not answer with kvfabric statistics") from None
 
 
-def _api_error(exc: urllib.error.HTTPError) -> KVFabricError:
+def _api_error(exc: Any) -> KVFabricError:
     """The API's ``{"error": {"kind", "message"}}`` as the matching kvfabric error."""
+    import json
+
     try:
         error = json.load(exc)["error"]
         return error_for_kind(str(error["kind"]), f"HTTP {exc.code}: {error['message']}")

@@ -202,6 +202,9 @@ class StoreConfig:
     # tenant (namespace tenant_salt) -> Quota; "*" applies to every tenant without an entry
     # of its own (field by field); namespaces without a tenant salt have no quota
     quotas: Mapping[str, Quota] = field(default_factory=dict)
+    # start even when the memory tiers exceed physical RAM or an SSD tier the free disk
+    # (kvfabric/preflight.py checks both before serving; this turns the refusal into a warning)
+    allow_overcommit: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.data_dir, str):
@@ -212,7 +215,7 @@ class StoreConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{name} must be a number, got {value!r}")
-        for name in ("promote_on_hit", "persist_on_close"):
+        for name in ("promote_on_hit", "persist_on_close", "allow_overcommit"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not self.tiers:
