@@ -133,6 +133,7 @@ def disk_fill(h: "Harness", node: str) -> dict[str, Any]:
     if fs is None:
         return {"ok": None, "t0": time.monotonic(), "skipped": h.disk_note}
     t0 = time.monotonic()
+    evictions_before = h.ledger.poll(node)
     filler = fill_blocks(fs, name="chaos-filler")
     degraded = _wait(lambda: daemon.health() == "degraded", h.settings.disk_full_s + 15)
     time.sleep(h.settings.disk_full_s)
@@ -143,7 +144,9 @@ def disk_fill(h: "Harness", node: str) -> dict[str, Any]:
     lost = lost_while_full + h.auditor.verify_node(node)
     record = {"ok": degraded and recovered and lost == 0, "t0": t0, "degraded_seen": degraded,
               "recovered_s": round(time.monotonic() - t_freed, 2) if recovered else None,
-              "lost": lost}
+              "lost": lost,
+              # counted, so not "lost"; but a full disk is no reason to drop what SSD holds
+              "ssd_evictions_during": h.ledger.poll(node) - evictions_before}
     if not recovered:  # what the disk and the tier looked like, for the report
         vfs = os.statvfs(fs)
         ssd = next(t for t in daemon.stats()["tiers"] if t["kind"] == "ssd")
