@@ -17,8 +17,10 @@ daemon would meet it:
   (``MemAvailable``: prefault touches every page at start-up); an SSD tier against the free
   space of its filesystem plus what its directory holds already. ``store.allow_overcommit``
   turns these refusals into warnings;
-* places: the data dir and the socket's directory can be created and written, no other
-  daemon answers on the socket, the HTTP and TCP ports can be bound.
+* places: the data dir and the socket's directory can be created and written; with
+  ``probe`` (what ``serve`` and ``--check`` do, not ``--print-config``: these depend on what
+  else runs at the moment, not on the config) no other daemon answers on the socket and the
+  HTTP and TCP ports can be bound.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class Preflight:
     insecure: tuple[str, ...] = ()
 
 
-def preflight(config: DaemonConfig) -> Preflight:
+def preflight(config: DaemonConfig, *, probe: bool = True) -> Preflight:
     problems: list[str] = []
     warnings: list[str] = []
     insecure: list[str] = []
@@ -83,10 +85,11 @@ def preflight(config: DaemonConfig) -> Preflight:
     else:
         problems += [f"{line}; lower the capacity, or set store.allow_overcommit: true to start "
                      "anyway" for line in overcommit]
-    _check_places(config, problems)
+    _check_places(config, problems, probe)
     for name, endpoint in (("http", config.http), ("tcp", config.tcp)):
         if endpoint.port is not None:
-            _check_port(name, endpoint.host, endpoint.port, problems)
+            if probe:
+                _check_port(name, endpoint.host, endpoint.port, problems)
             lines.append(f"{name:12} {endpoint.host}:{endpoint.port}")
     if len(problems) == 1:
         raise ConfigError(problems[0])
@@ -220,7 +223,7 @@ def _existing_ancestor(path: Path) -> Path:
 
 # -- places -----------------------------------------------------------------------------
 
-def _check_places(config: DaemonConfig, problems: list[str]) -> None:
+def _check_places(config: DaemonConfig, problems: list[str], probe: bool) -> None:
     for what, directory in (("store.data_dir", Path(config.store.data_dir)),
                             ("socket_path's directory", Path(config.socket_path).parent)):
         problem = _unwritable(directory)
@@ -230,7 +233,7 @@ def _check_places(config: DaemonConfig, problems: list[str]) -> None:
     if path.exists() or path.is_symlink():
         if not path.is_socket():
             problems.append(f"socket_path {path} exists and is not a socket")
-        elif _answers(path):
+        elif probe and _answers(path):
             problems.append(f"another daemon is already serving {path}")
 
 

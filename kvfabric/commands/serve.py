@@ -99,7 +99,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                              "serving")
     parser.add_argument("--print-config", action="store_true",
                         help="print the effective config as YAML (tokens redacted) and exit; "
-                             "exits 2 after it if serve would refuse the config")
+                             "exits 2 after it if serve would refuse the config (as --check, "
+                             "without probing the socket and ports)")
     parser.add_argument("--check", action="store_true",
                         help="run every check serve runs before serving (credentials, "
                              "capacities, directories, socket, ports), print what the daemon "
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         # before the store is built: a missing token or secret file, a tier larger than
         # the machine, a busy port fail here with every reason at once
-        checked = preflight(config)
+        checked = preflight(config, probe=not args.print_config)
     except ConfigError as exc:
         return fail("serve", str(exc), EXIT_USAGE)
     if args.print_config:

@@ -274,3 +274,19 @@ def test_store_quotas_can_be_set_per_tenant_from_flags(tmp_path: Path) -> None:
                                             "store.quotas.*.reservations=8"])
     quota = config.store.quota_for("team-a")
     assert quota is not None and quota.tiers == {"dram": 1 << 30} and quota.reservations == 8
+
+
+def test_a_leading_tilde_in_path_settings_is_the_home(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """configs/dev.yaml keeps everything under ~/.local/share/kvfabric: `~` must not become a
+    directory named '~' in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = _write(tmp_path, "socket_path: ~/k.sock\nauth: {token_file: ~/t}\n"
+                            "store: {data_dir: ~/data}\ncluster: {secret_file: ~/s}\n")
+    config = load_config(path, env={}, overrides=["security.tls_cert_file=~/c.pem"])
+    assert config.socket_path == str(tmp_path / "k.sock")
+    assert config.store.data_dir == str(tmp_path / "data")
+    assert config.auth.token_file == str(tmp_path / "t")
+    assert config.cluster.secret_file == str(tmp_path / "s")
+    assert config.security.tls_cert_file == str(tmp_path / "c.pem")
+    assert load_config(env={}, overrides=["store.data_dir=a~b"]).store.data_dir == "a~b"

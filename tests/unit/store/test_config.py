@@ -93,3 +93,10 @@ def test_bad_quotas_are_refused_with_the_key(quotas: object, message: str) -> No
 def test_free_memory_kept_is_a_share() -> None:
     with pytest.raises(ConfigError, match="free_memory_kept"):
         StoreConfig(free_memory_kept=1.5)
+
+
+def test_allow_overcommit_is_a_bool_and_off_by_default() -> None:
+    assert StoreConfig().allow_overcommit is False
+    assert StoreConfig.from_dict({"allow_overcommit": True}).allow_overcommit is True
+    with pytest.raises(ConfigError, match="allow_overcommit must be true or false"):
+        StoreConfig(allow_overcommit="yes")  # type: ignore[arg-type]
