@@ -119,11 +119,11 @@ def test_a_million_bad_token_ids_do_not_stall_the_control_socket(start_daemon) -
     started = time.monotonic()
     samples = pings(daemon.socket, lambda: not any(s.is_alive() for s in senders))
     took = time.monotonic() - started
-    assert took < 10
+    assert took < 30  # old code: 13 s for the first, minutes for the second
     assert results["bad"].status_code == 422
     assert results["bad"].json()["error"]["message"].endswith("and 999990 more")
     assert results["huge"].status_code == 413  # 3 M ids: over limits.lookup_max_tokens
-    assert max(samples) < 0.25, sorted(samples)[-5:]
+    assert max(samples) < 0.5, sorted(samples)[-5:]  # old code: 13 s
     assert p99(samples) < 0.1, sorted(samples)[-5:]
 
 
