@@ -30,6 +30,8 @@ REPLY_MARGIN_S = 5.0  # a wait's reply may take its whole timeout plus the trip 
 
 
 class _RemoteLease(PayloadAccess):
+    WRITES = False  # writers view their pages through the arena's writable mapping
+
     def __init__(self, session: Any, ns: Namespace, key: bytes, reply: dict[str, Any]) -> None:
         self._session = session  # the connection this lease lives on
         self.namespace = ns
@@ -39,7 +41,9 @@ class _RemoteLease(PayloadAccess):
         self.layout = ns.spec.layout(int(reply["num_tokens"]))
         pages = array("I")
         pages.frombytes(reply["pages"])
-        self._viewer: PageViewer = session.arenas.viewer(self.tier_index, pages)
+        # the arena the pages lie in (a daemon that does not say has one per tier)
+        self.arena_id = int(reply.get("arena", self.tier_index))
+        self._viewer: PageViewer = session.arenas.viewer(self.arena_id, pages, write=self.WRITES)
         # stop short of the daemon's deadline: after it the pages may hold another object
         self.deadline = time.monotonic() + float(reply.get("lease_s", 0.0)) * LEASE_SAFETY
         self.closed = False
@@ -62,6 +66,7 @@ class _RemoteLease(PayloadAccess):
 
 
 class _WriterBase(_RemoteLease, PayloadWriter):
+    WRITES = True
     def __init__(self, session: Any, ns: Namespace, key: bytes, reply: dict[str, Any], *,
                  heads: HeadRange | None = None) -> None:
         super().__init__(session, ns, key, reply)

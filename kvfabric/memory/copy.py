@@ -13,6 +13,7 @@ as copying 10 KiB here.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -146,3 +147,9 @@ def _torch() -> Any:
     import torch  # only when a device piece or tensor is involved
 
     return torch
+
+
+# Clients map readers' pages PROT_READ (kvfabric/client/arenas.py), so tensors made from
+# them are read-only; they are only ever copied from, which torch's warning cannot know.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
+                        category=UserWarning)

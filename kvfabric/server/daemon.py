@@ -5,7 +5,7 @@ Lifecycle of :func:`run` (``kvfabric serve``):
 1. open the store (SSD contents are re-indexed from the segment headers) and join the
    global index (:class:`~kvfabric.server.cluster_link.ClusterLink`: register, publish the
    inventory, heartbeat). With the redis index the node also opens a peer transport with
-   its host arenas registered (region id = tier index) and advertises it, with its TCP
+   its host arenas registered (region id = arena id) and advertises it, with its TCP
    control endpoint, so peers can pull its chunks (:mod:`kvfabric.server.puller`) and push
    chunks to it (:mod:`kvfabric.server.pusher`);
    Before any of it, the bind rule (:func:`kvfabric.config.check_binds`): a listener beyond
@@ -77,7 +77,8 @@ class Daemon:
         if peers and config.tcp.port is None:
             raise ConfigError("cluster.index redis needs the TCP control endpoint (tcp.port; "
                               "0 picks a free port): peers pull this node's chunks through it")
-        self._raw_store = TieredStore(config.store)
+        # every token tenant gets arenas of its own (kvfabric/store/tenants.py)
+        self._raw_store = TieredStore(config.store, tenants=config.auth.tenants.values())
         self.metrics = Metrics(self._raw_store)
         self.metrics.describe_node(config.node_id, config.cluster.hardware_class)
         self.store = InstrumentedStore(self._raw_store, self.metrics)

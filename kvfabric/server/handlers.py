@@ -76,23 +76,39 @@ class Handler:
 
 
 def hello(ctx: Context, session: Session, args: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-    """Authenticate; returns the result and the arena fds to pass (local sessions only)."""
+    """Authenticate; returns the result and the arena fds to pass (local sessions only).
+
+    A tenant's session gets its tenant's arenas only, the admin's every arena (see
+    :mod:`kvfabric.store.tenants`); all are sealed against resizing. ``access: "read"``
+    makes a session that only reads: its descriptors are read-only and it may not reserve.
+    Each announced arena names its ``arena`` id (what placements name), its tier (``index``,
+    ``tier``), ``size``, ``page_size`` and ``writable``."""
     token = args.get("token")
     if token is not None and not isinstance(token, str):
         raise AuthError("token must be a string")
-    session.authenticate(_tenant_of(ctx.auth, token), arg_str(args, "client", default=""))
-    arenas = ctx.store.host_arenas() if session.local else []
+    access = arg_str(args, "access", default="write")
+    if access not in ("read", "write"):
+        raise ProtocolError(f"access must be 'read' or 'write', got {access!r}")
+    session.authenticate(_tenant_of(ctx.auth, token), arg_str(args, "client", default=""),
+                         read_only=access == "read")
+    if not session.local:
+        arenas = []
+    elif session.tenant is None:
+        arenas = ctx.store.arenas()  # the admin (or auth off): every arena
+    else:
+        arenas = ctx.store.arenas(session.tenant)
     result = {
         "protocol": PROTOCOL_VERSION, "node_id": ctx.node_id, "tenant": session.tenant,
         "shared_memory": session.local, "tiers": ctx.store.tier_names,
-        "arenas": [{"tier": name, "index": index, "size": arena.size,
-                    "page_size": arena.page_size} for index, name, arena in arenas],
+        "arenas": [{"tier": a.tier_name, "index": a.tier_index, "arena": a.arena_id,
+                    "size": a.arena.size, "page_size": a.arena.page_size,
+                    "writable": not session.read_only} for a in arenas],
         "limits": {"max_keys": MAX_KEYS, "max_tokens": MAX_TOKENS,
                    "max_leases": ctx.max_leases},
         # additions within this protocol version; a client uses them only when listed here
         "features": list(FEATURES),
     }
-    return result, [arena.fd for _, _, arena in arenas]
+    return result, [a.read_only_fd if session.read_only else a.arena.fd for a in arenas]
 
 
 def _tenant_of(auth: AuthConfig, token: str | None) -> str | None:
@@ -135,10 +151,12 @@ def lookup(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, An
 
 
 def reserve(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    _require_writer(session)
     return _reserve_one(ctx, session, session.namespace(args.get("ns")), args)
 
 
 def reserve_batch(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
+    _require_writer(session)
     ns = session.namespace(args.get("ns"))
     return [_item(_reserve_one, ctx, session, ns, item) for item in arg_list(args, "items")]
 
@@ -317,7 +335,7 @@ def _peer_pin_one(ctx: Context, session: Session, ns: Any,
         if not reader.closed:
             reader.release()
         raise
-    result.update(page_size=page_sizes[reader.tier_index], parent=reader.parent)
+    result.update(page_size=page_sizes[reader.arena_id], parent=reader.parent)
     return result
 
 
@@ -349,7 +367,7 @@ def _peer_reserve_one(ctx: Context, session: Session, ns: Any,
                       item: tuple[Any, dict[int, int]]) -> dict[str, Any]:
     raw, page_sizes = item
     result = _reserve_one(ctx, session, ns, raw)
-    page_size = page_sizes.get(result["tier"])
+    page_size = page_sizes.get(result.get("arena"))
     if page_size is None:  # a device tier: the peer's transport cannot reach it
         _abort_one(ctx, session, None, result["lease"])
         raise UnavailableError("the chunk was placed in a tier peers cannot write to")
@@ -423,6 +441,11 @@ def prefetch(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, 
     return ctx.puller.prefetch(ns, keys, timeout).to_dict()
 
 
+def _require_writer(session: Session) -> None:
+    if session.read_only:
+        raise ForbiddenError("this session said in hello that it only reads")
+
+
 def _require_admin(session: Session, op: str) -> None:
     # a tenant token must not pin (or read, through a transport) another node's pages
     if session.tenant is not None:
@@ -441,9 +464,14 @@ def _item(fn: Callable[[Context, Session, Any, Any], Any], ctx: Context, session
 def _placement(lease_id: int, lease: ObjectWriter | ObjectReader) -> dict[str, Any]:
     # lease_s: the client stops touching the pages when it runs out, since after it they
     # may belong to another object (a client frozen mid-copy is the one case it cannot stop)
-    return {"lease": lease_id, "tier": lease.tier_index, "pages": lease.pages.tobytes(),
-            "nbytes": lease.nbytes, "num_tokens": lease.num_tokens,
-            "lease_s": max(0.0, lease.deadline - time.monotonic())}
+    # arena: the shared-memory arena the pages lie in (absent: not one a client can map)
+    result = {"lease": lease_id, "tier": lease.tier_index, "pages": lease.pages.tobytes(),
+              "nbytes": lease.nbytes, "num_tokens": lease.num_tokens,
+              "lease_s": max(0.0, lease.deadline - time.monotonic())}
+    arena = lease.arena_id
+    if arena is not None:
+        result["arena"] = arena
+    return result
 
 
 HANDLERS: dict[Op, Handler] = {

@@ -180,7 +180,8 @@ def placement_ranges(item: dict[str, Any], nbytes: int, offset: int, length: int
     region). ProtocolError when the reply is malformed or the chunk is not ``nbytes`` long
     (the nodes disagree on the layout)."""
     try:
-        region, page_size = int(item["tier"]), int(item["page_size"])
+        # the arena the pages lie in (older daemons: the tier index, their only arena)
+        region, page_size = int(item.get("arena", item["tier"])), int(item["page_size"])
         if int(item["nbytes"]) != nbytes or page_size <= 0:
             raise ValueError(f"{item['nbytes']} bytes in pages of {page_size}, this node "
                              f"expects {nbytes}")

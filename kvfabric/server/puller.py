@@ -75,8 +75,9 @@ class _Candidate:
 class Puller:
     """Pulls chunks into ``store`` (see the module docstring).
 
-    ``links.transport`` must have every host arena of ``store`` registered under its tier
-    index. Closing ``links`` makes later prefetches find no owner.
+    ``links.transport`` must have every host arena of ``store`` registered under its arena
+    id (:meth:`TieredStore.host_arenas`). Closing ``links`` makes later prefetches find no
+    owner.
     """
 
     def __init__(self, store: Any, links: PeerLinks) -> None:
@@ -171,7 +172,7 @@ class Puller:
                 writers.append((key, writer))
                 region, remote = placement_ranges(item, writer.nbytes, 0, writer.nbytes,
                                                   "peer_pin")
-                spans.add(region, remote, writer.tier_index, writer.pages, 0, writer.nbytes)
+                spans.add(region, remote, writer.arena_id, writer.pages, 0, writer.nbytes)
                 lease_s = min(lease_s, float(item["lease_s"]))
             if spans:  # every chunk from this owner in one transfer
                 self._transport.read(owner.peer, spans.reads(), _left(end, "transfer"))

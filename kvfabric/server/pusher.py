@@ -86,8 +86,8 @@ class _Chunk:
 class Pusher:
     """Pushes chunks of ``store`` to other nodes (see the module docstring).
 
-    ``links.transport`` must have every host arena of ``store`` registered under its tier
-    index. Closing ``links`` makes later pushes fail.
+    ``links.transport`` must have every host arena of ``store`` registered under its arena
+    id (:meth:`TieredStore.host_arenas`). Closing ``links`` makes later pushes fail.
     """
 
     def __init__(self, store: Any, links: PeerLinks) -> None:
@@ -155,7 +155,8 @@ class Pusher:
             elif isinstance(reply, KVFabricError):
                 log.info("push: %s refused %s: %s", target, key.hex(), reply)
             else:
-                chunks.append(_Chunk(key, reader, int(reply["lease"]), int(reply["tier"]),
+                chunks.append(_Chunk(key, reader, int(reply["lease"]),
+                                     int(reply.get("arena", reply["tier"])),
                                      reply))
                 lease_end = min(lease_end,
                                 reserved_at + float(reply["lease_s"]) * LEASE_SAFETY)
@@ -200,7 +201,7 @@ class Pusher:
             length = last_offset + last_length - offset  # layers lie one after the other
             region, remote = placement_ranges(chunk.placement, chunk.reader.nbytes, offset,
                                               length, "peer_reserve")
-            spans.add(region, remote, chunk.reader.tier_index, chunk.reader.pages, offset,
+            spans.add(region, remote, chunk.reader.arena_id, chunk.reader.pages, offset,
                       length)
         layers = f"layers {first}-{stop - 1}"
         self._links.transport.write(link.peer, spans.writes(),

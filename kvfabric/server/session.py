@@ -5,6 +5,15 @@ for any reason, :meth:`Session.close` aborts its unfinished writes and releases 
 a client that dies never holds pages; a client that stalls loses them at the lease deadline
 (enforced by the store). Lease ids are per session: one session can never name another's.
 
+A reservation that expired is quarantined by the store (its pages are used by nothing) until
+its writer lets go, and a session lets go only when it ends: the client process may be
+frozen mid-copy and resume writing into those pages any time before that. Forgetting such a
+lease (the client's abort, a failed commit) keeps it here, counted against the session's
+lease limit, until :meth:`Session.close`.
+
+A session that said in hello it only reads (``read_only``) gets read-only descriptors of its
+arenas and may not reserve.
+
 Sessions are used from the event loop and from executor threads (blocking handlers): the
 lease table is guarded by a lock.
 """
@@ -36,18 +45,21 @@ class Session:
         self.local = local  # Unix socket: may map shared memory and take leases
         self.authenticated = False
         self.tenant: str | None = None  # None: any tenant (admin, or auth off)
+        self.read_only = False
         self.client = ""
         self._max_leases = max_leases
         self._leases: dict[int, Lease] = {}
+        self._quarantined: list[ObjectWriter] = []  # expired writes forgotten by the client
         self._lease_ids = itertools.count(1)
         self._namespaces: dict[bytes, Namespace] = {}
         self._lock = threading.Lock()
         self.closed = False
 
-    def authenticate(self, tenant: str | None, client: str) -> None:
+    def authenticate(self, tenant: str | None, client: str, *, read_only: bool = False) -> None:
         self.authenticated = True
         self.tenant = tenant
         self.client = client
+        self.read_only = read_only
 
     def namespace(self, raw: Any) -> Namespace:
         """Decode (cached) and check that this session may use the namespace."""
@@ -69,7 +81,7 @@ class Session:
             if self.closed:
                 _give_back(lease)
                 raise UnavailableError("the session closed while the request was running")
-            if len(self._leases) >= self._max_leases:
+            if len(self._leases) + len(self._quarantined) >= self._max_leases:
                 _give_back(lease)
                 raise ProtocolError(f"too many open leases (limit {self._max_leases}); "
                                     f"release some first")
@@ -86,6 +98,8 @@ class Session:
     def forget(self, lease_id: int) -> Lease:
         with self._lock:
             lease = self._leases.pop(lease_id, None)
+            if isinstance(lease, ObjectWriter) and lease.expired:
+                self._quarantined.append(lease)  # its pages wait for the session's end
         if lease is None:
             raise ProtocolError(f"unknown lease {lease_id} (never taken, or already released)")
         return lease
@@ -100,20 +114,22 @@ class Session:
 
     @property
     def lease_count(self) -> int:
-        return len(self._leases)
+        return len(self._leases) + len(self._quarantined)
 
     def close(self) -> int:
-        """Abort unfinished writes, release pins; returns how many leases were open."""
+        """Abort unfinished writes, release pins, end quarantines; returns how many leases
+        were open."""
         with self._lock:
             self.closed = True
             leases, self._leases = list(self._leases.values()), {}
-        for lease in leases:
+            quarantined, self._quarantined = self._quarantined, []
+        for lease in leases + quarantined:
             _give_back(lease)
-        return len(leases)
+        return len(leases) + len(quarantined)
 
 
 def _give_back(lease: Lease) -> None:
     if isinstance(lease, ObjectWriter):
-        lease.abort()
+        lease.close()  # an expired one's quarantined pages too: this session is over
     else:
         lease.release()

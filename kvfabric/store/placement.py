@@ -108,7 +108,9 @@ class Placement:
         pool = tier.pool_of(tenant)
         reclaimed = False
         deadline = time.monotonic() + self.config.reservation_timeout_s
-        if pool is not None and not tier.pool_can_fit(nbytes, pool):
+        # a tenant at its quota (a full pool as large as the tier is a full tier, below)
+        if pool is not None and tier.pool_bytes(pool) < tier.capacity_bytes and \
+                not tier.pool_can_fit(nbytes, pool):
             self.make_room_in_pool(tier_index, nbytes, tenant, deadline)
         while not tier.can_fit(nbytes, pool):
             pending = self.pending_demotion[tier_index]

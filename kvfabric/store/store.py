@@ -714,6 +714,7 @@ class TieredStore:
                 log.warning("closing with SSD demotions still in flight")
             disk.close()  # joins the writers: never under the lock their callbacks take
         with self._lock:
+            self._tenancy.close()
             for tier in self._tiers:
                 if tier is not disk:
                     tier.close()

@@ -29,6 +29,7 @@ Not thread-safe: the store calls it under its lock.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,7 @@ class ArenaInfo:
     tier_name: str
     tenant: str | None  # None: the default arena of the tier
     arena: SharedArena
+    read_only_fd: int  # an O_RDONLY descriptor of it, for sessions that only read
 
 
 class Tenancy:
@@ -98,7 +100,8 @@ class Tenancy:
     def _add(self, tier_index: int, tier_name: str, tenant: str | None, arena: SharedArena,
              arena_id: int) -> None:
         self._ids[(tier_index, tenant)] = arena_id
-        self._arenas.append(ArenaInfo(arena_id, tier_index, tier_name, tenant, arena))
+        self._arenas.append(ArenaInfo(arena_id, tier_index, tier_name, tenant, arena,
+                                      arena.read_only_fd()))
 
     def arenas(self, tenant: Any = EVERY_TENANT) -> list[ArenaInfo]:
         """The arenas a session of ``tenant`` may map: its own (None: the default ones, a
@@ -112,6 +115,15 @@ class Tenancy:
         arena (device memory, an SSD extent)."""
         pool = pages.pool if isinstance(pages, Pages) else None
         return self._ids.get((tier_index, pool))
+
+    def close(self) -> None:
+        """Close the read-only descriptors (the arenas close with their tiers)."""
+        for info in self._arenas:
+            try:
+                os.close(info.read_only_fd)
+            except OSError:
+                pass
+        self._arenas = []
 
     def quota(self, tenant: str) -> Quota | None:
         return self._quotas.get(tenant) if tenant else None

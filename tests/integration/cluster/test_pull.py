@@ -252,3 +252,36 @@ def test_a_short_or_missing_cluster_secret_is_a_config_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match="secret_file"):
         load_config(env={}, overrides=[f"cluster.secret_file={tmp_path / 'nope'}"]
                     ).cluster.secret()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_tenants_chunks_are_pulled_from_its_arena_into_its_arena(
+        redis_server, start_daemon, transport: str) -> None:
+    """With tenants, a node's arenas are several regions of its transport (a tenant's arena
+    ids differ between nodes configured with different tenants): a tenant's chain is read
+    from the owner's arena of that tenant into the puller's, and served from there to the
+    tenant's own session, which maps no other arena."""
+    admin, token = "admin-tok", "t1-tok"
+    auth = [f"auth.token={admin}", f"auth.tenants.{token}=t1"]
+    a = start_daemon(*node_settings(redis_server.url, "node-a", transport, *auth))
+    b = start_daemon(*node_settings(redis_server.url, "node-b", transport, *auth,
+                                    "auth.tenants.t0-tok=t0"))  # t1's arena: another id
+    refs = chunk_hashes(NS, list(range(3 * SPEC.chunk_tokens)))
+    rng = np.random.default_rng(11)
+    payloads = [rng.integers(0, 256, SPEC.chunk_bytes, dtype=np.uint8).tobytes() for _ in refs]
+    with Client(a.socket, token=token) as owner:
+        for ref, data in zip(refs, payloads):
+            assert owner.put(NS, ref.key, data, parent=ref.parent)
+    keys = [r.key for r in refs]
+    deadline = time.monotonic() + 10
+    with Client(b.socket, token=token) as client:
+        while client.lookup(NS, keys=keys, scope="cluster").cluster_chunks < 3:
+            assert time.monotonic() < deadline, "the owner's chunks never reached the index"
+            time.sleep(0.05)
+        arenas = client._session().hello["arenas"]
+        assert [x["arena"] for x in arenas] == [3]  # t1's own arena only (t0's is 2)
+        result = client.prefetch(NS, keys=keys, timeout=DEADLINE_S)
+        assert result["pulled"] == 3, result
+        for key, data in zip(keys, payloads):
+            with client.get(NS, key) as reader:
+                assert reader.arena_id == 3 and reader.to_bytes() == data

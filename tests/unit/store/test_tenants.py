@@ -18,7 +18,7 @@ from kvfabric.store.config import Quota
 from kvfabric.tiers.base import TierKind
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", chunk_tokens=16)
-CHUNK = SPEC.chunk_bytes  # 8 KiB
+CHUNK = SPEC.chunk_bytes  # 16 KiB
 PAGE = 4096
 NS_A = Namespace("m", SPEC, tenant_salt="team-a")
 NS_B = Namespace("m", SPEC, tenant_salt="team-b")
