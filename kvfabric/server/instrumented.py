@@ -6,8 +6,8 @@ call. Around ``lookup``, ``lookup_tokens``, ``reserve``, ``put``, ``get``, ``pin
 ``contains``, ``delete`` and ``evict`` it records the latency (label ``op``, the method name)
 and, when the call raises, the error kind; the exception itself propagates unchanged. Each
 successful lookup also counts **tokens**: the tokens asked for and missed per tenant
-(``ns.tenant_salt``), and the tokens found per (tier, tenant) from
-:attr:`~kvfabric.store.LookupResult.tier_tokens`.
+(``ns.tenant_salt``; a namespace that holds nothing counts under ``OTHER_TENANT``), and the
+tokens found per (tier, tenant) from :attr:`~kvfabric.store.LookupResult.tier_tokens`.
 
 Anything not wrapped (``stats``, ``flush``, ``tier_of``, ``tier_names``, ``maintain``,
 ``close``, ...) falls through to the store by attribute lookup, so the daemon can hand this
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvfabric.api.metrics import Metrics, error_kind
+from kvfabric.api.metrics import OTHER_TENANT, Metrics, error_kind
 from kvfabric.errors import WouldBlockError
 from kvfabric.hashing import ROOT
 from kvfabric.server.pusher import Pusher, PushResult
@@ -66,7 +66,10 @@ class InstrumentedStore:
         return result
 
     def _count(self, ns: Namespace, result: LookupResult) -> LookupResult:
-        self._metrics.count_lookup(ns.tenant_salt, result.requested_tokens, result.tier_tokens)
+        # a tenant label only for namespaces that hold data: lookups with made-up tenant
+        # salts must not use up the capped label slots (OTHER_TENANT counts them)
+        tenant = ns.tenant_salt if self._store.holds_namespace(ns) else OTHER_TENANT
+        self._metrics.count_lookup(tenant, result.requested_tokens, result.tier_tokens)
         return result
 
     # ------------------------------------------------------------------ queries
