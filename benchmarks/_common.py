@@ -4,15 +4,29 @@ Import this module before numpy (or anything that imports numpy): it caps the Op
 thread pools at one thread, which those libraries only read when they load. Benchmarks print
 a table for people and, with ``--json``, exactly one JSON object on stdout (the table then
 goes to stderr), so their output can be piped straight into a JSON parser.
+
+Exit status: :func:`report` returns 1 when a target was missed (naming each on stderr) and 0
+otherwise; every benchmark's ``main`` returns it, so a missed target fails a CI step.
+
+Child processes: a benchmark run as a script (``python benchmarks/x.py``) gets, from this
+module's import, handlers that turn SIGTERM and SIGHUP into ``SystemExit`` (its ``finally``
+blocks then kill what they started) and an exit hook that kills every descendant still
+running (engines, daemons, redis-servers, however they were started: they are found by
+parent pid in /proc, their process groups included). The children this module starts also
+die with it if it is killed outright (``PR_SET_PDEATHSIG``). :func:`install_cleanup` does the
+same for any other script.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import gc
 import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -135,14 +149,30 @@ def emit_json(obj: Mapping[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def met(value: float, op: str, target: float) -> bool:
+def met(value: float | None, op: str, target: float) -> bool:
+    """Whether ``value`` meets ``op target``; a figure that could not be measured does not."""
+    if value is None:
+        return False
     return value >= target if op == ">=" else value <= target
 
 
+EXIT_MISSED = 1  # a benchmark's exit status when a target was missed
+
+
+def missed_targets(figures: Mapping[str, float | None],
+                   targets: Mapping[str, tuple[str, float]]) -> list[str]:
+    """One line per missed target: ``name = value (target op bound)``."""
+    return [f"{name} = {figures.get(name)} (target {op} {bound})"
+            for name, (op, bound) in targets.items() if not met(figures.get(name), op, bound)]
+
+
 def report(figures: Mapping[str, float], targets: Mapping[str, tuple[str, float]],
-           described: Sequence[tuple[str, str]], *, as_json: bool, quick: bool) -> None:
-    """The table (stderr when JSON goes to stdout) and, with ``as_json``, one JSON object."""
-    verdicts = {name: met(figures[name], *target) for name, target in targets.items()}
+           described: Sequence[tuple[str, str]], *, as_json: bool, quick: bool) -> int:
+    """The table (stderr when JSON goes to stdout) and, with ``as_json``, one JSON object.
+
+    Returns the exit status: :data:`EXIT_MISSED` when a target was missed (each one named on
+    stderr, after the table), else 0."""
+    verdicts = {name: met(figures.get(name), *target) for name, target in targets.items()}
     rows = [{"figure": name, "value": figures[name],
              "target": " ".join(map(str, targets[name])) if name in targets else "",
              "met": ("yes" if verdicts[name] else "NO") if name in targets else "",
@@ -152,6 +182,94 @@ def report(figures: Mapping[str, float], targets: Mapping[str, tuple[str, float]
     if as_json:
         emit_json({**figures, "targets_met": verdicts, "all_targets_met": all(verdicts.values()),
                    "quick": quick})
+    missed = missed_targets(figures, targets)
+    for line in missed:
+        print(f"{Path(sys.argv[0]).name}: target missed: {line}", file=sys.stderr)
+    sys.stderr.flush()
+    return EXIT_MISSED if missed else 0
+
+
+# -- child processes ---------------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+_cleanup_installed = False
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL this child when the benchmark dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the exit hook still covers orderly exits
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """Every live descendant of ``pid`` (default: this process), by parent pid in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+                ppid = int(stat.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [os.getpid() if pid is None else pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_descendants() -> int:
+    """SIGKILL every descendant and the process groups they lead; returns how many."""
+    found = descendants()
+    own_group = os.getpgrp()
+    for pid in found:
+        try:
+            group = os.getpgid(pid)
+            if group == pid and group != own_group:  # a child in a session of its own
+                os.killpg(group, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in found:  # reap our direct children so none lingers as a zombie
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    return len(found)
+
+
+def _exit_on_signal(number: int, _frame: object) -> None:
+    raise SystemExit(128 + number)  # unwinds through the callers' finally blocks
+
+
+def install_cleanup() -> None:
+    """SIGTERM / SIGHUP end the run through ``finally`` blocks, and whatever is still
+    running when the interpreter exits is killed (see the module docstring). Idempotent;
+    call from the main thread."""
+    global _cleanup_installed
+    if _cleanup_installed:
+        return
+    _cleanup_installed = True
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, _exit_on_signal)
+    atexit.register(kill_descendants)
+
+
+def _run_as_a_benchmark() -> bool:
+    """Whether the running script is a file of this directory (not pytest, not ``-c``)."""
+    main = Path(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
+    return main is not None and main.is_file() \
+        and main.resolve().parent == Path(__file__).resolve().parent
+
+
+if _run_as_a_benchmark():
+    install_cleanup()
 
 
 def tokens(count: int, seed: int, vocab: int = 128_000) -> np.ndarray:
@@ -180,7 +298,8 @@ def daemon_process(data_dir: Path, *settings: str, ready_timeout_s: float = 60.0
         args += ["--set", item]
     log_path = data_dir / "daemon.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent)
     try:
         deadline = time.monotonic() + ready_timeout_s
         while not ready.exists():
@@ -210,7 +329,8 @@ def redis_server(workdir: Path) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=_die_with_parent)
     try:
         client = redis.Redis(port=port, socket_timeout=0.2, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10

@@ -371,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         os.close(saved_stdout)
     figures["transport"] = auto  # not a table row: goes into the JSON object only
     print(f"transport: {auto} (cluster.transport=auto)", file=sys.stderr if args.json else sys.stdout)
-    report(figures, TARGETS, described, as_json=args.json, quick=args.quick)
-    return 0
+    return report(figures, TARGETS, described, as_json=args.json, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -330,8 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                    **bench_fp8_error(args.model_dir, cfg)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)
-    return 0
+    return report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -289,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     described = [(name, what) for name, what in FIGURES if name in figures]
-    report(figures, TARGETS, described, as_json=args.json, quick=args.quick)
-    return 0
+    return report(figures, TARGETS, described, as_json=args.json, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -347,8 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                    **bench_ssd(root, cfg), **bench_demote(root, cfg), **bench_metadata(root, cfg)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)
-    return 0
+    return report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -407,8 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = run(root, model, cfg)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)
-    return 0
+    return report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)
 
 
 if __name__ == "__main__":
