@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvfabric.api.metrics import Metrics
+from kvfabric.api.metrics import OTHER_TENANT, Metrics
 from kvfabric.errors import AlreadyExistsError, NotFoundError, SpecError
 from kvfabric.hashing import chunk_hashes, chunk_keys
 from kvfabric.server.instrumented import InstrumentedStore
@@ -98,10 +98,20 @@ def test_tenants_are_counted_apart(parts) -> None:
     _, metrics, instrumented = parts
     tokens = prompt(2 * CT)
     put_prefix(instrumented, ACME, tokens, 2)
+    put_prefix(instrumented, GLOBEX, list(range(50_000, 50_000 + CT)), 1)  # globex holds data
     instrumented.lookup_tokens(GLOBEX, tokens)  # same prompt, other tenant: all misses
     assert value(metrics, "kvfabric_hit_tokens_total", tier="dram", tenant="globex") == 0
     assert value(metrics, "kvfabric_miss_tokens_total", tenant="globex") == 2 * CT
     assert value(metrics, "kvfabric_lookup_tokens_total", tenant="acme") == 0
+
+
+def test_a_lookup_in_a_namespace_holding_nothing_takes_no_tenant_label(parts) -> None:
+    """Regression: on the old code every tenant salt looked up took one of the capped
+    tenant label slots, data or not: made-up salts pushed real tenants under __other__."""
+    _, metrics, instrumented = parts
+    instrumented.lookup_tokens(GLOBEX, prompt(2 * CT))
+    assert value(metrics, "kvfabric_lookup_tokens_total", tenant="globex") == 0
+    assert value(metrics, "kvfabric_miss_tokens_total", tenant=OTHER_TENANT) == 2 * CT
 
 
 def test_hits_are_attributed_to_the_tier_that_held_them(tmp_path: Path) -> None:
