@@ -124,17 +124,21 @@ def open_session(address: Address, token: str | None, deadline: float,
     again with backoff; one that is not reachable fails at once (see :func:`open_socket`)."""
     backoff = backoff or ExponentialBackoff()
     attempt = 0
+    busy: UnavailableError | None = None
     while True:
+        if busy is not None and time.monotonic() >= deadline:
+            raise busy  # what the daemon last said, not a bare deadline
         sock = open_socket(address, _remaining(deadline, "connect"), backoff)
         decoder = FrameDecoder()
         try:
             hello, fds = handshake(sock, token, deadline, decoder, client)
             return sock, decoder, hello, fds
-        except UnavailableError:
+        except UnavailableError as exc:
             sock.close()
             pause = backoff.delay(attempt)
             if time.monotonic() + pause >= deadline:
                 raise
+            busy = exc
             time.sleep(pause)
             attempt += 1
         except BaseException:
