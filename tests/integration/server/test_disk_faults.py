@@ -78,7 +78,9 @@ def test_daemon_on_a_full_disk_degrades_and_recovers(start_daemon, tmp_path: Pat
     data_dir = tmp_path / "node"
     data_dir.mkdir()
     with tmpfs(data_dir / "disk", size="8m", inodes=64) as fs:
-        daemon = start_daemon(*SPILLING, "store.tiers.ssd.path=disk/ssd", data_dir=data_dir)
+        # a 64 MiB tier on an 8 MiB filesystem on purpose: the disk is meant to fill up
+        daemon = start_daemon(*SPILLING, "store.tiers.ssd.path=disk/ssd",
+                              "store.allow_overcommit=true", data_dir=data_dir)
         segments = fs / "ssd"
         with Client(daemon.socket) as client:
             preloaded = put_fresh(client, 64)  # 1 MiB into 512 KiB of DRAM
