@@ -3,7 +3,10 @@
 A KV cache is an optimisation: when the daemon is missing, restarting or broken, the engine
 must keep serving by recomputing. :class:`DaemonLink` connects lazily, and after a
 connection-level failure stays away for ``retry_after_s`` so an absent daemon costs each
-request nothing but its hit. ``engine`` names the engine in the daemon's traffic metrics.
+request nothing but its hit. A daemon that refuses the engine's token (none given, or a
+wrong one) is treated the same way, with a log line that says so: it will not take the
+token on the next request either. ``engine`` names the engine in the daemon's traffic
+metrics.
 Thread-safe (requests share one connection; give a blocking caller a link of its own).
 """
 
@@ -14,7 +17,7 @@ import threading
 import time
 
 from kvfabric.client import Client
-from kvfabric.errors import UnavailableError
+from kvfabric.errors import AuthError, UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ class DaemonLink:
                 self._client = Client(self.socket_path, token=self._token,
                                       timeout=self._timeout, reconnect_timeout=1.0,
                                       engine=self.engine)
-            except (OSError, UnavailableError) as exc:
+            except (OSError, UnavailableError, AuthError) as exc:
                 self._mark_down(exc)
                 raise UnavailableError(f"kvfabric daemon at {self.socket_path}: {exc}") from exc
             if self._down:
@@ -67,8 +70,14 @@ class DaemonLink:
         self.failures += 1
         self._down_until = time.monotonic() + self._retry_after_s
         if not self._down:
-            log.warning("kvfabric daemon at %s unavailable (%s); %s goes on without it",
-                        self.socket_path, exc, self.engine)
+            if isinstance(exc, AuthError):
+                log.warning("kvfabric daemon at %s refused %s's token (%s): give the connector "
+                            "the daemon's token (its 'token' setting or $KVFABRIC_TOKEN); %s "
+                            "goes on without the fabric", self.socket_path, self.engine, exc,
+                            self.engine)
+            else:
+                log.warning("kvfabric daemon at %s unavailable (%s); %s goes on without it",
+                            self.socket_path, exc, self.engine)
             self._down = True
 
     def close(self) -> None:

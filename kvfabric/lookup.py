@@ -14,15 +14,18 @@ class LookupResult:
     matched_chunks: int
     matched_tokens: int
     tier_tokens: dict[str, int] = field(default_factory=dict)  # matched tokens per tier name
-    requested_tokens: int = 0  # matched + unmatched chunks at chunk_tokens each
+    requested_tokens: int = 0  # matched + unmatched tokens (full chunks unless told otherwise)
     # cluster scope only: the longest prefix (chunks) any live node holds, and whether the
     # global index may lag (unreachable, or updates still queued)
     cluster_chunks: int | None = None
     stale: bool = False
+    # daemon side only (not on the wire): of the tokens past the local prefix, those another
+    # node holds, counted as hits from "peer" (see TieredStore.lookup's peer_chunks)
+    peer_tokens: int = 0
 
     @property
     def miss_tokens(self) -> int:
-        return self.requested_tokens - self.matched_tokens
+        return self.requested_tokens - self.matched_tokens - self.peer_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return {"requested_chunks": self.requested_chunks, "chunks": self.matched_chunks,

@@ -13,10 +13,18 @@ scheduler's decisions into :class:`~.metadata.KVFabricMetadata` for the workers:
 * saves: every chunk of the prompt once all its tokens are computed (chunked prefill spreads
   them over steps), the partial last chunk included, except chunks the fabric already had.
 
-A consumer whose request carries ``kv_transfer_params`` from a producer (``{"kvfabric":
-{"tokens": n}}``) waits, up to ``expect_timeout_s``, until the fabric holds those tokens:
-the producer's saves or its push may still be landing. Not thread-safe (vLLM calls it from
-the scheduler loop only).
+A producer (saves on) announces in ``kv_transfer_params`` (``{"kvfabric": {"tokens": n}}``)
+the prompt tokens its node's fabric holds when the request finishes: one ``contains`` of the
+prompt's chunks on this side's link, when the step's saves are committed (a check, not a
+lookup: the daemon's hit-rate metrics do not see it). A producer whose saves went nowhere
+(the daemon is down, or refuses the engine's token: the worker's link fails the same way,
+since it has the same socket and token) or that holds none of the prompt returns no params,
+so no consumer waits for KV that was never stored.
+
+A consumer whose request carries such params waits, up to ``expect_timeout_s``, until the
+fabric holds those tokens: the producer's push may still be landing. Lookups carry the
+prompt's length, so the daemon counts a missed partial last chunk by its real tokens. Not
+thread-safe (vLLM calls it from the scheduler loop only).
 """
 
 from __future__ import annotations
@@ -136,11 +144,16 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Saves finish within the step that computed them, so blocks are freed at once
         unless a background load still writes into them (vLLM frees them when the worker
-        reports it done); a producer's params tell the consumer what to expect."""
+        reports it done); a producer's params tell the consumer what the fabric holds of
+        the prompt (None: nothing, or the daemon cannot be asked)."""
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
-        params = {PARAMS_KEY: {"tokens": state.prompt_tokens}} if self.saves else None
+        params = None
+        if self.saves:
+            tokens = self._stored_tokens(state)
+            if tokens:
+                params = {PARAMS_KEY: {"tokens": tokens}}
         return state.loading, params
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
@@ -187,7 +200,7 @@ class SchedulerSide:
             return
         try:
             client = self.link.client()
-            result = self._ask(client, ns, keys)
+            result = self._ask(client, ns, keys, state.prompt_tokens)
         except (KVFabricError, OSError) as exc:
             self.link.failed(exc)
             if not isinstance(exc, UnavailableError):
@@ -199,13 +212,34 @@ class SchedulerSide:
         state.hit_tokens = sum(ref.num_tokens for ref in state.refs[:chunks])
         state.next_save = max(state.next_save, chunks)
 
-    def _ask(self, client: Any, ns: Any, keys: list[bytes]) -> LookupResult:
+    def _ask(self, client: Any, ns: Any, keys: list[bytes], num_tokens: int) -> LookupResult:
         if self._cluster_scope:
             try:
-                return client.lookup(ns, keys=keys, scope="cluster")
+                return client.lookup(ns, keys=keys, scope="cluster", num_tokens=num_tokens)
             except UnsupportedError:
                 self._cluster_scope = False  # a single node: local lookups say it all
-        return client.lookup(ns, keys=keys)
+        return client.lookup(ns, keys=keys, num_tokens=num_tokens)
+
+    def _stored_tokens(self, state: _Request) -> int:
+        """Prompt tokens the node's fabric holds now, as a prefix of whole chunks; 0 when
+        the daemon cannot be asked (see the module docstring)."""
+        if not state.refs:
+            return 0
+        ns = self.namespaces.get(state.tenant_salt, state.lora_id)
+        try:
+            held = self.link.client().contains(ns, [ref.key for ref in state.refs])
+        except (KVFabricError, OSError) as exc:
+            self.link.failed(exc)
+            if not isinstance(exc, UnavailableError):
+                log.warning("kvfabric: cannot tell what the fabric holds of %s: %s",
+                            state.req_id, exc)
+            return 0
+        tokens = 0
+        for ref, here in zip(state.refs, held):
+            if not here:
+                break
+            tokens += ref.num_tokens
+        return tokens
 
     def _still_expecting(self, state: _Request) -> bool:
         now = time.monotonic()

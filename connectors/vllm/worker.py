@@ -343,7 +343,10 @@ class _LayerLoad:
                             load_seconds=time.perf_counter() - started)
 
     def _pin(self) -> None:
-        """Pin every chunk; pull the ones this node lacks first."""
+        """Pin every chunk; pull the ones this node lacks first. A background load (the
+        scheduler's lookup found chunks only other nodes hold) pulls before it pins, so the
+        pulled chunks are never asked for while absent (each would be a not_found get in the
+        daemon's metrics); a load of local chunks pulls only what went missing since."""
         client = self.link.client()
         by_request: dict[str, list[_Item]] = {}
         for item in self.items:
@@ -352,9 +355,12 @@ class _LayerLoad:
             transfer = req_items[0].transfer
             ns = self.worker.namespaces.get(transfer.tenant_salt, transfer.lora_id)
             keys = [i.chunk.key for i in req_items]
+            if transfer.background:  # the daemon skips the chunks it holds already
+                self._pull(client, ns, keys, transfer.req_id)
             readers = client.get_many(ns, keys, timeout=self._left())
             missing = [k for k, r in zip(keys, readers) if r is None]
-            if missing and self._pull(client, ns, missing, transfer.req_id):
+            if missing and not transfer.background and \
+                    self._pull(client, ns, missing, transfer.req_id):
                 again = iter(client.get_many(ns, missing, timeout=self._left()))
                 readers = [r if r is not None else next(again) for r in readers]
             for item, reader in zip(req_items, readers):

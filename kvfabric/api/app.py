@@ -258,6 +258,8 @@ class TotalsBody(BaseModel):
     lookup_tokens: int
     hit_tokens: int
     miss_tokens: int
+    peer_hit_tokens: int = Field(0, description="of hit_tokens: tokens past this node's prefix "
+                                 "that another node held (cluster-scope lookups)")
     hit_rate: float
     puts: int
     gets: int

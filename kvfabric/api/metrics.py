@@ -10,7 +10,8 @@ series live in it:
   :meth:`~Metrics.control_pending`; the HTTP API calls :meth:`~Metrics.observe_request` with
   ``plane="http"``; :class:`~kvfabric.server.instrumented.InstrumentedStore` calls
   :meth:`~Metrics.observe_store_op` and :meth:`~Metrics.count_lookup` (tokens, per tier and
-  per tenant).
+  per tenant; tier ``peer``: held by another node), and
+  :class:`~kvfabric.server.instrumented.InstrumentedPuller` :meth:`~Metrics.count_pull`.
 * **Store metrics**, read from ``store.stats()`` at scrape time by a custom collector (tier
   capacity / usage gauges and the store's own counters), so the store keeps no Prometheus
   code and a scrape always sees one consistent snapshot.
@@ -73,14 +74,16 @@ class Metrics:
         self._lookups = _Children(Counter(
             f"{PREFIX}lookups", "Prefix lookups served by the store.", ["tenant"], registry=reg))
         self._lookup_tokens = _Children(Counter(
-            f"{PREFIX}lookup_tokens", "Tokens asked for by prefix lookups (full chunks).",
+            f"{PREFIX}lookup_tokens", "Tokens asked for by prefix lookups (a partial last "
+            "chunk by its real tokens when the caller gave them, else full chunks).",
             ["tenant"], registry=reg))
         self._hit_tokens = _Children(Counter(
-            f"{PREFIX}hit_tokens", "Looked-up tokens found, by the tier that held them.",
+            f"{PREFIX}hit_tokens", "Looked-up tokens found, by the tier that held them "
+            "(peer: past this node's prefix, held by another node; cluster-scope lookups).",
             ["tier", "tenant"], registry=reg))
         self._miss_tokens = _Children(Counter(
-            f"{PREFIX}miss_tokens", "Looked-up tokens beyond the longest stored prefix.",
-            ["tenant"], registry=reg))
+            f"{PREFIX}miss_tokens", "Looked-up tokens found neither here nor (cluster-scope "
+            "lookups) on another node.", ["tenant"], registry=reg))
         self._store_seconds = _Children(Histogram(
             f"{PREFIX}store_operation_duration_seconds", "Latency of store operations.",
             ["op"], buckets=LATENCY_BUCKETS, registry=reg))
@@ -114,6 +117,18 @@ class Metrics:
             f"{PREFIX}push_chunks", "Chunks this node pushed, by the target's hardware class "
             "and outcome (pushed, already_there, failed).", ["target_class", "outcome"],
             registry=reg))
+        self._pull_chunks = _Children(Counter(
+            f"{PREFIX}pull_chunks", "Chunks this node was asked to pull (prefetch), by outcome "
+            "(pulled, already_local, missing).", ["outcome"], registry=reg))
+        self._pull_tokens = Counter(
+            f"{PREFIX}pull_tokens", "Tokens of the chunks this node pulled from other nodes.",
+            registry=reg)
+        self._served_chunks = Counter(
+            f"{PREFIX}peer_served_chunks", "Chunks this node pinned for other nodes to pull "
+            "(peer_pin).", registry=reg)
+        self._served_tokens = Counter(
+            f"{PREFIX}peer_served_tokens", "Tokens of the chunks this node pinned for other "
+            "nodes to pull.", registry=reg)
         self._control_closed = _Children(Counter(
             f"{PREFIX}control_connections_closed", "Control connections refused or closed by "
             "the daemon, by listener (unix, tcp) and reason.", ["listener", "reason"],
@@ -173,9 +188,14 @@ class Metrics:
 
     def count_engine_traffic(self, engine: str, lookup_tokens: int = 0, hit_tokens: int = 0,
                              bytes_read: int = 0, bytes_written: int = 0,
-                             conversions: tuple[tuple[str, int], ...] = ()) -> None:
+                             conversions: tuple[tuple[str, int], ...] = (),
+                             served_chunks: int = 0, served_tokens: int = 0) -> None:
         """Traffic of one request of a session that said it serves ``engine`` (its hello's
-        ``client``: "vllm", "sglang", "lmcache", ...)."""
+        ``client``: "vllm", "sglang", "lmcache", ...); ``served_*``: chunks another node's
+        puller had pinned here (a peer_pin), counted without the engine label."""
+        if served_chunks:
+            self._served_chunks.inc(served_chunks)
+            self._served_tokens.inc(served_tokens)
         label = self._engines.label(engine or "unknown")
         if lookup_tokens:
             self._engine_lookup_tokens(label).inc(lookup_tokens)
@@ -198,6 +218,16 @@ class Metrics:
                                 ("failed", failed)):
             if chunks:
                 self._push_chunks(label, outcome).inc(chunks)
+
+    def count_pull(self, pulled: int, already_local: int, missing: int,
+                   pulled_tokens: int) -> None:
+        """One prefetch's chunks by outcome, and the tokens it copied here."""
+        for outcome, chunks in (("pulled", pulled), ("already_local", already_local),
+                                ("missing", missing)):
+            if chunks:
+                self._pull_chunks(outcome).inc(chunks)
+        if pulled_tokens:
+            self._pull_tokens.inc(pulled_tokens)
 
     # ------------------------------------------------------------------ exposition
 

@@ -137,9 +137,11 @@ class AsyncClient:
         return client
 
     async def lookup(self, ns: Any, tokens: Any = None, *,
-                     keys: Sequence[bytes] | None = None) -> LookupResult:
+                     keys: Sequence[bytes] | None = None,
+                     num_tokens: int | None = None) -> LookupResult:
+        """See :meth:`kvfabric.client.Client.lookup` (local scope)."""
         return requests.lookup_result(await self._call(Op.LOOKUP, requests.lookup_args(
-            ns, tokens, keys, packed=await self._packs_keys())))
+            ns, tokens, keys, packed=await self._packs_keys(), num_tokens=num_tokens)))
 
     async def prefetch(self, ns: Any, keys: Sequence[bytes] | None = None, tokens: Any = None,
                        *, timeout: float = DEFAULT_PREFETCH_S) -> dict[str, Any]:

@@ -78,11 +78,13 @@ class Client:
         return str(self._session().hello["node_id"])
 
     def lookup(self, ns: Namespace, tokens: Any = None, *, keys: Sequence[bytes] | None = None,
-               scope: str = "local") -> LookupResult:
+               scope: str = "local", num_tokens: int | None = None) -> LookupResult:
         """Longest prefix the node holds, from token ids (full chunks) or chunk keys; with
-        ``scope="cluster"`` also the longest any live node holds (``cluster_chunks``)."""
+        ``scope="cluster"`` also the longest any live node holds (``cluster_chunks``).
+        ``num_tokens`` (with keys): the tokens the chain covers, when its last chunk may be
+        partial, so the daemon's metrics count a missed partial chunk by its real tokens."""
         return requests.lookup_result(self._call(Op.LOOKUP, requests.lookup_args(
-            ns, tokens, keys, scope, packed=self._packs_keys())))
+            ns, tokens, keys, scope, packed=self._packs_keys(), num_tokens=num_tokens)))
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes] | None = None, tokens: Any = None,
                  *, timeout: float = DEFAULT_PREFETCH_S) -> dict[str, Any]:

@@ -15,16 +15,22 @@ from kvfabric.spec import Namespace
 
 
 def lookup_args(ns: Namespace, tokens: Any = None, keys: Sequence[bytes] | None = None,
-                scope: str = "local", *, packed: bool = False) -> dict[str, Any]:
+                scope: str = "local", *, packed: bool = False,
+                num_tokens: int | None = None) -> dict[str, Any]:
     """Either token ids (hashed by the daemon, full chunks only) or chunk keys (one packed
-    bin when the daemon announced "packed_keys", else a list)."""
+    bin when the daemon announced "packed_keys", else a list); ``num_tokens`` (keys only):
+    the tokens the chain covers, its last chunk may be partial."""
     if (tokens is None) == (keys is None):
         raise SpecError("lookup takes either tokens or keys")
+    if num_tokens is not None and keys is None:
+        raise SpecError("num_tokens goes with keys (token ids say it themselves)")
     args: dict[str, Any] = {"ns": encode_namespace(ns)}
     if scope != "local":
         args["scope"] = scope
     if keys is not None:
         args["keys"] = pack_keys(keys) if packed else list(keys)
+        if num_tokens is not None:
+            args["num_tokens"] = num_tokens
     else:
         args["tokens"] = as_token_array(tokens).astype("<i4").tobytes()
     return args

@@ -1,4 +1,10 @@
-"""A daemon's statistics as one document (the HTTP ``/v1/stats`` shape) and as a table."""
+"""A daemon's statistics as one document (the HTTP ``/v1/stats`` shape) and as a table.
+
+The per-tenant rows sum the per-namespace counters, which exist only while the node holds
+chunks of the namespace (a lookup never creates state, and an emptied namespace goes with
+its counters); the totals count every lookup. What the rows miss is printed as one more
+row, ``(unattributed)``, with a note saying why, so rows and totals always add up.
+"""
 
 from __future__ import annotations
 
@@ -38,21 +44,43 @@ def tenant_hit_rates(namespaces: list[dict[str, Any]]) -> dict[str, tuple[int, f
             for tenant, (lookups, hit, asked) in sorted(sums.items())}
 
 
+UNATTRIBUTED = "(unattributed)"
+UNATTRIBUTED_NOTE = (f"{UNATTRIBUTED}: lookups in namespaces this node holds no chunks of "
+                     "(never stored here, or emptied since); counted in the totals only")
+
+
+def unattributed(totals: dict[str, Any], namespaces: list[dict[str, Any]]
+                 ) -> tuple[int, float] | None:
+    """(lookups, token hit rate) of the lookups the per-namespace counters do not hold;
+    None when rows and totals agree."""
+    lookups = totals["lookups"] - sum(ns["lookups"] for ns in namespaces)
+    if lookups <= 0:
+        return None
+    hit = totals["hit_tokens"] - sum(ns["hit_tokens"] for ns in namespaces)
+    asked = totals["lookup_tokens"] - sum(ns["lookup_tokens"] for ns in namespaces)
+    return lookups, _ratio(max(hit, 0), max(asked, 0))
+
+
 def render(stats: dict[str, Any]) -> str:
     lines = [_node_line(stats), ""]
     lines += _tier_table(stats["tiers"])
     t = stats["totals"]
+    peer = t.get("peer_hit_tokens", 0)  # absent from daemons that predate it
     lines += ["",
               (f"token hit rate {t['hit_rate']:.1%} ({t['hit_tokens']} of "
-               f"{t['lookup_tokens']} tokens looked up, {t['lookups']} lookups)"),
+               f"{t['lookup_tokens']} tokens looked up, {t['lookups']} lookups"
+               + (f"; {peer} of the hit tokens held by other nodes" if peer else "") + ")"),
               (f"objects {t['objects']}  puts {t['puts']}  gets {t['gets']}  "
                f"deletes {t['deletes']}  evictions {t['evictions']}  "
                f"expired leases {t['expired_leases']}  aborted writes {t['aborted_writes']}")]
     rates = tenant_hit_rates(stats["namespaces"])
-    if rates:
+    rest = unattributed(t, stats["namespaces"])
+    if rates or rest:
         lines += ["", f"{'tenant':20} {'lookups':>8} {'hit rate':>9}"]
         lines += [f"{tenant or '(none)':20} {lookups:>8} {rate:>9.1%}"
                   for tenant, (lookups, rate) in rates.items()]
+        if rest:
+            lines += [f"{UNATTRIBUTED:20} {rest[0]:>8} {rest[1]:>9.1%}", UNATTRIBUTED_NOTE]
     return "\n".join(lines)
 
 

@@ -13,8 +13,9 @@ op             args                                         result
 =============  ===========================================  =======================================
 hello          token?, client                               protocol, node_id, arenas, limits,
                                                             tenant (arena fds follow, SCM_RIGHTS)
-lookup         ns, keys | tokens                            requested_chunks, chunks, tokens,
-                                                            tier_tokens
+lookup         ns, keys | tokens, num_tokens?, scope?       requested_chunks, chunks, tokens,
+                                                            tier_tokens, requested_tokens
+                                                            (cluster: nodes, stale, peer_tokens)
 reserve        ns, key, parent, num_tokens?                 lease, tier, pages, nbytes, num_tokens
 commit         lease, layers? (bitmask; all when absent)    done (bool: object complete)
 abort          lease                                        null
@@ -46,8 +47,11 @@ step); each item succeeds or fails on its own: ``{"ok": true, "result": ...}`` o
 ``ns`` is ``{"model", "spec": KVSpec fields, "tenant", "lora"}``; keys are 16-byte bins, and
 ``keys`` is a list of them or, packed, one bin of them back to back (a 512-chunk lookup is then
 one object to encode and decode instead of 512; daemons accept both forms);
-``pages`` is a bin of little-endian uint32 page ids in the arena of tier ``tier``. Every
-validator here raises :class:`~kvfabric.errors.ProtocolError` with the offending field.
+``pages`` is a bin of little-endian uint32 page ids in the arena of tier ``tier``. A lookup's
+``num_tokens`` (with ``keys``; daemons that predate it ignore it) is the tokens the chain
+covers, so a missed partial last chunk counts its real tokens in ``requested_tokens`` and the
+metrics; a cluster-scope lookup's ``peer_tokens`` are the tokens past this node's prefix that
+another node holds (hits from ``peer`` in the metrics). Every validator here raises :class:`~kvfabric.errors.ProtocolError` with the offending field.
 """
 
 from __future__ import annotations
@@ -159,6 +163,15 @@ def arg_int(args: dict[str, Any], name: str, *, low: int = 0, high: int = (1 << 
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ProtocolError(f"{name} must be an integer in [{low}, {high}]")
     return value
+
+
+def arg_chain_tokens(args: dict[str, Any], num_keys: int, chunk_tokens: int) -> int | None:
+    """``num_tokens`` of a lookup by keys: the tokens the chain covers (its last chunk may
+    be partial); None when absent (every chunk counts as full)."""
+    if args.get("num_tokens") is None:
+        return None
+    low = (num_keys - 1) * chunk_tokens + 1 if num_keys else 0
+    return arg_int(args, "num_tokens", low=low, high=num_keys * chunk_tokens)
 
 
 def arg_head_range(args: dict[str, Any], num_heads: int) -> tuple[int, int]:

@@ -13,7 +13,9 @@ a worker thread. Replies carry the request id and may come back out of order.
 Bad input never takes the daemon down: a malformed request gets an error reply; a broken
 frame (garbage length, undecodable body) gets an error reply and the connection is closed,
 because the stream can no longer be trusted. When a connection ends, its session's leases
-are given back.
+are given back. Every request is timed and its error counted, hello included: a refused
+session (bad or missing token, too many sessions) shows in ``kvfabric_request_errors_total``
+as well as in ``kvfabric_control_connections_closed_total``.
 
 Floods and slow clients are bounded (:mod:`kvfabric.server.admission`): before its hello a
 connection may send one small frame (``limits.control_hello_max_bytes``) within
@@ -211,6 +213,7 @@ class ControlServer:
     async def _hello(self, conn: Conn, session: Session, message: Any,
                      writer: asyncio.StreamWriter) -> bool:
         request_id = request_id_of(message)
+        started = time.perf_counter()
         try:
             request_id, op, args = parse_request(message)
             if op is not Op.HELLO:
@@ -225,11 +228,16 @@ class ControlServer:
             else:
                 writer.write(frame)
                 await writer.drain()
+            self._metrics.observe_request(Op.HELLO.value, time.perf_counter() - started, None)
             return True
         except KVFabricError as exc:
             if conn.session is None and not isinstance(exc, UnavailableError):
                 self._admission.refused(conn, "bad_hello")  # counted, logged rate-limited
             log.debug("session %d refused: %s", session.id, exc)
+            # a refused session (bad token, too many sessions) is a failed request too:
+            # kvfabric_request_errors_total{op="hello", kind="auth" / "unavailable"}
+            self._metrics.observe_request(Op.HELLO.value, time.perf_counter() - started,
+                                          exc.kind)
             await _send(writer, error_reply(request_id, exc))
             return False
 

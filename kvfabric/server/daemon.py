@@ -46,7 +46,8 @@ from kvfabric.errors import ConfigError
 from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.control import ControlServer
 from kvfabric.server.handlers import Context
-from kvfabric.server.instrumented import InstrumentedPusher, InstrumentedStore
+from kvfabric.server.instrumented import (InstrumentedPuller, InstrumentedPusher,
+                                          InstrumentedStore)
 from kvfabric.server.peers import PeerLinks
 from kvfabric.server.puller import Puller
 from kvfabric.server.pusher import Pusher
@@ -104,7 +105,8 @@ class Daemon:
             raise
         self._links = None if self.transport is None else PeerLinks(
             self.cluster, self.transport, config.auth.admin_token)
-        self.puller = None if self._links is None else Puller(self.store, self._links)
+        self.puller = None if self._links is None else InstrumentedPuller(
+            Puller(self.store, self._links), self.metrics)
         self.pusher = None if self._links is None else InstrumentedPusher(
             Pusher(self.store, self._links), self.metrics)
         self._executor = ThreadPoolExecutor(config.limits.request_threads,

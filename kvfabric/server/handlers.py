@@ -25,13 +25,14 @@ from kvfabric.errors import (AuthError, ForbiddenError, KVFabricError, LeaseExpi
                              ObjectAbortedError, ProtocolError, UnavailableError, UnsupportedError,
                              WouldBlockError)
 from kvfabric.hashing import ROOT, chunk_keys
-from kvfabric.protocol.messages import (MAX_KEYS, MAX_TOKENS, PROTOCOL_VERSION, Op, arg_float,
-                                        arg_head_range, arg_int, arg_key, arg_keys, arg_list,
-                                        arg_str, arg_tokens, item_error, item_ok)
+from kvfabric.protocol.messages import (MAX_KEYS, MAX_TOKENS, PROTOCOL_VERSION, Op,
+                                        arg_chain_tokens, arg_float, arg_head_range, arg_int,
+                                        arg_key, arg_keys, arg_list, arg_str, arg_tokens,
+                                        item_error, item_ok)
 from kvfabric.readspec import ReadSpec
 from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.puller import Puller
-from kvfabric.server.instrumented import InstrumentedPusher
+from kvfabric.server.instrumented import InstrumentedPuller, InstrumentedPusher
 from kvfabric.server.pusher import Pusher
 from kvfabric.server.session import Session
 from kvfabric.store.handles import ObjectReader, ObjectWriter
@@ -59,7 +60,8 @@ class Context:
     node_id: str
     max_leases: int
     cluster: ClusterLink | None = None  # None: cluster-scope lookups are refused
-    puller: Puller | None = None  # None: prefetch is refused (no peer transport)
+    # None: prefetch is refused (no peer transport)
+    puller: Puller | InstrumentedPuller | None = None
     pusher: Pusher | InstrumentedPusher | None = None  # None: push is refused (no transport)
 
 
@@ -126,7 +128,10 @@ def _tenant_of(auth: AuthConfig, token: str | None) -> str | None:
 def lookup(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     """Local longest prefix; with ``scope: "cluster"`` also ``nodes`` (per node: its epoch,
     hardware class, leading chunks held, and those per tier) and ``stale`` from the global
-    index."""
+    index, and ``peer_tokens``: the tokens past the local prefix another node holds (the
+    metrics count them as hits from ``peer``, not as misses). ``num_tokens`` (with
+    ``keys``): the tokens the chain covers, so a missed partial last chunk counts its real
+    tokens."""
     scope = arg_str(args, "scope", default="local")
     if scope not in ("local", "cluster"):
         raise ProtocolError(f"scope must be 'local' or 'cluster', got {scope!r}")
@@ -138,16 +143,21 @@ def lookup(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, An
     ns = session.namespace(args.get("ns"))
     if "keys" in args:
         keys = arg_keys(args)
-        out = ctx.store.lookup(ns, keys).to_dict()
+        num_tokens = arg_chain_tokens(args, len(keys), ns.spec.chunk_tokens)
+        if scope == "local":
+            return ctx.store.lookup(ns, keys, num_tokens=num_tokens).to_dict()
     else:
         tokens = np.frombuffer(arg_tokens(args), dtype="<i4")
-        out = ctx.store.lookup_tokens(ns, tokens).to_dict()
-        if scope == "cluster":
-            keys = chunk_keys(ns, tokens, include_partial=False)
-    if scope == "cluster":
-        assert ctx.cluster is not None
-        out["nodes"], out["stale"] = ctx.cluster.node_prefixes(ns, keys)
-    return out
+        if scope == "local":
+            return ctx.store.lookup_tokens(ns, tokens).to_dict()
+        keys, num_tokens = chunk_keys(ns, tokens, include_partial=False), None
+    # the global index first: the local lookup counts what other nodes hold as peer hits
+    assert ctx.cluster is not None
+    nodes, stale = ctx.cluster.node_prefixes(ns, keys)
+    peer_chunks = max((n["chunks"] for n in nodes if n["node_id"] != ctx.node_id), default=0)
+    result = ctx.store.lookup(ns, keys, num_tokens=num_tokens, peer_chunks=peer_chunks)
+    return {**result.to_dict(), "nodes": nodes, "stale": stale,
+            "peer_tokens": result.peer_tokens}
 
 
 def reserve(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,9 @@ call. Around ``lookup``, ``lookup_tokens``, ``reserve``, ``put``, ``get``, ``pin
 and, when the call raises, the error kind; the exception itself propagates unchanged. Each
 successful lookup also counts **tokens**: the tokens asked for and missed per tenant
 (``ns.tenant_salt``; a namespace that holds nothing counts under ``OTHER_TENANT``), and the
-tokens found per (tier, tenant) from :attr:`~kvfabric.store.LookupResult.tier_tokens`.
+tokens found per (tier, tenant) from :attr:`~kvfabric.store.LookupResult.tier_tokens`,
+plus those another node holds (a cluster-scope lookup) under tier :data:`PEER_TIER`.
+:class:`InstrumentedPuller` counts the chunks and tokens pulled from other nodes.
 
 Anything not wrapped (``stats``, ``flush``, ``tier_of``, ``tier_names``, ``maintain``,
 ``close``, ...) falls through to the store by attribute lookup, so the daemon can hand this
@@ -27,12 +29,16 @@ from typing import Any, TypeVar
 from kvfabric.api.metrics import OTHER_TENANT, Metrics, error_kind
 from kvfabric.errors import WouldBlockError
 from kvfabric.hashing import ROOT
+from kvfabric.server.puller import Puller, PrefetchResult
 from kvfabric.server.pusher import Pusher, PushResult
 from kvfabric.spec import Namespace
 from kvfabric.store import LookupResult, ObjectReader, ObjectWriter, TieredStore
 from kvfabric.store.shards import HeadRange
 
 T = TypeVar("T")
+# the hit "tier" of tokens another node holds (a cluster-scope lookup's hit past the local
+# prefix: the engine loads them through a pull or a push)
+PEER_TIER = "peer"
 
 
 class InstrumentedStore:
@@ -66,20 +72,26 @@ class InstrumentedStore:
         return result
 
     def _count(self, ns: Namespace, result: LookupResult) -> LookupResult:
+        found = dict(result.tier_tokens)
+        if result.peer_tokens:
+            found[PEER_TIER] = result.peer_tokens
         # a tenant label only for namespaces that hold data: lookups with made-up tenant
         # salts must not use up the capped label slots (OTHER_TENANT counts them)
         tenant = ns.tenant_salt if self._store.holds_namespace(ns) else OTHER_TENANT
-        self._metrics.count_lookup(tenant, result.requested_tokens, result.tier_tokens)
+        self._metrics.count_lookup(tenant, result.requested_tokens, found)
         return result
 
     # ------------------------------------------------------------------ queries
 
-    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
-        return self._count(ns, self._timed("lookup", self._store.lookup, ns, keys))
+    def lookup(self, ns: Namespace, keys: Sequence[bytes], *, num_tokens: int | None = None,
+               peer_chunks: int = 0) -> LookupResult:
+        return self._count(ns, self._timed("lookup", self._store.lookup, ns, keys,
+                                           num_tokens=num_tokens, peer_chunks=peer_chunks))
 
-    def lookup_tokens(self, ns: Namespace, tokens: Any) -> LookupResult:
+    def lookup_tokens(self, ns: Namespace, tokens: Any, *, peer_chunks: int = 0
+                      ) -> LookupResult:
         return self._count(ns, self._timed("lookup_tokens", self._store.lookup_tokens, ns,
-                                           tokens))
+                                           tokens, peer_chunks=peer_chunks))
 
     def contains(self, ns: Namespace, key: bytes) -> bool:
         return self._timed("contains", self._store.contains, ns, key)
@@ -126,4 +138,21 @@ class InstrumentedPusher:
         result = self._pusher.push(ns, keys, target, timeout)
         self._metrics.count_push(result.target_class, result.pushed, result.already_there,
                                  result.failed)
+        return result
+
+
+class InstrumentedPuller:
+    """Delegates prefetches to a :class:`~kvfabric.server.puller.Puller`; counts their
+    chunks per outcome and the tokens pulled (``kvfabric_pull_chunks_total``,
+    ``kvfabric_pull_tokens_total``)."""
+
+    def __init__(self, puller: Puller, metrics: Metrics) -> None:
+        self._puller = puller
+        self._metrics = metrics
+
+    def prefetch(self, ns: Namespace, keys: Sequence[bytes], timeout: float
+                 ) -> PrefetchResult:
+        result = self._puller.prefetch(ns, keys, timeout)
+        self._metrics.count_pull(result.pulled, result.already_local, result.missing,
+                                 result.pulled_tokens)
         return result

@@ -52,12 +52,14 @@ RELEASE_GRACE_S = 0.5
 @dataclass(frozen=True)
 class PrefetchResult:
     """Outcome of one prefetch: chunks copied here, held here already, found nowhere (or not
-    pulled in time), and the node the copied chunks came from (the first, if several)."""
+    pulled in time), and the node the copied chunks came from (the first, if several).
+    ``pulled_tokens`` (the copied chunks' tokens) is for the metrics, not the reply."""
 
     pulled: int
     already_local: int
     missing: int
     source: str | None
+    pulled_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"pulled": self.pulled, "already_local": self.already_local,
@@ -97,7 +99,7 @@ class Puller:
         local = [self._store.contains(ns, key) for key in keys]
         wanted = {i for i, here in enumerate(local) if not here}
         already_local = len(keys) - len(wanted)
-        pulled, source = 0, None
+        pulled, pulled_tokens, source = 0, 0, None
         if wanted:
             found = self._cluster.lookup(ns, keys)
             candidates = self._candidates(found, wanted)
@@ -118,10 +120,11 @@ class Puller:
                     continue
                 wanted -= {i for i in todo if keys[i] in copied or keys[i] in raced}
                 pulled += len(copied)
+                pulled_tokens += sum(copied.values())
                 already_local += len(raced)
                 if copied and source is None:
                     source = candidate.node_id
-        return PrefetchResult(pulled, already_local, len(wanted), source)
+        return PrefetchResult(pulled, already_local, len(wanted), source, pulled_tokens)
 
     def _candidates(self, found: GlobalLookup, wanted: set[int]) -> list[_Candidate]:
         """Other nodes holding any wanted chunk, best first."""
@@ -145,9 +148,10 @@ class Puller:
 
     # -- one owner ------------------------------------------------------------------------
     def _pull(self, candidate: _Candidate, ns: Namespace, keys: list[bytes], end: float
-              ) -> tuple[set[bytes], set[bytes]]:
-        """Copy ``keys`` from one owner; returns (copied keys, keys that appeared here
-        meanwhile). Raises KVFabricError when nothing could be copied from this owner."""
+              ) -> tuple[dict[bytes, int], set[bytes]]:
+        """Copy ``keys`` from one owner; returns (copied keys and their tokens, keys that
+        appeared here meanwhile). Raises KVFabricError when nothing could be copied from
+        this owner."""
         owner = self._links.link(candidate.node_id, candidate.epoch, end)
         pinned_at = time.monotonic()
         items = item_results(owner.connection.call(
@@ -185,7 +189,7 @@ class Puller:
                 writer.abort()  # no-op for one already committed
             raise  # the caller drops the connection, which gives the owner's pins back
         self._release(candidate.node_id, owner, leases, end)
-        return {key for key, _ in writers}, raced
+        return {key: writer.num_tokens for key, writer in writers}, raced
 
     def _release(self, node_id: str, owner: PeerLink, leases: list[int], end: float) -> None:
         if not leases:

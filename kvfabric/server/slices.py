@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from kvfabric.hashing import ROOT, chunk_keys
-from kvfabric.protocol.messages import KEY_BYTES, MAX_KEYS, Op, arg_keys, arg_tokens
+from kvfabric.protocol.messages import (KEY_BYTES, MAX_KEYS, Op, arg_chain_tokens, arg_keys,
+                                        arg_tokens)
 from kvfabric.server.session import Session
 
 SLICE_S = 0.002  # the longest a sliced request holds the loop between two yields
@@ -84,10 +85,12 @@ async def _lookup(ctx: Any, session: Session, args: dict[str, Any], pace: Pacer
                   ) -> dict[str, Any]:
     ns = session.namespace(args.get("ns"))
     keys: list[bytes] = []
+    num_tokens = None
     if "keys" in args:
         for part in _key_slices(args):
             keys.extend(part)
             await pace()
+        num_tokens = arg_chain_tokens(args, len(keys), ns.spec.chunk_tokens)
     else:
         tokens = np.frombuffer(arg_tokens(args), dtype="<i4")
         step = ns.spec.chunk_tokens
@@ -99,7 +102,7 @@ async def _lookup(ctx: Any, session: Session, args: dict[str, Any], pace: Pacer
             keys.extend(part)
             parent = part[-1]
             await pace()
-    return ctx.store.lookup(ns, keys).to_dict()
+    return ctx.store.lookup(ns, keys, num_tokens=num_tokens).to_dict()
 
 
 def _key_count(value: Any) -> int:

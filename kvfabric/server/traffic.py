@@ -1,6 +1,7 @@
 """What a control request moved, read off its result, for the per-engine traffic metrics:
 lookup tokens asked for and found, payload bytes pinned for reading and reserved for
-writing. Only the ops that move KV count; the result shapes are the handlers' replies."""
+writing, chunks pinned for other nodes' pullers. Only the ops that move KV count; the
+result shapes are the handlers' replies."""
 
 from __future__ import annotations
 
@@ -18,12 +19,18 @@ class Traffic:
     bytes_written: int = 0
     # per conversion kind a read asked for ("dtype", "heads", "layout"): chunks converted
     conversions: tuple[tuple[str, int], ...] = ()
+    served_chunks: int = 0  # pinned here for another node's puller (peer_pin)
+    served_tokens: int = 0
 
 
 def traffic_of(op: Op, result: Any) -> Traffic | None:
-    if op is Op.LOOKUP:
+    if op is Op.LOOKUP:  # peer_tokens: a cluster-scope hit past the local prefix
         return Traffic(lookup_tokens=int(result.get("requested_tokens", 0)),
-                       hit_tokens=int(result["tokens"]))
+                       hit_tokens=int(result["tokens"]) + int(result.get("peer_tokens", 0)))
+    if op is Op.PEER_PIN:
+        pinned = [item["result"] for item in result if item.get("ok")]
+        return Traffic(served_chunks=len(pinned),
+                       served_tokens=sum(int(p["num_tokens"]) for p in pinned))
     if op is Op.GET:
         return Traffic(bytes_read=int(result["nbytes"]),
                        conversions=_conversions([result]))

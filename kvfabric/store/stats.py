@@ -1,8 +1,9 @@
 """Counters of the tiered store and the frozen snapshots that :meth:`TieredStore.stats` returns.
 
 Counters count tokens, not only objects: a lookup adds its matched tokens to the hit counter
-of the tier each chunk was found in, and the tokens it asked for beyond the match to the
-miss counter. Mutable counters live inside the store (updated under its lock); callers only
+of the tier each chunk was found in, the tokens past them that another node holds (a
+cluster-scope lookup) to the hits as ``peer_hit_tokens``, and the rest it asked for to the
+miss counter; a partial last chunk counts its real tokens when the caller says how many. Mutable counters live inside the store (updated under its lock); callers only
 ever see :class:`StoreStats` snapshots.
 """
 
@@ -82,6 +83,9 @@ class StoreStats:
     expired_leases: int
     aborted_writes: int
     namespaces: tuple[NamespaceStats, ...] = field(default=())
+    # of hit_tokens: tokens past this node's prefix that another node held (cluster-scope
+    # lookups; the engine then loads them through a pull or a push)
+    peer_hit_tokens: int = 0
 
     @property
     def degraded_tiers(self) -> tuple[str, ...]:

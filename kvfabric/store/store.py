@@ -132,7 +132,8 @@ class TieredStore:
         self._layer_listeners: list[Callable[[], None]] = []
         self._inventory_listeners: list[InventoryListener] = []
         self._count = dict.fromkeys(("lookups", "lookup_tokens", "hit_tokens", "miss_tokens",
-                                     "puts", "gets", "deletes", "expired", "aborted"), 0)
+                                     "peer_hit_tokens", "puts", "gets", "deletes", "expired",
+                                     "aborted"), 0)
         self._closed = False
         if self._disk_index is not None:
             self._recover()
@@ -404,10 +405,17 @@ class TieredStore:
 
     # ------------------------------------------------------------------ queries
 
-    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
+    def lookup(self, ns: Namespace, keys: Sequence[bytes], *, num_tokens: int | None = None,
+               peer_chunks: int = 0) -> LookupResult:
         """Longest prefix of the chain ``keys`` stored in ``ns`` (in-flight writes count,
         except objects tensor-parallel ranks write by head range: those count once every
         range landed, since a rank that never reserves its range leaves no lease to expire).
+
+        ``num_tokens``: the tokens the chain covers, when its last chunk may be partial (a
+        missed partial chunk then counts its real tokens, not ``chunk_tokens``); None: every
+        unmatched chunk is full. ``peer_chunks``: the longest prefix of the chain another
+        node holds (a cluster-scope lookup); the tokens it covers past the local prefix
+        count as hits from ``peer`` (:attr:`LookupResult.peer_tokens`), not as misses.
 
         A namespace the store has never held is a plain miss: lookups never create state,
         so callers cannot grow the store's tables by asking about made-up namespaces.
@@ -420,22 +428,30 @@ class TieredStore:
                 chunks, per_tier = self._index.prefix_counts(known, keys)
             matched, matched_chunks = sum(per_tier), sum(chunks)
             requested = matched + (len(keys) - matched_chunks) * ns.spec.chunk_tokens
-            self._count_lookup(known, requested, matched, per_tier, chunks)
+            if num_tokens is not None:  # the partial last chunk's real size
+                requested = max(matched, min(requested, num_tokens))
+            peer = 0
+            if peer_chunks > matched_chunks:
+                peer = max(0, min(peer_chunks * ns.spec.chunk_tokens, requested) - matched)
+            self._count_lookup(known, requested, matched, per_tier, chunks, peer)
         return LookupResult(len(keys), matched_chunks, matched,
                             {self._names[i]: n for i, n in enumerate(per_tier) if n},
-                            requested_tokens=requested)
+                            requested_tokens=requested, peer_tokens=peer)
 
-    def lookup_tokens(self, ns: Namespace, tokens: Any) -> LookupResult:
+    def lookup_tokens(self, ns: Namespace, tokens: Any, *, peer_chunks: int = 0
+                      ) -> LookupResult:
         """:meth:`lookup` of a prompt's full chunks, hashed here."""
-        return self.lookup(ns, chunk_keys(ns, tokens, include_partial=False))
+        return self.lookup(ns, chunk_keys(ns, tokens, include_partial=False),
+                           peer_chunks=peer_chunks)
 
     def _count_lookup(self, ns: Namespace | None, requested: int, matched: int,
-                      per_tier: list[int], chunks: list[int]) -> None:
+                      per_tier: list[int], chunks: list[int], peer: int = 0) -> None:
         count = self._count
         count["lookups"] += 1
         count["lookup_tokens"] += requested
-        count["hit_tokens"] += matched
-        count["miss_tokens"] += requested - matched
+        count["hit_tokens"] += matched + peer
+        count["peer_hit_tokens"] += peer
+        count["miss_tokens"] += requested - matched - peer
         for i, tokens in enumerate(per_tier):
             if tokens:
                 self._tier_counters[i].hit_tokens += tokens
@@ -445,7 +461,7 @@ class TieredStore:
         nsc = self._ns_counters.setdefault((ns.model_id, ns.tenant_salt), NamespaceCounters())
         nsc.lookups += 1
         nsc.lookup_tokens += requested
-        nsc.hit_tokens += matched
+        nsc.hit_tokens += matched + peer
 
     def contains(self, ns: Namespace, key: bytes) -> bool:
         with self._lock:
@@ -686,7 +702,8 @@ class TieredStore:
             return StoreStats(
                 tiers=tuple(tiers), objects=len(self._index), lookups=count["lookups"],
                 lookup_tokens=count["lookup_tokens"], hit_tokens=count["hit_tokens"],
-                miss_tokens=count["miss_tokens"], puts=count["puts"], gets=count["gets"],
+                miss_tokens=count["miss_tokens"], peer_hit_tokens=count["peer_hit_tokens"],
+                puts=count["puts"], gets=count["gets"],
                 deletes=count["deletes"], expired_leases=count["expired"],
                 aborted_writes=count["aborted"],
                 namespaces=tuple(NamespaceStats(m, t, c.lookups, c.lookup_tokens, c.hit_tokens)

@@ -18,6 +18,7 @@ from kvfabric_connectors.vllm.metadata import ChunkSlice
 from kvfabric_connectors.vllm.namespace import Namespaces
 from kvfabric_connectors.vllm.scheduler import SchedulerSide
 from kvfabric_connectors.vllm.settings import ConnectorSettings
+from scrape import sample, scrape
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", chunk_tokens=16)
 NAMESPACES = Namespaces("sched-model", SPEC)
@@ -105,8 +106,57 @@ def test_saves_follow_chunked_prefill_and_include_the_partial_last_chunk(daemon)
     assert [(c.key, c.start, c.num_tokens) for c in save.chunks] == \
         [(refs[1].key, 16, 16), (refs[2].key, 32, 8)]
     assert sched.build_connector_meta(step(cached=[("save", None, 40, 1)])).saves == ()
+    store(daemon.socket, prompt)  # what the worker side does with those saves
     finished, params = sched.request_finished(req)
     assert not finished and params == {"kvfabric": {"tokens": 40}}
+    sched.close()
+
+
+def test_a_producer_announces_only_the_tokens_the_fabric_holds(daemon) -> None:
+    """Regression: on the old code a producer announced every prompt token whether or not
+    its saves landed, so a consumer waited expect_timeout_s for KV never stored."""
+    prompt = [t + 9 for t in PROMPT]
+    sched = side(daemon.socket, loads=False)
+    nothing = request("nothing", prompt)
+    sched.get_num_new_matched_tokens(nothing, 0)
+    assert sched.request_finished(nothing) == (False, None)  # no save landed
+    store(daemon.socket, prompt, chunks=1)  # the first chunk only: 16 tokens
+    some = request("some", prompt)
+    sched.get_num_new_matched_tokens(some, 0)
+    assert sched.request_finished(some) == (False, {"kvfabric": {"tokens": 16}})
+    sched.close()
+
+
+def test_a_producer_whose_daemon_refuses_its_token_announces_nothing(
+        start_module_daemon, monkeypatch) -> None:
+    """The configs' example engine commands passed no token to a daemon with auth on.
+    Regression: on the old code the producer still returned {"kvfabric": {"tokens": 40}}
+    for KV it never stored; the link now also stays away after the refusal instead of
+    trying a hello on every request."""
+    monkeypatch.delenv("KVFABRIC_TOKEN", raising=False)
+    guarded = start_module_daemon("sched-auth", "store.tiers.dram.capacity=64MiB",
+                                  "auth.token=admin-9d2f")
+    prompt = [t + 10 for t in PROMPT]
+    with Client(guarded.socket, token="admin-9d2f") as client:  # held: still not announced
+        refs = chunk_hashes(NAMESPACES.get("", ""), prompt)
+        client.put_many(NAMESPACES.get("", ""), refs,
+                        [np.zeros(SPEC.layout(r.num_tokens).nbytes, np.uint8) for r in refs])
+    for n, extra in enumerate(({}, {"token": "wrong"}), start=1):
+        sched = side(guarded.socket, **extra)
+        for i in range(3):
+            req = request(f"refused-{i}", prompt)
+            assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+            assert sched.request_finished(req) == (False, None)
+        sched.close()
+        # one refused hello per engine, counted as a failed request; then it stays away
+        refused = sample(scrape(guarded.http_url, "admin-9d2f"),
+                         "kvfabric_request_errors_total", plane="control", op="hello",
+                         kind="unauthorized")
+        assert refused == n
+    sched = side(guarded.socket, token="admin-9d2f")  # the control: the right token
+    req = request("admitted", prompt)
+    assert sched.get_num_new_matched_tokens(req, 0) == (39, False)
+    assert sched.request_finished(req) == (False, {"kvfabric": {"tokens": 40}})
     sched.close()
 
 
