@@ -25,16 +25,23 @@ Contract with LMCache's ``RemoteBackend`` (what :class:`KVFabricRemoteConnector`
   so they are safe from any thread, the loop's included).
 * ``put`` / ``batched_put`` copy the memory object's bytes straight into the daemon's shared
   pages (reserve -> write -> commit) and leave its ref count alone: the caller
-  (``InstrumentedRemoteConnector``) gives the reference back. A chunk the node already holds
-  is not rewritten.
+  (``InstrumentedRemoteConnector``) gives the reference back.
+* **kvfabric never overwrites a stored key** (LMCache's Redis and fs backends do: their
+  last put wins). The first put of a key stays until it is evicted or deleted; a later put
+  of the same key is dropped (counted as ``put_existing``, not an error). Keys hash the tokens,
+  the model name and the memory layout, so a second put normally carries the same bytes;
+  but after changing what a model name computes (new weights, another KV dtype under the
+  same layout) the old KV would be served: give the new model another ``model_id`` (or
+  delete the old chunks) instead of relying on an overwrite.
 * ``get`` allocates the memory object from LMCache's ``LocalCPUBackend`` and copies the
   pinned pages straight into it (a shorter, unfull chunk comes back reshaped); ``None`` is
   a miss. ``batched_get`` returns one entry per key, ``None`` for each miss.
 * ``batched_contains`` / ``batched_async_contains`` return the number of consecutive hits
   from the first key (one daemon lookup round trip).
-* When the daemon is part of a redis cluster, a local miss asks it to pull the chunks from
-  the node that holds them (``prefetch``) before answering; a daemon without peers turns
-  pulling off for the connector's lifetime.
+* When the daemon is part of a redis cluster, the lookup asks the cluster (``scope:
+  cluster``), and chunks only other nodes hold are pulled (``prefetch``) before answering;
+  the daemon counts them as hits from ``peer``, the pull in its pull counters. A daemon
+  without peers turns pulling off for the connector's lifetime.
 * A missing or restarting daemon is a miss, never an error in the engine: the link stays
   away for ``retry_after_s`` and reconnects by itself.
 * ``remote_serde`` must be ``naive``: the chunk's byte length is its token count.

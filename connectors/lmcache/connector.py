@@ -95,6 +95,21 @@ def plugin_stats() -> dict[str, dict[str, int]]:
     return out
 
 
+def unstorable(nbytes: int, token_bytes: int, chunk_tokens: int) -> str | None:
+    """Why an object of ``nbytes`` cannot be stored as one chunk (None: it can): it must be
+    a whole number of tokens, at least one and at most ``chunk_tokens``."""
+    tokens, rest = divmod(nbytes, token_bytes)
+    if rest:
+        return (f"a {nbytes}-byte object is not a whole number of {token_bytes}-byte tokens "
+                f"(remote_serde must be 'naive')")
+    if tokens == 0:
+        return "an empty object"
+    if tokens > chunk_tokens:
+        return (f"a {nbytes}-byte object holds {tokens} tokens, more than one "
+                f"{chunk_tokens}-token chunk (the chunk size LMCache gave the plugin)")
+    return None
+
+
 class KVFabricRemoteConnector(RemoteConnector):
     """LMCache chunks in the node daemon's tiers, through its shared pages."""
 
@@ -241,15 +256,30 @@ class KVFabricRemoteConnector(RemoteConnector):
         fkeys = [self.kvfabric_key(k) for k in keys]
 
         def lookup(client: Client) -> int:
-            hit = client.lookup(self.namespace, keys=fkeys).matched_chunks
-            if hit < len(fkeys) and self._pull:
-                if self._pull_missing(client, fkeys[hit:]):
-                    hit = client.lookup(self.namespace, keys=fkeys).matched_chunks
+            hit, elsewhere = self._lookup(client, fkeys)
+            if elsewhere > hit and self._pull_missing(client, fkeys[hit:elsewhere]):
+                # a check, not a second lookup: the daemon counted the first one (tokens
+                # other nodes held as hits from "peer")
+                hit = _prefix(client.contains(self.namespace, fkeys))
             return hit
 
         hits = self._call(lookup, 0)
         self._stats.add(lookups=1, lookup_keys=len(keys), lookup_hits=hits)
         return hits
+
+    def _lookup(self, client: Client, fkeys: list[bytes]) -> tuple[int, int]:
+        """(chunks held here, the longest prefix any node holds: as many while not
+        pulling)."""
+        if self._pull:
+            try:
+                result = client.lookup(self.namespace, keys=fkeys, scope="cluster")
+                return result.matched_chunks, result.cluster_chunks or 0
+            except UnsupportedError:  # no global index: nothing to pull from
+                log.info("kvfabric plugin %s: the daemon is not in a cluster; not pulling",
+                         self.plugin_name)
+                self._pull = False
+        hit = client.lookup(self.namespace, keys=fkeys).matched_chunks
+        return hit, hit
 
     def _pull_missing(self, client: Client, fkeys: list[bytes]) -> int:
         """Have the daemon pull ``fkeys`` from the nodes holding them; chunks pulled."""
@@ -348,14 +378,12 @@ class KVFabricRemoteConnector(RemoteConnector):
         sources: list[np.ndarray] = []
         for key, obj in zip(keys, objs):
             src = np.frombuffer(obj.byte_array, dtype=np.uint8)
-            tokens, rest = divmod(src.nbytes, self.token_bytes)
-            if rest or not 0 < tokens <= self.chunk_tokens:
+            problem = unstorable(src.nbytes, self.token_bytes, self.chunk_tokens)
+            if problem is not None:
                 self._stats.add(put_failed=1, errors=1)
-                log.warning("kvfabric plugin %s: a %d-byte object is not a whole number of "
-                            "%d-byte tokens (remote_serde must be 'naive'); not stored",
-                            self.plugin_name, src.nbytes, self.token_bytes)
+                log.warning("kvfabric plugin %s: %s; not stored", self.plugin_name, problem)
                 continue
-            chunks.append(ChunkRef(self.kvfabric_key(key), ROOT, tokens))
+            chunks.append(ChunkRef(self.kvfabric_key(key), ROOT, src.nbytes // self.token_bytes))
             sources.append(src)
         if not chunks:
             return
@@ -416,3 +444,13 @@ class KVFabricConnectorAdapter(ConnectorAdapter):
                                        local_cpu_backend=context.local_cpu_backend,
                                        config=config, metadata=metadata,
                                        plugin_name=plugin_name)
+
+
+def _prefix(held: list[bool]) -> int:
+    """How many leading entries are True."""
+    count = 0
+    for here in held:
+        if not here:
+            break
+        count += 1
+    return count

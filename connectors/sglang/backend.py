@@ -110,7 +110,9 @@ class KVFabricHiCacheStorage(HiCacheStorage):
                 reply = client.prefetch(self.namespace, keys=chunk_keys[:cluster],
                                         timeout=_left(deadline))
                 self.counters.add(pulled_pages=int(reply.get("pulled", 0)))
-                hit = client.lookup(self.namespace, keys=chunk_keys).matched_chunks
+                # a check, not a second lookup: the daemon counted the first one (pages other
+                # nodes held as hits from "peer")
+                hit = _prefix(client.contains(self.namespace, chunk_keys))
         except (KVFabricError, OSError) as exc:
             self._failed("exists", exc)
         self.counters.add(queried_pages=len(keys), hit_pages=hit)
@@ -180,17 +182,32 @@ class KVFabricHiCacheStorage(HiCacheStorage):
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:
-        return self.batch_set([key], [value])
+        """Store one flat page: ``value``, or a ``target_location`` tensor (the spelling
+        ``get`` takes); True once the page is held, False otherwise (a location that is no
+        page tensor, such as another backend's raw address, included)."""
+        return self.batch_set([key], [value if value is not None else target_location])
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        """Store flat pages (``get_data_page``); True if every page is now held."""
+        """Store flat pages (``get_data_page``: ``values``, or ``target_locations`` when
+        there are none); True if every page is now held, False otherwise: never raises for
+        pages it cannot take (missing, not tensors of the pool's page, a count that does
+        not match the keys)."""
         self._check_registered()
         assert self._layout is not None
+        if values is None:
+            values = target_locations
         if values is None or len(values) != len(keys):
             log.error("kvfabric HiCache: batch_set needs one page per key")
+            self.counters.add(write_failures=len(keys))
             return False
-        pages = [self._layout.canonical(v) for v in values]
+        try:
+            pages = [self._layout.canonical(_page_tensor(v)) for v in values]
+        except (TypeError, ValueError, RuntimeError) as exc:
+            log.error("kvfabric HiCache: batch_set takes flat pages of the host pool "
+                      "(get_data_page), not these: %s", exc)
+            self.counters.add(write_failures=len(keys))
+            return False
         return all(self._store(page_chunks(keys, None, self._page_tokens), pages))
 
     # -- data movement ---------------------------------------------------------------------
@@ -314,6 +331,22 @@ class KVFabricHiCacheStorage(HiCacheStorage):
         self.counters.add(daemon_errors=1)
         if not isinstance(exc, UnavailableError):
             log.warning("kvfabric HiCache %s failed: %s", what, exc)
+
+
+def _prefix(held: list[bool]) -> int:
+    """How many leading entries are True."""
+    count = 0
+    for here in held:
+        if not here:
+            break
+        count += 1
+    return count
+
+
+def _page_tensor(value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"a page must be a tensor, got {type(value).__name__}")
+    return value
 
 
 def _left(deadline: float) -> float:

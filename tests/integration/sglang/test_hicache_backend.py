@@ -75,6 +75,27 @@ def test_copying_round_trip_is_byte_exact(daemon: Any, make_backend: Any, kind: 
     assert backend.set(keys[0], source.get_data_page(4))  # already held: still a success
 
 
+def test_set_with_a_target_location_stores_a_page_tensor_and_refuses_anything_else(
+        daemon: Any, make_backend: Any) -> None:
+    """Regression: on the old code ``set(key, target_location=...)`` (SGLang's signature,
+    the form its other backends take) raised ``'NoneType' object has no attribute 'dtype'``
+    into SGLang instead of returning False as HiCacheStorage.set promises."""
+    source = pool("mha", "page_first", seed=8)
+    keys = keys_for("set-target-location", 4)
+    backend = make_backend(source, daemon.socket)
+    page = source.get_data_page(4)
+    assert backend.set(keys[0], target_location=page)  # the page given as the location
+    got = backend.get(keys[0], source.get_dummy_flat_data_page())
+    assert got is not None and torch.equal(got, page)
+    assert backend.set(keys[1], target_location=0x7F00DEAD0000, target_sizes=4096) is False
+    assert backend.set(keys[2]) is False  # nothing to store
+    assert backend.set(keys[3], torch.zeros(3, dtype=page.dtype)) is False  # not a page
+    assert backend.batch_set(keys[1:3], target_locations=[page, source.get_data_page(8)])
+    assert backend.batch_set(keys[1:3], [page, None]) is False
+    assert backend.batch_exists(keys) == 3  # keys[3] was never stored
+    assert backend.get_stats().totals["write_failures"] >= 4
+
+
 def test_pages_are_shared_across_host_layouts_and_both_interfaces(
         daemon: Any, make_backend: Any) -> None:
     keys = keys_for("cross-layout", 2)

@@ -299,3 +299,35 @@ def test_a_second_lmcache_on_another_node_pulls_the_chunks_through_the_global_in
         assert client.contains(on_b.connector.namespace, fkeys) == [True] * 4
     on_a.close()
     on_b.close()
+
+
+def test_an_object_over_one_chunk_is_refused_for_its_size_not_as_a_fraction_of_a_token(
+        start_daemon, lmcache_loop, caplog) -> None:
+    """Regression: on the old code an object of 32 whole tokens (two chunks' worth) was
+    refused as "not a whole number of tokens", which sent users after remote_serde."""
+    daemon = start_daemon()
+    remote = Remote(lmcache_loop, daemon.socket)
+    c = remote.connector
+    shape = list(c.meta_shapes[0])
+    shape[shape.index(CHUNK)] = 2 * CHUNK
+    big = remote.cpu.allocate([torch.Size(shape)], c.meta_dtypes, c.meta_fmt)
+    assert big is not None and len(big.byte_array) == 2 * CHUNK * TOKEN_BYTES
+    with caplog.at_level("WARNING", logger="kvfabric_connectors.lmcache.connector"):
+        remote.put([remote.key(0)], [big])
+    refused = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
+    assert len(refused) == 1
+    assert "holds 32 tokens, more than one 16-token chunk" in refused[0]
+    assert "whole number" not in refused[0]
+    assert c.stats()["put_failed"] == 1 and c.stats()["put_stored"] == 0
+    big.ref_count_down()
+    remote.close()
+
+
+def test_unstorable_names_what_is_wrong_with_an_object() -> None:
+    from kvfabric_connectors.lmcache.connector import unstorable
+
+    assert unstorable(5 * TOKEN_BYTES, TOKEN_BYTES, CHUNK) is None  # an unfull last chunk
+    assert unstorable(CHUNK * TOKEN_BYTES, TOKEN_BYTES, CHUNK) is None
+    assert "whole number" in unstorable(TOKEN_BYTES + 1, TOKEN_BYTES, CHUNK)
+    assert "empty" in unstorable(0, TOKEN_BYTES, CHUNK)
+    assert "more than one" in unstorable(3 * CHUNK * TOKEN_BYTES, TOKEN_BYTES, CHUNK)
