@@ -240,11 +240,14 @@ def test_stalled_writer_loses_its_reservation_and_its_late_commit_fails(start_da
         child.expect("reserved")
         child.signal(signal.SIGSTOP)
         assert dram_used(client) == baseline + CHUNK
-        # the deadline (1 s) passes while the client is frozen: the pages come back
-        eventually(lambda: dram_used(client) == baseline, 5, "pages of the frozen writer back")
+        # the deadline (1 s) passes while the client is frozen: the object is aborted, but
+        # its pages stay quarantined (the writer may still copy into them) until its
+        # session ends
+        eventually(lambda: client.stats()["expired_leases"] >= expired_before + 1, 5,
+                   "the frozen writer's reservation expired")
         assert client.contains(NS, [key]) == [False]
-        assert client.stats()["expired_leases"] >= expired_before + 1
-        # someone else stores the same key meanwhile (likely in the very same pages)
+        assert dram_used(client) == baseline + CHUNK
+        # someone else stores the same key meanwhile (in other pages)
         assert client.put(NS, key, payload(key))
         child.signal(signal.SIGCONT)
         child.go()  # the frozen writer wakes up, writes its remaining layers and commits
@@ -254,6 +257,9 @@ def test_stalled_writer_loses_its_reservation_and_its_late_commit_fails(start_da
         with client.get(NS, key) as reader:
             assert reader.to_bytes() == payload(key).tobytes(), \
                 "a writer whose reservation expired wrote into pages now owned by another object"
+        # the writer's session ends with its process: the quarantined pages come back
+        eventually(lambda: dram_used(client) == baseline + CHUNK, 10,
+                   "quarantined pages back once the frozen writer's session ended")
 
 
 def test_stalled_writer_without_a_rival_leaves_nothing_behind(start_daemon, children) -> None:
@@ -264,12 +270,16 @@ def test_stalled_writer_without_a_rival_leaves_nothing_behind(start_daemon, chil
         child = children(CHILD_PUT, daemon.socket, key)
         child.expect("reserved")
         child.signal(signal.SIGSTOP)
-        eventually(lambda: dram_used(client) == baseline, 5, "pages of the frozen writer back")
+        eventually(lambda: client.contains(NS, [key]) == [False], 5,
+                   "the frozen writer's object aborted at its deadline")
+        assert dram_used(client) == baseline + CHUNK  # quarantined while its session lives
         child.signal(signal.SIGCONT)
         child.go()
         line = child.expect("error")
         assert line.split()[1] in ("lease_expired", "bad_request"), line
         assert client.contains(NS, [key]) == [False]  # absent, not half there
+        eventually(lambda: dram_used(client) == baseline, 10,
+                   "pages of the frozen writer back once its session ended")
         with pytest.raises(NotFoundError):
             client.get(NS, key)
         assert dram_used(client) == baseline
