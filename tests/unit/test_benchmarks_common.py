@@ -66,8 +66,8 @@ _common.install_cleanup()
 group = subprocess.Popen(["sh", "-c", "sleep 600 & sleep 600"], start_new_session=True)
 plain = subprocess.Popen(["sleep", "600"])
 time.sleep(0.5)
-print(" ".join(map(str, _common.descendants())), flush=True)
-try:
+try:  # the pids are printed inside: the SIGTERM that follows them lands in here
+    print(" ".join(map(str, _common.descendants())), flush=True)
     time.sleep(600)
 finally:
     print("finally ran", flush=True)
