@@ -147,7 +147,7 @@ class Limits:
                               f"{CONTROL_FRAME_CEILING}] (the protocol's frame bound)")
 
 
-TLS_PLANES = ("http", "tcp")
+TLS_PLANES = ("http", "tcp", "peer")
 
 
 @dataclass(frozen=True)
@@ -161,17 +161,26 @@ class SecurityConfig:
     ``warnings`` in ``/healthz`` and ``/v1/stats``.
 
     ``tls_cert_file`` (PEM chain; the key in ``tls_key_file`` or in the same file) turns TLS
-    on for the planes in ``tls_planes`` (comma-separated: ``http``, ``tcp``); plain
-    connections to them fail. ``tls_client_ca_file`` also requires client certificates
-    signed by that CA (mutual TLS). The files are re-read on SIGHUP and when their mtime
-    changes (checked every ``tls_reload_s``); new connections get the new certificate.
+    on for the planes in ``tls_planes`` (comma-separated: ``http``, ``tcp``, ``peer``: the
+    socket peer transport); plain connections to them fail. ``tls_client_ca_file`` also
+    requires client certificates signed by that CA (mutual TLS). The files are re-read on
+    SIGHUP and when their mtime changes (checked every ``tls_reload_s``); new connections get
+    the new certificate.
+
+    Between nodes (``cluster.index: redis``) the same certificate is the node's identity both
+    ways: it serves, and it is presented as the client certificate when this node connects to
+    a peer's TCP control endpoint or transport; peers' certificates are checked against
+    ``tls_client_ca_file`` (else the system's trust store) and the host they advertise. The
+    ``peer`` plane is always mutual, so it needs ``tls_client_ca_file``, and the NIXL
+    transport (UCX) is not encrypted: with ``peer`` on, ``transport: auto`` picks the socket
+    backend and ``transport: nixl`` is refused. Every node of a cluster needs the same planes.
     """
 
     allow_insecure: bool = False
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
-    tls_planes: str = "http,tcp"
+    tls_planes: str = "http,tcp,peer"
     tls_reload_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -309,12 +318,17 @@ class DaemonConfig:
                                str(Path(self.store.data_dir) / "kvfabric.sock"))
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level must be debug, info, warning or error")
-        if self.security.tls_on("tcp") and self.tcp.port is not None \
-                and self.cluster.index == "redis":
-            # peers reach each other's TCP control endpoint with the client library, which
-            # does not speak TLS yet
-            raise ConfigError("security.tls_planes may not include tcp with cluster.index "
-                              "redis: peers cannot reach a TLS control endpoint yet")
+        if self.security.tls_on("peer") and self.cluster.index == "redis":
+            # a node's certificate is its identity toward peers: both sides must check one
+            if self.security.tls_client_ca_file is None:
+                raise ConfigError("security.tls_planes includes peer (the default) with "
+                                  "cluster.index redis: TLS between nodes is mutual and needs "
+                                  "security.tls_client_ca_file (the CA of every node's "
+                                  "certificate); or leave peer out of security.tls_planes")
+            if self.cluster.transport == "nixl":
+                raise ConfigError("cluster.transport nixl is not encrypted (UCX): leave peer "
+                                  "out of security.tls_planes, or use transport socket (or "
+                                  "auto, which picks socket when peer TLS is on)")
 
 
 def is_loopback(host: str) -> bool:

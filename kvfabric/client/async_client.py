@@ -3,7 +3,10 @@
 One connection multiplexes concurrent requests (replies are matched by request id), so many
 coroutines can wait on layers, lookups and puts at once. The handshake (which receives the
 arena descriptors) runs once in a worker thread; after it the socket belongs to asyncio.
-Reconnects follow the same rules as the blocking client.
+Over TLS (a TCP address with a ``tls`` option, see :mod:`kvfabric.client.tls`) the TLS
+session and the hello run on asyncio's streams instead (an ``ssl.SSLSocket`` cannot be
+handed to asyncio); a busy daemon is retried the same way. Reconnects follow the same rules
+as the blocking client.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import ssl
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,9 +22,12 @@ from typing import Any
 from kvfabric.client import requests
 from kvfabric.client.client import (DEFAULT_PREFETCH_S, DEFAULT_PUSH_S, PREFETCH_REPLY_MARGIN_S,
                                     default_address)
-from kvfabric.client.connection import Address, map_arenas, open_session, result_of
+from kvfabric.client import tls as client_tls
+from kvfabric.client.connection import (CLIENT_NAME, Address, map_arenas, open_session,
+                                        open_socket, result_of)
 from kvfabric.client.objects import AsyncRemoteReader, AsyncRemoteWriter
 from kvfabric.client.retry import Backoff, ExponentialBackoff
+from kvfabric.client.tls import TLSOption
 from kvfabric.errors import (AlreadyExistsError, DeadlineExceededError, KVFabricError,
                              NotFoundError, ProtocolError, UnavailableError)
 from kvfabric.hashing import ROOT, ChunkRef
@@ -40,10 +47,17 @@ class AsyncConnection:
         self._ids = itertools.count(1)
 
     @classmethod
-    async def open(cls, address: Address, token: str | None, timeout: float
-                   ) -> "AsyncConnection":
+    async def open(cls, address: Address, token: str | None, timeout: float,
+                   tls: TLSOption = None) -> "AsyncConnection":
         self = cls()
         self.timeout = timeout
+        if tls is not None and isinstance(address, tuple):
+            self._reader, self._writer, decoder, self.hello = await _tls_session(
+                address, token, tls, time.monotonic() + timeout)
+            self.arenas = map_arenas(self.hello, [])  # TCP: no descriptors, nothing mapped
+            self.closed = False
+            self._pump = asyncio.create_task(self._read_replies(decoder))
+            return self
         loop = asyncio.get_running_loop()
 
         def connect() -> tuple[Any, FrameDecoder, dict[str, Any], list[int]]:
@@ -99,7 +113,7 @@ class AsyncConnection:
                     future = self._pending.get(message.get("id"))  # late replies are dropped
                     if future is not None and not future.done():
                         future.set_result(message)
-        except (ConnectionError, ProtocolError) as exc:
+        except (OSError, ProtocolError) as exc:  # ssl.SSLError too
             error = UnavailableError(f"lost the daemon: {exc}")
         finally:
             self.close()
@@ -118,8 +132,8 @@ class AsyncClient:
     """``await AsyncClient.connect(...)``; every request method is a coroutine."""
 
     def __init__(self, address: Address, token: str | None, timeout: float, reconnect: bool,
-                 reconnect_timeout: float, backoff: Backoff) -> None:
-        self.address, self._token, self.timeout = address, token, timeout
+                 reconnect_timeout: float, backoff: Backoff, tls: TLSOption = None) -> None:
+        self.address, self._token, self.timeout, self._tls = address, token, timeout, tls
         self.reconnect, self.reconnect_timeout, self._backoff = reconnect, reconnect_timeout, \
             backoff
         self._connection: AsyncConnection | None = None
@@ -129,10 +143,12 @@ class AsyncClient:
     async def connect(cls, address: Address | None = None, *, token: str | None = None,
                       timeout: float = 30.0, reconnect: bool = True,
                       reconnect_timeout: float = 30.0,
-                      backoff: Backoff | None = None) -> "AsyncClient":
+                      backoff: Backoff | None = None, tls: TLSOption = None) -> "AsyncClient":
+        """``tls``: as for :class:`~kvfabric.client.Client` (a TCP address over TLS)."""
         client = cls(address if address is not None else default_address(),
                      token if token is not None else os.environ.get("KVFABRIC_TOKEN"),
-                     timeout, reconnect, reconnect_timeout, backoff or ExponentialBackoff())
+                     timeout, reconnect, reconnect_timeout, backoff or ExponentialBackoff(),
+                     tls)
         await client._session()
         return client
 
@@ -277,7 +293,7 @@ class AsyncClient:
         async with self._connecting:
             if self._connection is None or self._connection.closed:
                 self._connection = await AsyncConnection.open(self.address, self._token,
-                                                              self.timeout)
+                                                              self.timeout, self._tls)
             return self._connection
 
     async def close(self) -> None:
@@ -290,3 +306,75 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+async def _tls_session(address: tuple[str, int], token: str | None, tls: Any,
+                       deadline: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
+                                                 FrameDecoder, dict[str, Any]]:
+    """Connect, TLS and hello before ``deadline`` (monotonic), on asyncio streams; a busy
+    daemon (closed during the handshake, or ``unavailable``) is asked again with backoff, a
+    certificate problem (AuthError) is not."""
+    loop = asyncio.get_running_loop()
+    backoff = ExponentialBackoff()
+    attempt = 0
+    while True:
+        left = _left(deadline, "connect")
+
+        def connect() -> tuple[Any, ssl.SSLContext, str]:
+            context, name = client_tls.resolve(tls, address[0])  # reads files: off the loop
+            return open_socket(address, left, backoff), context, name
+
+        sock, context, name = await loop.run_in_executor(None, connect)
+        try:
+            return await _tls_hello(sock, context, name, token, deadline)
+        except UnavailableError:
+            pause = backoff.delay(attempt)
+            if time.monotonic() + pause >= deadline:
+                raise
+            await asyncio.sleep(pause)
+            attempt += 1
+
+
+async def _tls_hello(sock: Any, context: ssl.SSLContext, name: str, token: str | None,
+                     deadline: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
+                                               FrameDecoder, dict[str, Any]]:
+    sock.setblocking(False)
+    try:
+        left = _left(deadline, "TLS handshake")
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(
+            sock=sock, ssl=context, server_hostname=name, ssl_handshake_timeout=left), left)
+    except BaseException as exc:
+        sock.close()
+        raise _typed(exc, "TLS handshake") from None
+    try:
+        writer.write(encode_frame(request(0, Op.HELLO, {"token": token,
+                                                        "client": CLIENT_NAME})))
+        decoder = FrameDecoder()
+        while True:
+            data = await asyncio.wait_for(reader.read(1 << 16), _left(deadline, "hello"))
+            if not data:
+                raise UnavailableError("the daemon closed the connection during hello")
+            for message in decoder.feed(data):
+                return reader, writer, decoder, result_of(message)
+    except BaseException as exc:
+        writer.close()
+        raise _typed(exc, "hello") from None
+
+
+def _typed(exc: BaseException, what: str) -> BaseException:
+    if isinstance(exc, KVFabricError) or not isinstance(exc, Exception):
+        return exc
+    if isinstance(exc, asyncio.TimeoutError):
+        return DeadlineExceededError(f"{what}: no answer from the daemon before the deadline")
+    if isinstance(exc, ssl.SSLError):
+        return client_tls.failure(exc, "the daemon")
+    if isinstance(exc, OSError):
+        return UnavailableError(f"lost the daemon during {what}: {exc}")
+    return exc
+
+
+def _left(deadline: float, what: str) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceededError(f"{what}: deadline exceeded")
+    return left

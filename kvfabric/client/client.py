@@ -33,6 +33,7 @@ from kvfabric.client import requests
 from kvfabric.client.connection import Address, Connection
 from kvfabric.client.objects import RemoteReader, RemoteWriter
 from kvfabric.client.retry import Backoff, ExponentialBackoff
+from kvfabric.client.tls import TLSOption
 from kvfabric.errors import AlreadyExistsError, KVFabricError, NotFoundError, UnavailableError
 from kvfabric.hashing import ROOT, ChunkRef
 from kvfabric.lookup import LookupResult
@@ -58,20 +59,23 @@ class Client:
     def __init__(self, address: Address | None = None, *, token: str | None = None,
                  timeout: float = 30.0, reconnect: bool = True,
                  reconnect_timeout: float = 30.0, backoff: Backoff | None = None,
-                 engine: str | None = None) -> None:
+                 engine: str | None = None, tls: TLSOption = None) -> None:
         """``engine`` names what this client serves ("vllm", "sglang", ...): the daemon's
-        per-engine traffic metrics carry it as a label."""
+        per-engine traffic metrics carry it as a label. ``tls`` (a
+        :class:`~kvfabric.client.tls.ClientTLS` or an ``ssl.SSLContext``): speak TLS to a TCP
+        address (a daemon with ``security.tls_planes`` including ``tcp``)."""
         self.address = address if address is not None else default_address()
         self._token = token if token is not None else os.environ.get("KVFABRIC_TOKEN")
         self.timeout = timeout
         self.reconnect = reconnect
         self.reconnect_timeout = reconnect_timeout
         self.engine = engine
+        self._tls = tls
         self._backoff = backoff or ExponentialBackoff()
         self._lock = threading.Lock()
         self._connection: Connection | None = Connection(
             self.address, token=self._token, timeout=timeout, client=engine,
-            backoff=self._backoff)
+            backoff=self._backoff, tls=tls)
 
     @property
     def node_id(self) -> str:
@@ -252,7 +256,7 @@ class Client:
                 self._connection = None
                 self._connection = Connection(self.address, token=self._token,
                                               timeout=self.timeout, client=self.engine,
-                                              backoff=self._backoff)
+                                              backoff=self._backoff, tls=self._tls)
             return self._connection
 
     def close(self) -> None:

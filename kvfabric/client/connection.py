@@ -1,8 +1,9 @@
 """A blocking control connection to the node daemon.
 
-Connect (Unix socket, or TCP for remote tooling), ``hello`` (with the token when one is
-configured), receive the arena descriptors (SCM_RIGHTS) and map them; then one request at a
-time with a deadline each. A deadline that passes mid-reply leaves the stream out of sync,
+Connect (Unix socket, or TCP for remote tooling, over TLS when given a TLS option: see
+:mod:`kvfabric.client.tls`), ``hello`` (with the token when one is configured), receive the
+arena descriptors (SCM_RIGHTS) and map them; then one request at a time with a deadline
+each. A deadline that passes mid-reply leaves the stream out of sync,
 so the connection is closed and must be re-established (the client does that).
 
 Connecting is retried with backoff within the connection's deadline when the daemon is
@@ -21,13 +22,16 @@ import errno
 import itertools
 import select
 import socket
+import ssl
 import threading
 import time
 from array import array
 from typing import Any
 
 from kvfabric.client.arenas import ArenaSet
+from kvfabric.client import tls as client_tls
 from kvfabric.client.retry import Backoff, ExponentialBackoff
+from kvfabric.client.tls import TLSOption
 from kvfabric.errors import (DeadlineExceededError, KVFabricError, ProtocolError,
                              UnavailableError, error_for_kind)
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
@@ -89,6 +93,8 @@ def handshake(sock: socket.socket, token: str | None, deadline: float,
     except socket.timeout:
         raise DeadlineExceededError("hello: no reply from the daemon before the deadline") \
             from None
+    except ssl.SSLError as exc:  # TLS 1.3: a refused client certificate shows up here
+        raise client_tls.failure(exc, "the daemon") from None
     except OSError as exc:
         raise UnavailableError(f"lost the daemon during hello: {exc}") from None
 
@@ -116,12 +122,15 @@ def _handshake(sock: socket.socket, token: str | None, deadline: float,
 
 
 def open_session(address: Address, token: str | None, deadline: float,
-                 backoff: Backoff | None = None, client: str | None = None
+                 backoff: Backoff | None = None, client: str | None = None,
+                 tls: TLSOption = None
                  ) -> tuple[socket.socket, FrameDecoder, dict[str, Any], list[int]]:
-    """Connect and hello before ``deadline`` (monotonic): the socket, its decoder, the hello
-    reply and the passed descriptors. A daemon that is reachable but busy (it closed the
-    connection before answering, or answered ``unavailable``: at ``max_sessions``) is asked
-    again with backoff; one that is not reachable fails at once (see :func:`open_socket`)."""
+    """Connect (over TLS to a TCP ``address`` when ``tls`` is given) and hello before
+    ``deadline`` (monotonic): the socket, its decoder, the hello reply and the passed
+    descriptors. A daemon that is reachable but busy (it closed the connection before
+    answering, or answered ``unavailable``: at ``max_sessions``) is asked again with backoff;
+    one that is not reachable fails at once (see :func:`open_socket`), and so does a TLS
+    handshake that fails on certificates (AuthError)."""
     backoff = backoff or ExponentialBackoff()
     attempt = 0
     busy: UnavailableError | None = None
@@ -131,6 +140,8 @@ def open_session(address: Address, token: str | None, deadline: float,
         sock = open_socket(address, _remaining(deadline, "connect"), backoff)
         decoder = FrameDecoder()
         try:
+            if tls is not None and isinstance(address, tuple):
+                sock = client_tls.wrap(sock, tls, address[0], deadline)
             hello, fds = handshake(sock, token, deadline, decoder, client)
             return sock, decoder, hello, fds
         except UnavailableError as exc:
@@ -161,14 +172,15 @@ class Connection:
 
     def __init__(self, address: Address, *, token: str | None = None,
                  timeout: float = 30.0, client: str | None = None,
-                 backoff: Backoff | None = None) -> None:
-        """Connect and hello within ``timeout`` seconds (retrying a busy daemon)."""
+                 backoff: Backoff | None = None, tls: TLSOption = None) -> None:
+        """Connect and hello within ``timeout`` seconds (retrying a busy daemon); ``tls``:
+        see :mod:`kvfabric.client.tls`."""
         self.address = address
         self.timeout = timeout
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._sock, self._decoder, self.hello, fds = open_session(
-            address, token, time.monotonic() + timeout, backoff, client)
+            address, token, time.monotonic() + timeout, backoff, client, tls)
         try:
             self.arenas = map_arenas(self.hello, fds)
         except BaseException:
@@ -190,7 +202,7 @@ class Connection:
         if not self._lock.acquire(blocking=False):
             return False  # a request is in flight: it reports its own errors
         try:
-            if not self._closed and self._poll.poll(0):
+            if not self._closed and self._poll.poll(0) and client_tls.hung_up(self._sock):
                 self._close_locked()
             return self._closed
         finally:

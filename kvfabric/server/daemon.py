@@ -15,7 +15,10 @@ Lifecycle of :func:`run` (``kvfabric serve``):
    installed: :func:`event_loop_factory`), then on HTTP on a thread and loop of its own
    (:mod:`kvfabric.api.http_server`: request parsing never runs on the control loop). With
    TLS configured (``security.tls_*``) the HTTP and TCP planes serve TLS; the certificate is
-   re-read on SIGHUP and when its files change (:mod:`kvfabric.server.tls`);
+   re-read on SIGHUP and when its files change (:mod:`kvfabric.server.tls`). Toward peers the
+   same certificate is the client certificate: the peer links speak TLS to peers' TCP control
+   endpoints when the ``tcp`` plane does, and the socket transport is mutual TLS when the
+   ``peer`` plane is on (``transport: auto`` then picks it over NIXL, which is not encrypted);
 3. write the ready file if asked (JSON: pid, socket, tcp_port, http_port, node_id) and
    report ready on ``/readyz`` (503 again if the peer transport's accept loop dies);
 4. on SIGTERM or SIGINT: report not ready, stop accepting, give in-flight requests a grace
@@ -95,7 +98,7 @@ class Daemon:
                 host = _reachable_host(config.tcp.host)
                 address = config.cluster.advertise or _host_port(host,
                                                                  self._tcp.getsockname()[1])
-                self.transport = _open_transport(config, host, self._raw_store)
+                self.transport = _open_transport(config, host, self._raw_store, self.tls)
                 transports[self.transport.backend] = self.transport.descriptor().hex()
             self.cluster = ClusterLink(config.cluster, self.node_id, address, self._raw_store,
                                        transports)
@@ -104,7 +107,7 @@ class Daemon:
             self._raw_store.close()
             raise
         self._links = None if self.transport is None else PeerLinks(
-            self.cluster, self.transport, config.auth.admin_token)
+            self.cluster, self.transport, config.auth.admin_token, self._peer_tls("tcp"))
         self.puller = None if self._links is None else InstrumentedPuller(
             Puller(self.store, self._links), self.metrics)
         self.pusher = None if self._links is None else InstrumentedPusher(
@@ -142,6 +145,13 @@ class Daemon:
 
     def _tls_for(self, plane: str) -> ssl.SSLContext | None:
         return self.tls.context if self.tls and self.config.security.tls_on(plane) else None
+
+    def _peer_tls(self, plane: str) -> Callable[[], ssl.SSLContext] | None:
+        """The client context toward peers' ``plane`` (read per connection: reloads apply)."""
+        tls = self.tls
+        if tls is None or not self.config.security.tls_on(plane):
+            return None
+        return lambda: tls.client_context
 
     def reload_tls(self, *, force: bool = False) -> bool:
         """Re-read the certificate files (SIGHUP: ``force``); True if one was loaded."""
@@ -210,9 +220,17 @@ class Daemon:
             self._tcp.close()  # asyncio closed it already if the server ran; closing twice is fine
 
 
-def _open_transport(config: DaemonConfig, host: str, store: TieredStore) -> Transport:
-    """The peer transport (``cluster.transport``) with every host arena registered."""
-    backend = select_backend(config.cluster.transport)
+def _open_transport(config: DaemonConfig, host: str, store: TieredStore,
+                    tls: ReloadingTLS | None) -> Transport:
+    """The peer transport (``cluster.transport``) with every host arena registered; with the
+    ``peer`` TLS plane, the socket backend over mutual TLS (NIXL is not encrypted: ``auto``
+    picks the socket backend then, and config validation refused ``nixl``)."""
+    peer_tls = tls is not None and config.security.tls_on("peer")
+    preferred = config.cluster.transport
+    if peer_tls and preferred == "auto":
+        log.info("peer transport: socket (mutual TLS; NIXL is not encrypted)")
+        preferred = "socket"
+    backend = select_backend(preferred)
     secret = config.cluster.secret()
     if backend is SocketTransport:
         limits = config.limits
@@ -221,7 +239,9 @@ def _open_transport(config: DaemonConfig, host: str, store: TieredStore) -> Tran
             limits=AcceptLimits(handshake_timeout_s=limits.peer_handshake_timeout_s,
                                 max_handshakes=limits.peer_max_handshakes,
                                 max_per_ip=limits.peer_max_handshakes_per_ip,
-                                max_connections=limits.peer_max_connections))
+                                max_connections=limits.peer_max_connections),
+            server_ssl=tls.context if tls is not None and peer_tls else None,
+            client_ssl=(lambda: tls.client_context) if tls is not None and peer_tls else None)
     else:
         transport = backend(config.node_id, secret=secret)
     try:

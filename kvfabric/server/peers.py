@@ -1,18 +1,21 @@
 """Links to peer nodes, shared by pulls (:mod:`kvfabric.server.puller`) and pushes
 (:mod:`kvfabric.server.pusher`).
 
-A link to one node incarnation is a TCP control session (with the cluster's admin token)
-plus a transport peer, both found in the node's registration in the global index (its
-address and the descriptor of the transport this node uses). Links are cached per node and
+A link to one node incarnation is a TCP control session (with the cluster's admin token;
+over TLS, with this node's certificate as the client certificate, when the TCP control plane
+serves TLS: every node of a cluster has the same ``security.tls_planes``) plus a transport
+peer, both found in the node's registration in the global index (its address and the
+descriptor of the transport this node uses). Links are cached per node and
 replaced when the node restarts (new epoch). Dropping a link closes its session, which makes
 the peer give back every lease taken through it (pins, reservations).
 """
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,13 +49,17 @@ class PeerLinks:
     """Cache of :class:`PeerLink` per node id. Thread-safe; after :meth:`close` every
     :meth:`link` raises UnavailableError.
 
-    ``token`` is presented to peers (the cluster's admin token when auth is on).
+    ``token`` is presented to peers (the cluster's admin token when auth is on); ``tls``
+    gives the client context for peers' TLS control endpoints, read once per new link (so a
+    reloaded certificate is used from the next link on); None: plain TCP.
     """
 
-    def __init__(self, cluster: ClusterLink, transport: Transport, token: str | None) -> None:
+    def __init__(self, cluster: ClusterLink, transport: Transport, token: str | None,
+                 tls: Callable[[], ssl.SSLContext] | None = None) -> None:
         self.cluster = cluster
         self.transport = transport
         self._token = token
+        self._tls = tls
         self._links: dict[str, PeerLink] = {}
         self._nodes: tuple[float, list[NodeInfo]] | None = None  # (good until, nodes)
         self._lock = threading.Lock()
@@ -115,8 +122,9 @@ class PeerLinks:
                                    f"transport descriptor that cannot be used") from None
         try:
             connection = Connection(address, token=self._token,
-                                    timeout=time_left(end, "connect"))
-        except OSError as exc:  # the hello timed out: a frozen peer
+                                    timeout=time_left(end, "connect"),
+                                    tls=None if self._tls is None else self._tls())
+        except OSError as exc:  # the hello timed out (a frozen peer), a TLS AuthError
             raise UnavailableError(f"cannot reach node {info.node_id}: {exc!r}") from None
         try:
             peer = self.transport.connect(peer_descriptor, time_left(end, "connect"))

@@ -1,4 +1,4 @@
-"""Server-side TLS for the HTTP and TCP control planes, with certificate reload.
+"""The daemon's TLS (HTTP, TCP control and the socket peer transport), with certificate reload.
 
 Contract: :class:`ReloadingTLS` holds one ``ssl.SSLContext`` (TLS 1.2 or newer) that both
 planes' listeners use for their whole life (with a client CA it requires client certificates
@@ -13,6 +13,12 @@ mtime, size or inode changed (a rename-into-place counts); the daemon calls it p
 and on SIGHUP. A file that cannot be loaded leaves the previous certificate serving and is
 logged (a half-written certificate must not take the plane down); at start-up it is a
 :class:`~kvfabric.errors.ConfigError`. The client CA file is re-read with the certificate.
+
+Toward peers (:mod:`kvfabric.server.peers`, the socket transport) the daemon is a TLS client
+too: :attr:`ReloadingTLS.client_context` presents the same certificate as the client
+certificate and checks the peer's against the client CA (the CA of every node's
+certificate; without one, the system's trust store) and the host the peer advertises. It is
+rebuilt with the server context on every reload, and read once per new connection.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class ReloadingTLS:
         try:
             self.context = self._build()  # the listeners'
             self._current = self.context
+            self.client_context = self._build_client()
             self.reload()
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"security.tls_*: cannot load the certificate: {exc}") from None
@@ -60,6 +67,16 @@ class ReloadingTLS:
             context.verify_mode = ssl.CERT_REQUIRED
         return context
 
+    def _build_client(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # checks the chain and the name
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self._client_ca is not None:
+            context.load_verify_locations(cafile=self._client_ca)
+        else:
+            context.load_default_certs()
+        context.load_cert_chain(self._cert, self._key)  # our identity toward peers
+        return context
+
     @property
     def mutual(self) -> bool:
         return self._client_ca is not None
@@ -68,7 +85,9 @@ class ReloadingTLS:
         """Load the files into the live context (OSError / ssl.SSLError if they are bad)."""
         with self._lock:
             stamp = self._stamps()
-            self._current = self._build()  # one assignment: a handshake sees old or new
+            current, client = self._build(), self._build_client()  # both load, or neither
+            self._current = current  # one assignment: a handshake sees old or new
+            self.client_context = client
             self._stamp = stamp
             self.reloads += 1
 

@@ -14,6 +14,12 @@ threads, and every bound below holds:
   handshake is answered ``{ok: false, kind: "unavailable"}`` and closed;
 * a handshake frame larger than :data:`MAX_HANDSHAKE_FRAME` is refused unread.
 
+With an ``ssl_context`` (mutual TLS on the peer plane) every accepted socket first runs its
+TLS handshake on the same selector, non-blocking (``do_handshake`` until it stops asking to
+read or write), and is greeted only once TLS is up; the deadline, the caps and the eviction
+above count from the accept, so they cover both handshakes. A TLS failure (a certificate
+from another CA, no certificate, plain bytes) counts as ``failed`` and is closed at once.
+
 The accept loop survives errors: out of file descriptors (EMFILE/ENFILE) or memory, it
 sheds its oldest pending handshake, pauses accepting for :data:`PAUSE_S` and carries on;
 anything unexpected in one iteration is logged and the loop goes on. If the thread ever ends
@@ -28,6 +34,7 @@ import errno
 import logging
 import selectors
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -71,6 +78,7 @@ class _Pending:
     deadline: float
     state: Any
     buffer: bytearray = field(default_factory=bytearray)
+    greeted: bool = True  # False: the TLS handshake is still running, nothing sent yet
 
 
 @dataclass
@@ -79,7 +87,7 @@ class AcceptStats:
     refused: int = 0  # over the connection cap, at accept or at the end of the handshake
     evicted: int = 0  # pending handshakes closed to make room for newer ones
     timed_out: int = 0
-    failed: int = 0  # bad frame or bad credentials
+    failed: int = 0  # bad frame or bad credentials (a failed TLS handshake included)
     accept_errors: int = 0
 
 
@@ -90,8 +98,10 @@ class _ListenerGone(Exception):
 class Acceptor:
     def __init__(self, listener: socket.socket, name: str, *, greet: Greet, finish: Finish,
                  on_ready: OnReady, connections: Callable[[], int],
-                 limits: AcceptLimits = AcceptLimits()) -> None:
+                 limits: AcceptLimits = AcceptLimits(),
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self._listener = listener
+        self._ssl = ssl_context
         self._greet, self._finish, self._on_ready = greet, finish, on_ready
         self._connections = connections
         self.limits = limits
@@ -173,7 +183,8 @@ class Acceptor:
             else:
                 pending = self._pending.get(key.fileobj)  # type: ignore[call-overload]
                 if pending is not None:
-                    self._advance(pending)
+                    if pending.greeted or self._secure(pending):
+                        self._advance(pending)
         now = time.monotonic()
         for pending in [p for p in self._pending.values() if p.deadline <= now]:
             self.stats.timed_out += 1
@@ -210,40 +221,85 @@ class Acceptor:
             self._evict(next(iter(self._pending.values())))
         try:
             sock.setblocking(False)
-            hello, state = self._greet()
-            if sock.send(hello) != len(hello):  # a fresh socket takes a few dozen bytes
-                raise ConnectionError("short send of the greeting")
+            if self._ssl is not None:  # the client speaks first (ClientHello); greet after
+                sock = self._ssl.wrap_socket(sock, server_side=True,
+                                             do_handshake_on_connect=False)
+                state, greeted = None, False
+            else:
+                hello, state = self._greet()
+                if sock.send(hello) != len(hello):  # a fresh socket takes a few dozen bytes
+                    raise ConnectionError("short send of the greeting")
+                greeted = True
         except OSError:
             sock.close()
             return
         self.stats.accepted += 1
-        pending = _Pending(sock, ip, time.monotonic() + limits.handshake_timeout_s, state)
+        pending = _Pending(sock, ip, time.monotonic() + limits.handshake_timeout_s, state,
+                           greeted=greeted)
         self._pending[sock] = pending
         self._per_ip[ip] += 1
         self._selector.register(sock, selectors.EVENT_READ)
 
-    def _advance(self, pending: _Pending) -> None:
-        """Read what arrived; finish the handshake once the whole frame is in."""
+    def _secure(self, pending: _Pending) -> bool:
+        """Advance the TLS handshake; True once it is done and the greeting is sent."""
+        sock = pending.sock
+        assert isinstance(sock, ssl.SSLSocket)
         try:
-            data = pending.sock.recv(MAX_HANDSHAKE_FRAME + HEADER - len(pending.buffer))
-        except (BlockingIOError, InterruptedError):
-            return
+            sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._selector.modify(sock, selectors.EVENT_READ)
+            return False
+        except ssl.SSLWantWriteError:
+            self._selector.modify(sock, selectors.EVENT_WRITE)
+            return False
+        except ssl.SSLError as exc:  # foreign or missing certificate, not TLS at all
+            self.stats.failed += 1
+            log.debug("peer transport: TLS handshake from %s failed: %s", pending.ip, exc)
+            self._drop(pending)
+            return False
         except OSError:
             self._drop(pending)
-            return
-        if not data:
+            return False
+        self._selector.modify(sock, selectors.EVENT_READ)
+        try:
+            hello, pending.state = self._greet()
+            if sock.send(hello) != len(hello):
+                raise ConnectionError("short send of the greeting")
+        except OSError:  # SSLWantWriteError included: a fresh connection takes a few bytes
             self._drop(pending)
-            return
-        pending.buffer += data
-        if len(pending.buffer) < HEADER:
-            return
+            return False
+        pending.greeted = True
+        return True  # the client's answer may already sit decrypted in the TLS buffer
+
+    def _advance(self, pending: _Pending) -> None:
+        """Read what arrived; finish the handshake once the whole frame is in."""
+        while True:  # TLS: a record read may leave more decrypted in the buffer, unsignalled
+            try:
+                data = pending.sock.recv(MAX_HANDSHAKE_FRAME + HEADER - len(pending.buffer))
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
+                    ssl.SSLWantWriteError):
+                return
+            except OSError:
+                self._drop(pending)
+                return
+            if not data:
+                self._drop(pending)
+                return
+            pending.buffer += data
+            if len(pending.buffer) < HEADER:
+                continue
+            if self._complete(pending):
+                return
+
+    def _complete(self, pending: _Pending) -> bool:
+        """Finish the handshake if the whole frame is in; False: wait for more bytes."""
         try:
             length = frame_length(bytes(pending.buffer[:HEADER]))
             if length > MAX_HANDSHAKE_FRAME:
                 raise ProtocolError(f"handshake frame of {length} bytes (limit "
                                     f"{MAX_HANDSHAKE_FRAME})")
             if len(pending.buffer) < HEADER + length:
-                return
+                return False
             message = decode_body(bytes(pending.buffer[HEADER:HEADER + length]))
             if self._connections() >= self.limits.max_connections:
                 self.stats.refused += 1
@@ -263,10 +319,11 @@ class Acceptor:
             name = None
         if name is None:
             sock.close()
-            return
+            return True
         sock.setblocking(True)
         if not self._on_ready(sock, name):
             sock.close()
+        return True
 
     def _release(self, pending: _Pending) -> None:
         self._pending.pop(pending.sock, None)

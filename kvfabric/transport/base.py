@@ -71,6 +71,7 @@ class PeerDescriptor:
     host: str = ""
     port: int = 0
     metadata: bytes = b""  # backend blob, e.g. NIXL agent metadata
+    tls: bool = False  # the endpoint speaks TLS only (socket backend with peer TLS)
 
     def region(self, region_id: int) -> RegionInfo:
         for info in self.regions:
@@ -82,8 +83,8 @@ class PeerDescriptor:
         body = msgpack.packb({"backend": self.backend, "name": self.name,
                               "regions": [[r.region_id, r.address, r.nbytes]
                                           for r in self.regions],
-                              "host": self.host, "port": self.port, "metadata": self.metadata},
-                             use_bin_type=True)
+                              "host": self.host, "port": self.port, "metadata": self.metadata,
+                              "tls": self.tls}, use_bin_type=True)
         return msgpack.packb({"v": DESCRIPTOR_VERSION, "body": body,
                               "mac": auth.sign(secret, _DESCRIPTOR_PURPOSE, body)},
                              use_bin_type=True)
@@ -105,7 +106,7 @@ class PeerDescriptor:
                             for r in fields["regions"])
             return cls(backend=str(fields["backend"]), name=str(fields["name"]),
                        regions=regions, host=str(fields["host"]), port=int(fields["port"]),
-                       metadata=bytes(fields["metadata"]))
+                       metadata=bytes(fields["metadata"]), tls=fields.get("tls") is True)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"malformed descriptor: {exc}") from None
 

@@ -17,6 +17,18 @@ with a deadline and caps (:mod:`kvfabric.transport.acceptor`), and one thread pe
   the bytes, which the server ``recv_into``s the region in place -> ``{ok}``.
 * notify: ``{op: "notify", message}`` -> ``{ok}``.
 
+Optional mutual TLS (``server_ssl`` + ``client_ssl``; the daemon's ``security.tls_planes``
+with ``peer``): every connection is TLS from its first byte, the handshake above runs inside
+it. The acceptor runs the TLS handshake on its selector within the same deadline and caps
+(:mod:`kvfabric.transport.acceptor`); the server requires a client certificate signed by its
+client CA, the client checks the server's chain and that it names the descriptor's host.
+``client_ssl`` is called once per new connection (the daemon's is reloaded with its
+certificate). The descriptor says whether the endpoint speaks TLS, and a node never falls
+back to plain TCP: a TLS node refuses a plain peer and vice versa (UnavailableError naming
+the mismatch). A TLS failure (a certificate from another CA, none, a name that does not
+match) is an AuthError. The HMAC handshake still runs inside TLS: the cluster secret and
+mTLS are independent checks.
+
 Every piece is bounds-checked (known region, ``0 <= offset``, ``offset + length <= size``)
 before a byte moves; a bad request gets ``{ok: false, kind, message}`` and the connection
 keeps serving. Client sockets take their timeout from the caller's deadline before every
@@ -32,11 +44,12 @@ import collections
 import logging
 import select
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvfabric.errors import (DeadlineExceededError, KVFabricError, ProtocolError,
+from kvfabric.errors import (AuthError, DeadlineExceededError, KVFabricError, ProtocolError,
                              UnavailableError, error_for_kind)
 from kvfabric.protocol.frames import HEADER, decode_body, encode_frame, frame_length
 from kvfabric.transport import auth
@@ -102,13 +115,20 @@ class SocketTransport(Transport):
     def __init__(self, name: str, *, secret: bytes | None = None, host: str = "127.0.0.1",
                  port: int = 0, advertise_host: str | None = None,
                  io_timeout: float = 30.0, idle_timeout: float = 300.0,
-                 limits: AcceptLimits = AcceptLimits()) -> None:
+                 limits: AcceptLimits = AcceptLimits(),
+                 server_ssl: ssl.SSLContext | None = None,
+                 client_ssl: Callable[[], ssl.SSLContext] | None = None) -> None:
         """Listen on ``host:port`` (0: any free port); peers are told ``advertise_host``
         (default: the bound address, which must then be reachable, i.e. not a wildcard).
         ``io_timeout`` bounds how long a peer may stall in the middle of a request,
         ``idle_timeout`` how long an inbound connection may wait for its next request;
-        ``limits`` bound handshakes and connections (see :mod:`~kvfabric.transport.acceptor`)."""
+        ``limits`` bound handshakes and connections (see :mod:`~kvfabric.transport.acceptor`);
+        ``server_ssl`` (requiring client certificates) and ``client_ssl`` (a callable giving
+        the context for each new outbound connection), both or neither: mutual TLS."""
+        if (server_ssl is None) != (client_ssl is None):
+            raise ValueError("peer TLS needs both server_ssl and client_ssl")
         super().__init__(name, secret=secret)
+        self._client_ssl = client_ssl
         self._io_timeout = io_timeout
         self._idle_timeout = idle_timeout
         self._notifications: collections.deque[tuple[str, bytes]] = collections.deque(
@@ -123,16 +143,27 @@ class SocketTransport(Transport):
             raise ValueError("listening on a wildcard address needs an advertise_host")
         self._acceptor = Acceptor(self._listener, name, greet=self._greet,
                                   finish=self._finish_handshake, on_ready=self._start_serving,
-                                  connections=lambda: self.inbound_connections, limits=limits)
+                                  connections=lambda: self.inbound_connections, limits=limits,
+                                  ssl_context=server_ssl)
 
     # -- client side -------------------------------------------------------------------------
     def descriptor(self) -> bytes:
         return PeerDescriptor(self.backend, self.name, self.region_infos(), host=self._host,
-                              port=self._port).encode(self._secret)
+                              port=self._port, tls=self.tls).encode(self._secret)
+
+    @property
+    def tls(self) -> bool:
+        """Whether this transport speaks (mutual) TLS, both ways."""
+        return self._client_ssl is not None
 
     def connect(self, peer_descriptor: bytes, deadline: float) -> SocketPeer:
         self._check_open()
         peer = SocketPeer(self._decode_descriptor(peer_descriptor))
+        if peer.descriptor.tls != self.tls:  # never a silent fall back to plain TCP
+            raise UnavailableError(
+                f"peer {peer.name!r} {'speaks' if peer.descriptor.tls else 'does not speak'} "
+                f"TLS on its transport and this node {'does' if self.tls else 'does not'}: "
+                "security.tls_planes (peer) must be the same on every node")
         # One connection now, so a wrong secret or a dead peer surfaces here, not mid-transfer.
         sock = self._open(peer, end_time(deadline))
         peer.idle.append(sock)
@@ -249,6 +280,11 @@ class SocketTransport(Transport):
                                    f"{desc.host}:{desc.port}: {exc}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._client_ssl is not None:
+                sock = self._client_ssl().wrap_socket(sock, server_hostname=desc.host,
+                                                      do_handshake_on_connect=False)
+                sock.settimeout(remaining(end, "TLS handshake"))
+                sock.do_handshake()
             sock.settimeout(remaining(end, "handshake"))
             hello = _recv_frame(sock)
             server_nonce = hello.get("nonce")
@@ -297,7 +333,7 @@ class SocketTransport(Transport):
                 sock = peer.idle.pop()
             # Between requests the peer sends nothing: readable means EOF (or garbage).
             readable, _, _ = select.select([sock], [], [], 0)
-            if not readable:
+            if not readable or not _hung_up(sock):
                 return sock
             sock.close()
 
@@ -330,6 +366,13 @@ class SocketTransport(Transport):
             return exc
         if isinstance(exc, TimeoutError):  # socket.timeout is TimeoutError
             return DeadlineExceededError(f"{what} with peer {peer!r}: deadline passed")
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            return AuthError(f"TLS with peer {peer!r}: its certificate is not trusted: "
+                             f"{exc.verify_message or exc}")
+        if isinstance(exc, ssl.SSLError) and not isinstance(
+                exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+            # an alert: the peer refused our certificate (TLS 1.3 says so at the first read)
+            return AuthError(f"TLS with peer {peer!r} failed: {exc.reason or exc}")
         if isinstance(exc, OSError):
             return UnavailableError(f"{what} with peer {peer!r} failed: {exc}")
         return exc
@@ -373,7 +416,7 @@ class SocketTransport(Transport):
             sock.settimeout(self._io_timeout)
             while True:
                 self._serve_one(sock, peer_name)
-        except (OSError, _Stalled) as exc:
+        except (OSError, ValueError, _Stalled) as exc:  # ValueError: TLS socket closed by close()
             log.debug("transport %s: inbound connection ended: %s", self.name, exc)
         except KVFabricError as exc:
             log.info("transport %s: dropped a peer: %s", self.name, exc)
@@ -441,3 +484,18 @@ class SocketTransport(Transport):
                                     f"{region_id} of {len(region)} bytes on {self.name!r}")
             views.append(region[offset:offset + length])
         return views
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether a readable pooled socket really ended: a TLS socket is also readable for
+    records that carry no data (session tickets), which a non-blocking read consumes."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return True
+    try:
+        sock.settimeout(0)
+        sock.recv(1)  # data nobody asked for, or EOF: the connection is unusable either way
+        return True
+    except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+        return False
+    except OSError:
+        return True

@@ -105,6 +105,30 @@ def test_tls_planes() -> None:
                                               "security.tls_planes=http"]).security
     assert security.tls_on("http") and not security.tls_on("tcp")
     assert not load_config(env={}).security.tls_on("http")
-    with pytest.raises(ConfigError, match="peers cannot reach a TLS control endpoint"):
-        load_config(env={}, overrides=["security.tls_cert_file=/c.pem", "tcp.port=0",
-                                       "cluster.index=redis", "cluster.redis_url=redis://r:1/0"])
+    assert load_config(env={}, overrides=["security.tls_cert_file=/c.pem"]).security.planes \
+        == ("http", "tcp", "peer")
+
+
+REDIS_TLS = ["security.tls_cert_file=/c.pem", "tcp.port=0", "cluster.index=redis",
+             "cluster.redis_url=redis://r:1/0"]
+
+
+def test_tls_between_nodes() -> None:
+    """Regression: on the old code TLS on the TCP control plane was refused with the redis
+    index (peers could not reach a TLS endpoint) and there was no peer plane."""
+    config = load_config(env={}, overrides=[*REDIS_TLS, "security.tls_planes=http,tcp"])
+    assert config.security.tls_on("tcp") and not config.security.tls_on("peer")
+    config = load_config(env={}, overrides=[*REDIS_TLS, "security.tls_client_ca_file=/ca.pem",
+                                            "cluster.transport=socket"])
+    assert config.security.tls_on("peer") and config.security.tls_on("tcp")
+    load_config(env={}, overrides=[*REDIS_TLS, "security.tls_client_ca_file=/ca.pem"])  # auto
+    # the peer plane is mutual: a node's certificate must be checkable by the others
+    with pytest.raises(ConfigError, match="needs security.tls_client_ca_file"):
+        load_config(env={}, overrides=REDIS_TLS)
+    with pytest.raises(ConfigError, match="nixl is not encrypted"):
+        load_config(env={}, overrides=[*REDIS_TLS, "security.tls_client_ca_file=/ca.pem",
+                                       "cluster.transport=nixl"])
+    load_config(env={}, overrides=[*REDIS_TLS, "security.tls_client_ca_file=/ca.pem",
+                                   "cluster.transport=nixl", "security.tls_planes=http,tcp"])
+    # one node alone has no peers: the peer plane asks for nothing there
+    load_config(env={}, overrides=["security.tls_cert_file=/c.pem", "cluster.transport=nixl"])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from daemon_ports import transport_port
 
 from kvfabric.client import Client
 from kvfabric.hashing import chunk_hashes
@@ -35,26 +36,6 @@ def threads_of(pid: int) -> int:
         if line.startswith("Threads:"):
             return int(line.split()[1])
     raise AssertionError("no Threads line")
-
-
-def transport_port(daemon) -> int:
-    """The daemon's listening TCP port that is neither its control nor its HTTP port."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{daemon.proc.pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{daemon.proc.pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    (port,) = ports - {daemon.info["tcp_port"], daemon.info["http_port"]}
-    return port
 
 
 def flood(port: int, n: int) -> list[socket.socket]:

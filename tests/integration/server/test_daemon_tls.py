@@ -1,12 +1,13 @@
 """TLS on the HTTP and TCP control planes of a real daemon: HTTPS works with the CA, plain
 connections are refused, a certificate swapped on disk (or on SIGHUP) is served to new
-connections, and with a client CA only clients holding a certificate get in. Certificates
-are made at test time with the ``cryptography`` package."""
+connections, and with a client CA only clients holding a certificate get in; the client
+library (Client, AsyncClient) speaks TLS to the TCP plane and fails fast, typed, on a
+certificate problem. Certificates are made at test time with the ``cryptography`` package
+(tests/support/tls_certs.py)."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
+import asyncio
 import os
 import signal
 import socket
@@ -16,53 +17,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from tls_certs import CA, client_context, serial_of
 
-from kvfabric.client import Client
+from kvfabric.client import AsyncClient, Client, ClientTLS
+from kvfabric.errors import AuthError
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
 from kvfabric.protocol.messages import Op, request
-
-
-class CA:
-    def __init__(self) -> None:
-        self.key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvfabric test CA")])
-        self.name = name
-        self.cert = (self._builder(name, self.key.public_key()).issuer_name(name)
-                     .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-                     .sign(self.key, hashes.SHA256()))
-
-    @staticmethod
-    def _builder(subject: x509.Name, public_key: object) -> x509.CertificateBuilder:
-        now = datetime.datetime.now(datetime.timezone.utc)
-        return (x509.CertificateBuilder().subject_name(subject).public_key(public_key)
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=1)))
-
-    def issue(self, path: Path, common_name: str, *, server: bool = True) -> int:
-        """A leaf certificate and its key in one PEM file at ``path``; returns its serial."""
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-        builder = self._builder(subject, key.public_key()).issuer_name(self.name)
-        if server:
-            builder = builder.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                False)
-        cert = builder.sign(self.key, hashes.SHA256())
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption()))
-        os.replace(tmp, path)  # atomically, as an operator's tooling would
-        return cert.serial_number
-
-    def write(self, path: Path) -> Path:
-        path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
-        return path
 
 
 @pytest.fixture
@@ -71,23 +31,14 @@ def ca(tmp_path: Path) -> tuple[CA, Path]:
     return authority, authority.write(tmp_path / "ca.pem")
 
 
-def client_context(ca_file: Path, cert: Path | None = None) -> ssl.SSLContext:
-    context = ssl.create_default_context(cafile=str(ca_file))
-    if cert is not None:
-        context.load_cert_chain(str(cert))
-    return context
-
-
 def served_serial(port: int, context: ssl.SSLContext) -> int:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
             context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
-        der = tls.getpeercert(binary_form=True)
-    assert der is not None
-    return x509.load_der_x509_certificate(der).serial_number
+        return serial_of(tls.getpeercert(binary_form=True))
 
 
 def tls_hello(port: int, context: ssl.SSLContext) -> dict:
-    """A control-protocol hello over TLS (the client library speaks plain TCP only)."""
+    """A control-protocol hello over TLS, on a bare ``ssl`` socket."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
             context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
         tls.sendall(encode_frame(request(0, Op.HELLO, {"token": None, "client": "tls-test"})))
@@ -176,3 +127,73 @@ def test_tls_lets_a_non_loopback_bind_start_only_with_auth(
         start_daemon(f"security.tls_cert_file={cert}", "http.host=0.0.0.0")
     start_daemon(f"security.tls_cert_file={cert}", "http.host=0.0.0.0",
                  "auth.token=admin-secret")
+
+
+def test_the_client_library_speaks_tls_to_the_tcp_plane(
+        start_daemon, tmp_path: Path, ca: tuple[CA, Path]) -> None:
+    """Regression: on the old code Client / AsyncClient had no TLS option, so no remote tool
+    (and no peer daemon) could reach a TLS control endpoint."""
+    authority, ca_file = ca
+    cert = tmp_path / "server.pem"
+    authority.issue(cert, "node-a")
+    daemon = start_daemon(f"security.tls_cert_file={cert}", "tcp.port=0",
+                          "auth.token=admin-secret", "node_id=node-a")
+    address = ("127.0.0.1", daemon.info["tcp_port"])
+    with Client(address, token="admin-secret", tls=ClientTLS(ca_file=str(ca_file))) as remote:
+        remote.ping()
+        assert "tiers" in remote.stats() and remote.node_id == "node-a"
+    with Client(address, token="admin-secret", tls=client_context(ca_file)) as remote:
+        remote.ping()  # a ready ssl.SSLContext works too
+
+    async def async_ping() -> None:
+        client = await AsyncClient.connect(address, token="admin-secret",
+                                           tls=ClientTLS(ca_file=str(ca_file)))
+        try:
+            await asyncio.gather(*(client.ping() for _ in range(8)))  # multiplexed over TLS
+            assert "tiers" in await client.stats()
+        finally:
+            await client.close()
+
+    asyncio.run(async_ping())
+    # a name the certificate does not carry, a CA that did not sign it: refused at once
+    # (typed, not retried until the timeout)
+    started = time.monotonic()
+    with pytest.raises(AuthError, match="not trusted"):
+        Client(address, token="admin-secret", timeout=10, reconnect=False,
+               tls=ClientTLS(ca_file=str(ca_file), server_name="elsewhere.example"))
+    other = tmp_path / "other-ca.pem"
+    CA("another CA").write(other)
+    with pytest.raises(AuthError, match="not trusted"):
+        Client(address, timeout=10, reconnect=False, tls=ClientTLS(ca_file=str(other)))
+
+    async def async_untrusted() -> None:
+        await AsyncClient.connect(address, timeout=10, reconnect=False,
+                                  tls=ClientTLS(ca_file=str(other)))
+
+    with pytest.raises(AuthError, match="not trusted"):
+        asyncio.run(async_untrusted())
+    assert time.monotonic() - started < 5
+
+
+def test_with_a_client_ca_the_client_library_needs_its_certificate(
+        start_daemon, tmp_path: Path, ca: tuple[CA, Path]) -> None:
+    """Mutual TLS on the TCP plane: the client's certificate (and key, here in the same
+    file) gets it in; none, or one from another CA, is an AuthError at once."""
+    authority, ca_file = ca
+    cert, client_cert, foreign = (tmp_path / name for name in
+                                  ("server.pem", "client.pem", "foreign.pem"))
+    authority.issue(cert, "node-a")
+    authority.issue(client_cert, "tool", server=False)
+    CA("another CA").issue(foreign, "intruder", server=False)
+    daemon = start_daemon(f"security.tls_cert_file={cert}", "tcp.port=0",
+                          f"security.tls_client_ca_file={ca_file}")
+    address = ("127.0.0.1", daemon.info["tcp_port"])
+    with Client(address, tls=ClientTLS(ca_file=str(ca_file),
+                                       cert_file=str(client_cert))) as remote:
+        remote.ping()
+    started = time.monotonic()
+    for tls in (ClientTLS(ca_file=str(ca_file)),
+                ClientTLS(ca_file=str(ca_file), cert_file=str(foreign))):
+        with pytest.raises(AuthError, match="refuses this client.s certificate"):
+            Client(address, timeout=10, reconnect=False, tls=tls)
+    assert time.monotonic() - started < 5
