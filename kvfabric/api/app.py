@@ -516,24 +516,32 @@ async def lookup(request: Request, daemon: Daemon, caller: Caller) -> LookupResp
 def _lookup(body: LookupRequest, daemon: DaemonView, caller: Principal) -> LookupResponse:
     ns = body.namespace.value
     caller.check_namespace(ns)
-    if body.token_ids is not None:
-        result = daemon.store.lookup_tokens(ns, body.token_ids)
-        requested_tokens: int | None = len(body.token_ids)
-    else:
-        assert body.chunk_hashes is not None
-        result = daemon.store.lookup(ns, [bytes.fromhex(h) for h in body.chunk_hashes])
-        requested_tokens = None
-    response = LookupResponse(
-        matched_tokens=result.matched_tokens, matched_chunks=result.matched_chunks,
-        requested_chunks=result.requested_chunks, requested_tokens=requested_tokens,
-        chunk_tokens=ns.spec.chunk_tokens, tiers=result.tier_tokens)
-    if body.scope == "cluster":
+    nodes: list[dict[str, Any]] | None = None
+    stale, peer_chunks = False, 0
+    if body.scope == "cluster":  # first: the store counts what other nodes hold as peer hits
         if daemon.cluster is None:
             raise UnavailableError("this server has no global index")
         keys = (chunk_keys(ns, body.token_ids, include_partial=False)
                 if body.token_ids is not None else
                 [bytes.fromhex(h) for h in body.chunk_hashes or ()])
-        nodes, response.stale = daemon.cluster.node_prefixes(ns, keys)
+        nodes, stale = daemon.cluster.node_prefixes(ns, keys)
+        peer_chunks = max((n["chunks"] for n in nodes if n["node_id"] != daemon.node_id),
+                          default=0)
+    peer = {"peer_chunks": peer_chunks} if peer_chunks else {}
+    if body.token_ids is not None:
+        result = daemon.store.lookup_tokens(ns, body.token_ids, **peer)
+        requested_tokens: int | None = len(body.token_ids)
+    else:
+        assert body.chunk_hashes is not None
+        result = daemon.store.lookup(ns, [bytes.fromhex(h) for h in body.chunk_hashes],
+                                     **peer)
+        requested_tokens = None
+    response = LookupResponse(
+        matched_tokens=result.matched_tokens, matched_chunks=result.matched_chunks,
+        requested_chunks=result.requested_chunks, requested_tokens=requested_tokens,
+        chunk_tokens=ns.spec.chunk_tokens, tiers=result.tier_tokens)
+    if nodes is not None:
+        response.stale = stale
         response.nodes = [NodePrefixBody(**node) for node in nodes]
     return response
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import numpy as np
 import torch
 from vllm import SamplingParams
@@ -17,6 +18,7 @@ from vllm.v1.request import Request
 from kvfabric.client import Client
 from kvfabric.client.objects import RemoteReader
 from kvfabric.hashing import chunk_hashes
+from kvfabric.protocol.messages import encode_namespace
 from kvfabric.spec import KVSpec
 from kvfabric_connectors.vllm.namespace import Namespaces, RankShare
 from kvfabric_connectors.vllm.scheduler import SchedulerSide
@@ -49,6 +51,12 @@ def _empty_step() -> SchedulerOutput:
     return SchedulerOutput([], CachedRequestData.make_empty(), {}, 0, {}, {}, set(), [])
 
 
+def _total(samples: dict, name: str, **labels: str) -> float:
+    """Over every series of ``name`` with these labels (whatever the tenant label)."""
+    return sum(value for (sample_name, series), value in samples.items()
+               if sample_name == name and set(labels.items()) <= series)
+
+
 def _wait_until_indexed(socket: str, keys: list[bytes]) -> None:
     """Until the decode node's global index lists the whole prompt on another node."""
     deadline = time.monotonic() + 10
@@ -73,7 +81,16 @@ def test_a_pulled_prompt_is_a_peer_hit_and_a_pull_never_a_miss_or_an_error(
                                    for r in refs])
     keys = [ref.key for ref in refs]
     _wait_until_indexed(decode.socket, keys)
+    # a router's cluster lookup over HTTP counts the same way (by keys: full chunks)
+    routed = scrape(decode.http_url)
+    body = {"namespace": encode_namespace(ns), "chunk_hashes": [k.hex() for k in keys],
+            "scope": "cluster"}
+    response = httpx.post(decode.http_url + "/v1/lookup", json=body, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.json()["matched_chunks"] == 0
     before = scrape(decode.http_url)
+    assert _total(before, "kvfabric_hit_tokens_total", tier="peer") - \
+        _total(routed, "kvfabric_hit_tokens_total", tier="peer") == 80
     with Client(decode.socket) as client:
         peer_hits_before = client.stats()["peer_hit_tokens"]
 
@@ -100,11 +117,7 @@ def test_a_pulled_prompt_is_a_peer_hit_and_a_pull_never_a_miss_or_an_error(
     after = scrape(decode.http_url)
 
     def grew(name: str, **labels: str) -> float:
-        """Over every series of ``name`` with these labels (whatever the tenant label)."""
-        def total(samples: dict) -> float:
-            return sum(value for (sample_name, series), value in samples.items()
-                       if sample_name == name and set(labels.items()) <= series)
-        return total(after) - total(before)
+        return _total(after, name, **labels) - _total(before, name, **labels)
 
     assert grew("kvfabric_lookup_tokens_total") == 72
     assert grew("kvfabric_hit_tokens_total", tier="peer") == 72
