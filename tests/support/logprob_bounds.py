@@ -37,11 +37,24 @@ def compare(reference: dict, other: dict, positions: int | None = None) -> Compa
     pairs = list(zip(reference["token_ids"], other["token_ids"]))[:positions]
     for position, (token_ref, token_other) in enumerate(pairs):
         lp_ref, lp_other = reference["logprobs"][position], other["logprobs"][position]
-        for token in lp_ref.keys() & lp_other.keys():
-            worst = max(worst, abs(lp_ref[token] - lp_other[token]))
+        worst = max(worst, position_diff(lp_ref, lp_other))
         if token_ref != token_other:
             return Comparison(worst, position, top2_margin(reference, position))
     return Comparison(worst, None, None)
+
+
+def position_diff(a: dict[str, float], b: dict[str, float]) -> float:
+    """The largest logprob difference over the tokens either run lists at one position. A
+    token only one lists lies below the other's least listed logprob, which bounds its
+    difference from below (so disjoint top-k lists still count, as a wrong load gives)."""
+    worst = 0.0
+    for mine, theirs in ((a, b), (b, a)):
+        floor = min(theirs.values())
+        for token, logprob in mine.items():
+            other = theirs.get(token)
+            worst = max(worst, abs(logprob - other) if other is not None
+                        else max(0.0, logprob - floor))
+    return worst
 
 
 def top2_margin(output: dict, position: int) -> float:
