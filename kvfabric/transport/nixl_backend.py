@@ -15,7 +15,9 @@ touching the local buffers.
 Authentication: the descriptor is HMAC-signed when a cluster secret is set, so ``connect``
 refuses a forged or foreign descriptor. UCX itself has no per-connection authentication; a
 party that learns a descriptor's metadata can reach the registered memory — run it on a
-trusted network.
+trusted network. Nor does it encrypt: chunk bytes cross RDMA, shared memory or TCP in the
+clear. With TLS between nodes (``security.tls_planes`` with ``peer``) the daemon uses the
+socket backend instead (``transport: auto``) or refuses to start (``transport: nixl``).
 
 Thread-safety: NIXL agent calls are serialised by a lock; polling releases it between
 checks, so transfers from several threads overlap.
