@@ -68,3 +68,29 @@ def largest_diff(references: list[dict], others: list[dict], positions: int | No
     """The largest logprob difference over prompts (each up to its first differing token)."""
     return max((compare(a, b, positions).max_logprob_diff
                 for a, b in zip(references, others)), default=0.0)
+
+
+def deciding_diffs(reference: dict, other: dict) -> tuple[list[float], int | None]:
+    """Per generated position, up to and including the first differing token: how far the
+    logprobs of the reference's two leading tokens (the ones greedy decoding decides
+    between) moved in the other run; and that first differing position (None if none)."""
+    diffs: list[float] = []
+    for position, (token_ref, token_other) in enumerate(
+            zip(reference["token_ids"], other["token_ids"])):
+        lp_ref, lp_other = reference["logprobs"][position], other["logprobs"][position]
+        leading = dict(sorted(lp_ref.items(), key=lambda item: -item[1])[:2])
+        floor = min(lp_other.values())
+        diffs.append(max(abs(lp - lp_other[t]) if t in lp_other else max(0.0, lp - floor)
+                         for t, lp in leading.items()))
+        if token_ref != token_other:
+            return diffs, position
+    return diffs, None
+
+
+def gap_of_reference_token(reference: dict, other: dict, position: int = 0) -> float:
+    """How far below its own top the other run puts the reference's token (0 when it is the
+    other's choice too; a lower bound when the other does not list it)."""
+    token = str(reference["token_ids"][position])
+    listed = other["logprobs"][position]
+    top = max(listed.values())
+    return top - listed[token] if token in listed else top - min(listed.values())

@@ -16,19 +16,18 @@ positions are reported, not asserted (this random-weight model's own bf16 and fp
 already part after 1-3 tokens). fp8 KV differs from the engine's own by up to 1/16
 relative per element (relative L2 about 0.027 per layer), so an exact first-token equality is
 a coin toss at a near-tie (it failed on an AMD host: 292 vs 512 on prompt 4, the KV inside
-its bound). Criterion, per prompt, on the top-k logprobs of the first position: the
-consumer's logprobs within ``B`` of its monolithic run's, and a differing first token only
-where the monolithic run's two leading logprobs are within ``2 B`` (a near-tie). ``B`` is
-derived from the error bound, in the same run: the bf16 KV of the same prompts moved by its
-whole fp8 error bound, element by element with random signs (a perturbation larger than
-fp8's own rounding everywhere), planted under another tenant and loaded by a consumer of the
-same dtype; ``B`` is ``AT_BOUND_FACTOR`` times the largest first-position logprob
-difference that perturbation causes.
+its bound). Criterion, per prompt: the monolithic run's first token is the consumer's
+first choice, or its logprob lies at most ``G`` below the consumer's first choice (a
+near-tie the fp8 error can flip). ``G`` is derived from the error bound, in the same run:
+the bf16 KV of the same prompts moved by its whole fp8 error bound, element by element with
+random signs (more than fp8's own rounding everywhere), planted under another tenant and
+loaded by a consumer of the same dtype; ``G`` is ``AT_BOUND_FACTOR`` times the mean, over
+the prompts, of how far that consumer puts the monolithic first token below its own choice.
 
 (3) Negative controls: for a control prompt the fabric holds fp8 noise of a plausible
 magnitude (planted with the same write path before the engines run): the consumers load it
 (all but the last prompt token cached), their first token differs from the monolithic
-run's and its logprobs move by more than ``B``, and the drift check of (1) rejects it; the drift check also rejects the real fp8 KV
+run's and lies more than ``G`` below their choice, and the drift check of (1) rejects it; the drift check also rejects the real fp8 KV
 read with a layout mistake (K/V heads swapped).
 """
 
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from logprob_bounds import compare
+from logprob_bounds import gap_of_reference_token
 
 from kvfabric.client import Client
 from kvfabric.convert import fp8
@@ -53,8 +52,8 @@ PROMPT_LEN = 700  # two full chunks and a partial one of 188 tokens
 MAX_TOKENS = 8
 TOP_K = 20  # vLLM's default max_logprobs
 AT_BOUND = "kv-at-fp8-bound"  # the tenant holding the perturbed-at-the-bound KV
-# one perturbation at the bound against another, smaller one of the same kind: a per-prompt
-# spread of the logprob response, not a slack on the bound itself
+# the at-bound perturbation is larger than fp8's rounding everywhere; twice its mean effect
+# leaves room for one prompt answering more strongly than the average
 AT_BOUND_FACTOR = 2.0
 SEEDS = (31, 32, 33, 34)
 CONTROL_SEED = 39
@@ -165,7 +164,7 @@ def run(start_module_daemon, job_runner, tiny_model, tmp_path_factory) -> dict:
     daemon = start_module_daemon("fp8-node", "store.tiers.dram.capacity=256MiB")
     plant_noise(daemon.socket, namespace(tiny_model, "float8_e4m3fn"))
     every = PROMPTS + [CONTROL]
-    fp8_at = {"kv_dtype": "float8_e4m3"}
+    fp8_at, bf16_at = {"kv_dtype": "float8_e4m3"}, {"kv_dtype": "bfloat16"}
     result = job_runner(tmp_path_factory.mktemp("fp8-produce"), {"engines": [
         {"name": "bf16", "prompts": every, "max_tokens": MAX_TOKENS, "logprobs": TOP_K},
         {"name": "fp32", "dtype": "float32", "prompts": every, "max_tokens": MAX_TOKENS,
@@ -181,7 +180,7 @@ def run(start_module_daemon, job_runner, tiny_model, tmp_path_factory) -> dict:
          "max_tokens": MAX_TOKENS, "logprobs": TOP_K,
          **({"cache_salt": AT_BOUND} if kind == "at-bound" else {}),
          "kv_transfer_config": connector("kv_consumer", daemon.socket,
-                                         **(fp8_at if kind == "decode" else {}))}
+                                         **(fp8_at if kind == "decode" else bf16_at))}
         for name, dtype in (("bf16", "bfloat16"), ("fp32", "float32"))
         for kind, prompts in (("decode", every), ("at-bound", PROMPTS))]})
     result["engines"] += consume["engines"]
@@ -240,13 +239,12 @@ def test_drift_of_the_loaded_kv_stays_inside_the_bound(run, tiny_model, dtype) -
 
 
 def first_token_bound(result, engine: str) -> float:
-    """B: AT_BOUND_FACTOR times the first-position difference the at-bound KV causes."""
+    """G: AT_BOUND_FACTOR times the mean gap the at-bound KV causes."""
     at_bound = result.outputs(f"{engine}-at-bound")
     assert all(o["num_cached_tokens"] == PROMPT_LEN - 1 for o in at_bound)  # it was loaded
-    moved = max(compare(a, b, positions=1).max_logprob_diff
-                for a, b in zip(result.outputs(engine), at_bound))
-    MEASURED[f"{engine}_at_bound_logprob_diff"] = round(moved, 5)
-    return AT_BOUND_FACTOR * moved
+    gaps = [gap_of_reference_token(a, b) for a, b in zip(result.outputs(engine), at_bound)]
+    MEASURED[f"{engine}_at_bound_gaps"] = [round(g, 4) for g in gaps]
+    return AT_BOUND_FACTOR * sum(gaps) / len(gaps)
 
 
 @pytest.mark.parametrize("engine", ["bf16", "fp32"])
@@ -254,24 +252,22 @@ def test_first_token_matches_the_consumers_monolithic_run(run, engine) -> None:
     result = run["result"]
     own, decoded = result.outputs(engine), result.outputs(f"{engine}-decode")
     bound = first_token_bound(result, engine)
-    comparisons, agree = [], []
+    gaps, agree = [], []
     for mono, dec in zip(own[:len(PROMPTS)], decoded[:len(PROMPTS)]):
         assert dec["num_cached_tokens"] == PROMPT_LEN - 1  # the fp8 KV was loaded
-        comparisons.append(compare(mono, dec, positions=1))
+        gaps.append(gap_of_reference_token(mono, dec))
         agree.append(leading_equal(dec["token_ids"], mono["token_ids"]))
-    MEASURED[f"{engine}_first_token"] = {
-        "bound": round(bound, 5),
-        "max_logprob_diff": round(max(c.max_logprob_diff for c in comparisons), 5),
-        "first_tokens_differing": sum(c.first_difference is not None for c in comparisons)}
+    MEASURED[f"{engine}_first_token"] = {"G": round(bound, 4),
+                                         "gaps": [round(g, 4) for g in gaps]}
     MEASURED[f"{engine}_consumer_leading_tokens_equal"] = agree
     MEASURED["bf16_vs_fp32_monolithic_leading_tokens_equal"] = [
         leading_equal(a["token_ids"], b["token_ids"])
         for a, b in zip(result.outputs("bf16"), result.outputs("fp32"))]
-    assert all(c.within(bound) for c in comparisons), (bound, comparisons)
-    # negative control: the planted noise is loaded; the first token and its logprobs move
+    assert all(g <= bound for g in gaps), MEASURED[f"{engine}_first_token"]
+    # negative control: the planted noise is loaded; the first token moves far past G
     control_mono, control_dec = own[len(PROMPTS)], decoded[len(PROMPTS)]
     assert control_dec["num_cached_tokens"] == PROMPT_LEN - 1
-    control = compare(control_mono, control_dec, positions=1)
-    MEASURED[f"{engine}_control_logprob_diff"] = round(control.max_logprob_diff, 4)
     assert control_dec["token_ids"][0] != control_mono["token_ids"][0]
-    assert not control.within(bound)
+    control = gap_of_reference_token(control_mono, control_dec)
+    MEASURED[f"{engine}_control_gap"] = round(control, 4)
+    assert control > bound

@@ -10,13 +10,15 @@ Claims, all on greedy outputs of fresh engines against their own no-connector ru
 
 * a TP=2 producer's KV loads into a TP=1 consumer and into a TP=2 consumer, a TP=1
   producer's into a TP=2 consumer, and each output matches that engine's no-connector run
-  by its logprobs: KV computed with another tensor parallelism carries that parallelism's
-  reduction order (per head 0.007-0.024 relative L2 from the TP=1 KV at layers 1-3), so the
-  bound is the engine's own TP effect measured in the same run (the largest logprob
-  difference between the TP=1 and TP=2 no-connector runs of the same prompt) times
-  ``TP_FACTOR``, and a differing token is accepted only at a near-tie (the reference's two
-  leading logprobs within twice the bound). An exact token comparison failed on an AMD host
-  (token 5 of the TP=1 producer's prompt, a near-tie);
+  up to the engine's own tensor-parallel effect: KV computed under another parallelism
+  carries its reduction order (per head 0.007-0.024 relative L2 from the TP=1 KV at layers
+  1-3). The effect is measured in the same run: per generated position, how far the
+  logprobs of the two leading tokens move between the TP=1 and TP=2 no-connector runs of
+  the same prompt; ``tau`` is twice its mean. A consumer's output passes if, up to its first
+  differing token, the leading logprobs moved by ``tau`` or less on average, and that
+  token differs only where the reference's two leading logprobs are within ``tau`` (a
+  near-tie). An exact token comparison failed on an AMD host (the TP=1 producer's prompt,
+  token 5: reference margin 0.06);
 * the object a TP=2 producer stored carries each head where a TP=1 producer puts it: per
   head, it is close to the TP=1 engine's KV of the same tokens (its ranks compute the same
   heads with other reduction orders) and far from the other head (a swapped range);
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from logprob_bounds import compare
+from logprob_bounds import deciding_diffs, top2_margin
 from transformers import AutoConfig
 
 from kvfabric.client import Client
@@ -53,10 +55,7 @@ REFERENCE_TENANT = "tp1-reference"
 # layer 0 (bit-exact), 0.007 / 0.015 / 0.024 at layers 1-3; another head is ~1.4
 CLOSE = 0.1
 TOP_K = 5
-# KV from the other parallelism perturbs less than running the whole forward pass under it
-# (what the bound measures); twice the measured effect leaves room for another prompt
-TP_FACTOR = 2.0
-
+TP_FACTOR = 2.0  # tau: twice the mean TP effect per position
 
 def prompt(seed: int) -> list[int]:
     rng = random.Random(seed)
@@ -158,39 +157,48 @@ def test_tp2_producer_saves_without_changing_its_output(runs, node, tiny_model) 
         assert client.lookup(ns, keys=keys).matched_chunks == 3
 
 
-def tp_bound(runs) -> float:
-    """The engine's own TP effect on PA (TP=1 vs TP=2, no connector) times TP_FACTOR."""
-    own = compare(runs["plain1"].outputs("plain1")[0], runs["plain2"].outputs("plain2")[0])
-    MEASURED_TP["tp1_vs_tp2_max_logprob_diff"] = own.max_logprob_diff
-    assert own.max_logprob_diff > 0  # two parallelisms do differ: the bound is not vacuous
-    return TP_FACTOR * own.max_logprob_diff
-
-
 MEASURED_TP: dict[str, object] = {}
+
+
+def tau(runs) -> float:
+    """Twice the mean per-position move of the leading logprobs, TP=1 vs TP=2, on PA."""
+    own, _ = deciding_diffs(runs["plain1"].outputs("plain1")[0],
+                            runs["plain2"].outputs("plain2")[0])
+    MEASURED_TP["tp1_vs_tp2_leading_logprob_moves"] = [round(d, 3) for d in own]
+    assert max(own) > 0  # the two parallelisms do differ: tau is not vacuous
+    return TP_FACTOR * sum(own) / len(own)
+
+
+def within_tp_effect(reference: dict, other: dict, limit: float) -> bool:
+    diffs, first = deciding_diffs(reference, other)
+    MEASURED_TP.setdefault("consumers", []).append(
+        {"moves": [round(d, 3) for d in diffs], "first_difference": first,
+         "margin": None if first is None else round(top2_margin(reference, first), 3),
+         "tau": round(limit, 3)})
+    return sum(diffs) / len(diffs) <= limit and (
+        first is None or top2_margin(reference, first) <= limit)
 
 
 def test_tp1_consumer_loads_tp2_kv(runs) -> None:
     assert runs["reuse1"].cached("reuse1") == [PROMPT_LEN - 1]
-    got = compare(runs["plain1"].outputs("plain1")[0], runs["reuse1"].outputs("reuse1")[0])
-    MEASURED_TP["tp1_consumer"] = got
-    assert got.within(tp_bound(runs)), MEASURED_TP
+    assert within_tp_effect(runs["plain1"].outputs("plain1")[0],
+                            runs["reuse1"].outputs("reuse1")[0], tau(runs)), MEASURED_TP
 
 
 def test_tp2_consumer_loads_tp2_and_tp1_kv(runs) -> None:
     assert runs["store1"].cached("store1") == [0, 0]
     assert runs["reuse2"].cached("reuse2") == [PROMPT_LEN - 1] * 3
-    bound = tp_bound(runs)
+    limit = tau(runs)
     for index in (0, 1):  # PA from the TP=2 producer, PB from a TP=1 producer
-        got = compare(runs["plain2"].outputs("plain2")[index],
-                      runs["reuse2"].outputs("reuse2")[index])
-        MEASURED_TP[f"tp2_consumer_prompt{index}"] = got
-        assert got.within(bound), MEASURED_TP
+        assert within_tp_effect(runs["plain2"].outputs("plain2")[index],
+                                runs["reuse2"].outputs("reuse2")[index], limit), MEASURED_TP
 
 
 def test_negative_control_corrupted_kv_changes_the_tp2_output(runs) -> None:
     assert runs["reuse2"].tokens("reuse2")[2] != runs["plain2"].tokens("plain2")[2]
-    got = compare(runs["plain2"].outputs("plain2")[2], runs["reuse2"].outputs("reuse2")[2])
-    assert not got.within(tp_bound(runs))  # far outside what the bound accepts
+    # and the criterion the consumers pass rejects it
+    assert not within_tp_effect(runs["plain2"].outputs("plain2")[2],
+                                runs["reuse2"].outputs("reuse2")[2], tau(runs))
 
 
 def test_each_rank_wrote_its_own_heads(runs, node, tiny_model) -> None:

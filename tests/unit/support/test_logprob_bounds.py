@@ -29,3 +29,14 @@ def test_disjoint_top_k_lists_still_count() -> None:
     run's least listed logprob, not read as 0."""
     assert position_diff({"1": -0.1, "2": -1.0}, {"8": -0.2, "9": -4.0}) >= 3.9
     assert top2_margin(out([1], [{1: -0.1, 2: -1.1}]), 0) == 1.0
+
+
+def test_deciding_diffs_stop_at_the_first_flip_and_gaps_measure_the_reference_token() -> None:
+    from logprob_bounds import deciding_diffs, gap_of_reference_token
+
+    ref = out([1, 2, 3], [{1: -0.1, 4: -2.0}, {2: -0.5, 5: -0.6}, {3: -0.1, 6: -4.0}])
+    other = out([1, 5, 3], [{1: -0.2, 4: -1.8}, {5: -0.5, 2: -0.55}, {3: -0.1, 6: -4.0}])
+    diffs, first = deciding_diffs(ref, other)
+    assert first == 1 and len(diffs) == 2 and abs(diffs[0] - 0.2) < 1e-9
+    assert abs(gap_of_reference_token(ref, other, 1) - 0.05) < 1e-9
+    assert gap_of_reference_token(ref, out([9], [{9: -0.1, 8: -3.0}])) == 2.9  # unlisted
