@@ -94,6 +94,9 @@ class Limits:
     http_request_timeout_s: float = 10.0  # a request's headers and body must arrive within this
     http_keepalive_s: float = 5.0  # an idle keep-alive connection is closed after this
     http_max_connections: int = 1024  # beyond this, new requests get 503
+    # processes parsing lookup bodies over 32 KiB (0: threads of the daemon, whose GIL the
+    # control loop shares: a million-id body then slows control round trips)
+    http_parse_workers: int = 2
     # Peer transport (socket backend): unauthenticated connections are bounded, never a thread.
     peer_handshake_timeout_s: float = 5.0
     peer_max_handshakes: int = 256  # handshakes in progress at once, all addresses
@@ -124,6 +127,10 @@ class Limits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"limits.{name} must be a positive number of seconds")
+        if isinstance(self.http_parse_workers, bool) or \
+                not isinstance(self.http_parse_workers, int) or \
+                not 0 <= self.http_parse_workers <= 64:
+            raise ConfigError("limits.http_parse_workers must be an integer in [0, 64]")
         if self.lookup_max_tokens > LOOKUP_TOKENS_CEILING:
             raise ConfigError(f"limits.lookup_max_tokens must be at most "
                               f"{LOOKUP_TOKENS_CEILING} (the protocol's bound)")

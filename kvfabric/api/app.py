@@ -30,7 +30,9 @@ unauthorized, 403 forbidden, 404 not_found, 503 unavailable, 504 deadline, 500 i
 bad_config, 400 any other). Bodies over ``max_body_bytes`` are refused with 413 before they
 are parsed; a lookup's token ids are counted before any is validated (over
 ``config.limits.lookup_max_tokens``: 413, kind ``too_large``) and its body is parsed on a
-worker thread (:mod:`kvfabric.api.lookup_body`), never on the event loop.
+worker thread (:mod:`kvfabric.api.lookup_body`), never on the event loop; a large one in a
+worker process (:mod:`kvfabric.api.lookup_workers`, ``limits.http_parse_workers``), so that
+it costs the daemon's own process neither CPU nor the GIL.
 
 Endpoints that touch the store are plain ``def``: FastAPI runs them in its threadpool, so a
 lookup waiting on the store lock or a flush waiting on SSD writes never blocks the event
@@ -57,7 +59,8 @@ from starlette.exceptions import HTTPException
 
 from kvfabric import __version__
 from kvfabric.api.body_limit import BodyLimit
-from kvfabric.api.lookup_body import BodyInvalid, BodyTooLarge, parse_lookup
+from kvfabric.api.lookup_body import BodyInvalid, BodyTooLarge
+from kvfabric.api.lookup_workers import LookupParsers
 from kvfabric.api.metrics import Metrics, error_kind
 from kvfabric.config import DaemonConfig
 from kvfabric.errors import (AuthError, ConfigError, DeadlineExceededError, ForbiddenError,
@@ -503,13 +506,12 @@ def metrics(daemon: Daemon, _: Admin) -> Response:
 
 
 # exclude_unset: the cluster fields appear only when scope is cluster. The body is read raw
-# and parsed on a worker thread (kvfabric.api.lookup_body); its schema is added by _openapi.
+# and parsed off the loop (kvfabric.api.lookup_workers); its schema is added by _openapi.
 @_api.post("/lookup", name="lookup", response_model_exclude_unset=True)
 async def lookup(request: Request, daemon: Daemon, caller: Caller) -> LookupResponse:
     raw = await request.body()  # at most max_body_bytes: BodyLimit
-    body = await run_in_threadpool(
-        parse_lookup, raw, LookupRequest, max_tokens=daemon.config.limits.lookup_max_tokens,
-        max_hashes=MAX_KEYS, hash_chars=2 * KEY_BYTES)
+    parsers: LookupParsers = request.app.state.lookup_parsers
+    body = await parsers.parse(raw, LookupRequest)  # a large body: in a worker process
     return await run_in_threadpool(_lookup, body, daemon, caller)
 
 
@@ -572,13 +574,19 @@ def admin_flush(daemon: Daemon, _: Admin) -> FlushResponse:
     return FlushResponse(flushed=True)
 
 
-def create_app(daemon: DaemonView, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The HTTP API of ``daemon`` (see the module docstring)."""
+def create_app(daemon: DaemonView, *, max_body_bytes: int = MAX_BODY_BYTES,
+               parse_workers: int = 0) -> FastAPI:
+    """The HTTP API of ``daemon`` (see the module docstring). ``parse_workers``: processes
+    that parse large lookup bodies (0: threads of this process); whoever serves the app ends
+    them with ``app.state.lookup_parsers.close()``."""
     app = FastAPI(title="kvfabric", version=__version__,
                   description="KV-hit lookups, stats, admin and Prometheus metrics of one "
                               "kvfabric node.")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.state.daemon = daemon
+    app.state.lookup_parsers = LookupParsers(
+        parse_workers, max_tokens=daemon.config.limits.lookup_max_tokens, max_hashes=MAX_KEYS,
+        hash_chars=2 * KEY_BYTES)
     for router in (_probes, _scrape, _api):
         app.include_router(router)
     app.add_exception_handler(KVFabricError, _on_kvfabric_error)

@@ -13,7 +13,8 @@ Lifecycle of :func:`run` (``kvfabric serve``):
    as a WARNING and listed in ``/healthz`` and ``/v1/stats`` (``warnings``);
 2. listen on the Unix socket (and TCP if configured) on one event loop (uvloop's where it is
    installed: :func:`event_loop_factory`), then on HTTP on a thread and loop of its own
-   (:mod:`kvfabric.api.http_server`: request parsing never runs on the control loop). With
+   (:mod:`kvfabric.api.http_server`: request parsing never runs on the control loop, and
+   large lookup bodies are parsed in worker processes: :mod:`kvfabric.api.lookup_workers`). With
    TLS configured (``security.tls_*``) the HTTP and TCP planes serve TLS; the certificate is
    re-read on SIGHUP and when its files change (:mod:`kvfabric.server.tls`). Toward peers the
    same certificate is the client certificate: the peer links speak TLS to peers' TCP control
@@ -36,10 +37,13 @@ import os
 import signal
 import socket
 import ssl
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from fastapi import FastAPI
 
 from kvfabric.api.app import create_app
 from kvfabric.api.http_server import HttpLimits, HttpServer
@@ -62,6 +66,7 @@ from kvfabric.transport.acceptor import AcceptLimits
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0
+GIL_SWITCH_INTERVAL_S = 0.0005  # see run()
 
 
 class Daemon:
@@ -122,6 +127,7 @@ class Daemon:
             tcp_ssl=self._tls_for("tcp"), limits=config.limits)
         self.http_port: int | None = None
         self._http: HttpServer | None = None
+        self._http_app: FastAPI | None = None
         self._stop: asyncio.Event | None = None
 
     @property
@@ -175,8 +181,10 @@ class Daemon:
             listener = _tcp_listener(self.config.http.host, self.config.http.port)
             self.http_port = listener.getsockname()[1]
             limits = self.config.limits
+            self._http_app = create_app(self, max_body_bytes=limits.http_max_body_bytes,
+                                        parse_workers=limits.http_parse_workers)
             self._http = HttpServer(
-                create_app(self, max_body_bytes=limits.http_max_body_bytes), listener,
+                self._http_app, listener,
                 HttpLimits(request_timeout_s=limits.http_request_timeout_s,
                            keepalive_s=limits.http_keepalive_s,
                            max_connections=limits.http_max_connections,
@@ -196,6 +204,8 @@ class Daemon:
         await self.control.stop(SHUTDOWN_GRACE_S)
         if self._http is not None:
             await asyncio.to_thread(self._http.stop)
+            assert self._http_app is not None
+            self._http_app.state.lookup_parsers.close()  # its worker processes end
         await loop.run_in_executor(None, self.close)
 
     async def _watch_certificates(self) -> None:
@@ -301,6 +311,11 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
 
 def run(config: DaemonConfig, *, ready_file: Path | None = None) -> int:
     """Run the daemon until SIGTERM / SIGINT; returns the process exit code."""
+    # The control loop shares the GIL with the HTTP thread and the store's threads; after
+    # each syscall it waits for the GIL up to this long while another thread computes (5 ms
+    # by default: under a connection flood with HTTP requests the loop accepted ~200
+    # connections a second and new sessions waited 1-2 s behind the accept queue).
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     daemon = Daemon(config)
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:

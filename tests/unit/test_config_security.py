@@ -81,6 +81,15 @@ def test_limits_defaults_and_settings() -> None:
     assert (limits.http_request_timeout_s, limits.lookup_max_tokens) == (2.5, 4096)
 
 
+def test_lookup_parse_workers_default_and_setting() -> None:
+    assert load_config(env={}).limits.http_parse_workers == 2
+    assert load_config(env={}, overrides=["limits.http_parse_workers=0"]
+                       ).limits.http_parse_workers == 0  # parse in the daemon's threads
+    for bad in ("-1", "65", "true", "2.5"):
+        with pytest.raises(ConfigError, match="http_parse_workers must be an integer"):
+            load_config(env={}, overrides=[f"limits.http_parse_workers={bad}"])
+
+
 @pytest.mark.parametrize("setting, message", [
     ("limits.http_max_body_bytes=0", "http_max_body_bytes must be a positive integer"),
     ("limits.lookup_max_tokens=99999999", "lookup_max_tokens must be at most"),

@@ -5,6 +5,7 @@ control socket, and meanwhile control pings and /healthz stay fast."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -125,6 +126,59 @@ def test_a_million_bad_token_ids_do_not_stall_the_control_socket(start_daemon) -
     assert results["huge"].status_code == 413  # 3 M ids: over limits.lookup_max_tokens
     assert max(samples) < 0.5, sorted(samples)[-5:]  # old code: 13 s
     assert p99(samples) < 0.1, sorted(samples)[-5:]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of one process (its threads; not its children)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def test_million_id_lookups_cost_the_daemon_process_a_fraction_of_parsing_them(
+        start_daemon) -> None:
+    """Three million-bad-id lookups, on a daemon with parse workers (the default) and on one
+    parsing in its own threads (``limits.http_parse_workers=0``): the same 422 from both,
+    and the first daemon's own process spends under a third of the CPU the second's does;
+    its workers end with it.
+
+    Regression: on the old code the daemon's threads parsed every body (about a second of
+    its CPU and GIL each), and under a stream of them the chaos suite's control pings
+    reached p99 126-295 ms."""
+    bad = json.dumps({"namespace": NS, "token_ids": [1 << 40] * 1_000_000}).encode()
+    spent = {}
+    for workers in ("2", "0"):
+        daemon = start_daemon(f"limits.http_parse_workers={workers}")
+        url = f"{daemon.http_url}/v1/lookup"
+        headers = {"Content-Type": "application/json"}
+        first = httpx.post(url, content=bad, headers=headers, timeout=60)  # a worker starts
+        assert first.status_code == 422
+        assert first.json()["error"]["message"].endswith("and 999990 more")
+        before = cpu_seconds(daemon.proc.pid)
+        for _ in range(3):
+            assert httpx.post(url, content=bad, headers=headers, timeout=60).status_code == 422
+        spent[workers] = cpu_seconds(daemon.proc.pid) - before
+        if workers != "0":
+            workers_seen = children_of(daemon.proc.pid)
+            assert workers_seen, "no parse worker process"
+            assert daemon.stop() == 0
+            for pid in workers_seen:
+                assert not os.path.exists(f"/proc/{pid}") or \
+                    open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    assert spent["2"] < spent["0"] / 3, spent
 
 
 def test_body_and_token_limits_are_settings(start_daemon) -> None:
