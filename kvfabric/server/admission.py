@@ -5,10 +5,16 @@ The limits (``limits.control_*`` in :mod:`kvfabric.config`) make sure that a flo
 slow or half-sent connections never locks a legitimate client out:
 
 - pending connections are bounded in total (``control_max_pending``) and per peer
-  (``control_max_pending_per_peer``). At a bound the *oldest* pending connection (of that
-  peer, or overall) is closed to make room, never the new one: a client that says hello
-  right after connecting always gets in, while a flood only pushes out stale connections,
-  its own first (reasons ``per_peer_limit``, ``pending_overflow``);
+  (``control_max_pending_per_peer``). At a bound the pending connection (of that peer, or
+  overall) that has been *silent the longest* (no bytes since it was accepted, or since its
+  last bytes) is closed to make room, never the new one, and never one whose first frame is
+  already waiting to be read (in the daemon's buffer, or in the kernel's: a non-blocking
+  ``MSG_PEEK``), because reading it settles that connection at once. A client that says hello
+  right after connecting always gets in, however many connections a flood from the same uid
+  or address opened just before or after it; a flood only pushes out connections that stay
+  silent, its own first (reasons ``per_peer_limit``, ``pending_overflow``). Connections
+  accepted in one batch (a full accept queue drained at once) are all judged this way before
+  any of them is read;
 - a pending connection is closed at its hello deadline (``control_hello_timeout_s`` after
   accept; reason ``hello_timeout``), and may send at most ``control_hello_max_bytes`` before
   it (the control server reads with that frame limit; ``frame_too_large``);
@@ -49,7 +55,32 @@ from kvfabric.server.session import Session
 log = logging.getLogger(__name__)
 
 LOG_EVERY_S = 10.0
+PEEK_BYTES = 4096  # a hello frame (a token and a client name) fits many times
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_FRAME_LEN = struct.Struct("<I")  # kvfabric.protocol.frames: u32le body length
+
+
+class CountingReader(asyncio.StreamReader):
+    """A StreamReader that knows how many bytes it holds that nobody has read yet (the
+    transport may read a connection's hello before the connection's task runs)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fed = 0
+        self.taken = 0
+
+    def feed_data(self, data: bytes) -> None:
+        self.fed += len(data)
+        super().feed_data(data)
+
+    async def read(self, n: int = -1) -> bytes:
+        data = await super().read(n)
+        self.taken += len(data)
+        return data
+
+    @property
+    def unread(self) -> int:
+        return self.fed - self.taken
 
 
 @dataclass(eq=False)
@@ -61,9 +92,11 @@ class Conn:
     peer: str  # "uid:1000", "ip:10.0.0.7"
     accepted: float
     last_active: float
+    reader: CountingReader | None = field(default=None, repr=False)
     session: Session | None = None
     in_flight: int = 0  # requests read and not yet answered
     closing: bool = False
+    frame_waiting: bool = False  # a whole first frame seen waiting: never pushed out
     deadline: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     def touch(self) -> None:
@@ -76,7 +109,8 @@ class Admission:
     def __init__(self, limits: Limits, metrics: Any) -> None:
         self._limits = limits
         self._metrics = metrics
-        self._pending: dict[Conn, None] = {}  # in accept order: the first is the oldest
+        # in order of their last bytes (or accept): the first has been silent the longest
+        self._pending: dict[Conn, None] = {}
         self._pending_by_peer: dict[str, dict[Conn, None]] = {}
         self._sessions: dict[Conn, None] = {}
         self._sessions_by_peer: Counter[str] = Counter()
@@ -94,25 +128,40 @@ class Admission:
     def sessions(self) -> list[Conn]:
         return list(self._sessions)
 
-    def accept(self, writer: asyncio.StreamWriter, *, local: bool) -> Conn:
-        """Register a new connection as pending (closing older pending ones at a bound) and
-        arm its hello deadline."""
+    def accept(self, writer: asyncio.StreamWriter, *, local: bool,
+               reader: CountingReader | None = None) -> Conn:
+        """Register a new connection as pending (closing the longest-silent pending one at a
+        bound) and arm its hello deadline. ``reader``: the connection's, so that bytes it
+        holds unread count as the connection speaking."""
         now = time.monotonic()
-        conn = Conn(writer, "unix" if local else "tcp", peer_of(writer, local), now, now)
+        conn = Conn(writer, "unix" if local else "tcp", peer_of(writer, local), now, now,
+                    reader)
         mine = self._pending_by_peer.setdefault(conn.peer, {})
         if len(mine) >= self._limits.control_max_pending_per_peer:
-            self.close(next(iter(mine)), "per_peer_limit", UnavailableError(
-                "too many connections from this peer are waiting for hello; the oldest "
-                "is closed"))
+            self._push_out(mine, "per_peer_limit", UnavailableError(
+                "too many connections from this peer are waiting for hello; the one silent "
+                "the longest is closed"))
         if len(self._pending) >= self._limits.control_max_pending:
-            self.close(next(iter(self._pending)), "pending_overflow", UnavailableError(
-                "too many connections are waiting for hello; the oldest is closed"))
+            self._push_out(self._pending, "pending_overflow", UnavailableError(
+                "too many connections are waiting for hello; the one silent the longest is "
+                "closed"))
         self._pending[conn] = None
         mine[conn] = None
         conn.deadline = asyncio.get_running_loop().call_later(
             self._limits.control_hello_timeout_s, self._hello_expired, conn)
         self._metrics.control_pending(len(self._pending))
         return conn
+
+    def heard(self, conn: Conn) -> None:
+        """Bytes came in on ``conn``: its silence starts again (a pending one goes to the
+        back of the line to be pushed out)."""
+        conn.touch()
+        conn.frame_waiting = False  # what was waiting has been read
+        if conn.session is None and self._pending.pop(conn, 0) is None:
+            self._pending[conn] = None
+            mine = self._pending_by_peer[conn.peer]
+            del mine[conn]
+            mine[conn] = None
 
     def admit(self, conn: Conn, session: Session) -> None:
         """Make a pending connection whose hello was accepted a session; raises
@@ -186,6 +235,19 @@ class Admission:
                         f"session closed after {idle:g} s without requests"))
         self._log()
 
+    def _push_out(self, pool: dict[Conn, None], reason: str, error: KVFabricError) -> None:
+        """Close the connection of ``pool`` silent the longest, passing over those whose first
+        frame is waiting to be read (the next read settles them); none if all are."""
+        limit = self._limits.control_hello_max_bytes
+        for conn in pool:
+            if conn.frame_waiting:
+                continue
+            if conn.reader is not None and conn.reader.unread or _frame_waiting(conn, limit):
+                conn.frame_waiting = True  # looked at once: not again
+                continue
+            self.close(conn, reason, error)
+            return
+
     def _hello_expired(self, conn: Conn) -> None:
         if conn in self._pending:
             self.close(conn, "hello_timeout", DeadlineExceededError(
@@ -218,6 +280,30 @@ class Admission:
         log.warning("control plane refused or closed connections (since the last such line): "
                     "%s; %d pending, %d sessions", summary, len(self._pending),
                     len(self._sessions))
+
+
+def _frame_waiting(conn: Conn, limit: int) -> bool:
+    """Whether the kernel holds, unread, a whole first frame of ``conn`` (or a header over
+    ``limit``, refused at the first read): a non-blocking ``MSG_PEEK`` of the socket. Never on
+    TLS (its socket holds records, not frames)."""
+    writer = conn.writer
+    sock = writer.get_extra_info("socket")
+    if sock is None or writer.get_extra_info("ssl_object") is not None:
+        return False
+    try:
+        raw = socket.socket(sock.family, sock.type, sock.proto, sock.fileno())
+    except (OSError, ValueError):
+        return False
+    try:  # a view of the transport's descriptor, detached below: the transport keeps it
+        data = raw.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return False
+    finally:
+        raw.detach()
+    if len(data) < _FRAME_LEN.size:
+        return False
+    (length,) = _FRAME_LEN.unpack_from(data)
+    return length > limit or _FRAME_LEN.size + length <= len(data)
 
 
 def peer_of(writer: asyncio.StreamWriter, local: bool) -> str:

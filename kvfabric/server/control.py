@@ -19,8 +19,9 @@ as well as in ``kvfabric_control_connections_closed_total``.
 
 Floods and slow clients are bounded (:mod:`kvfabric.server.admission`): before its hello a
 connection may send one small frame (``limits.control_hello_max_bytes``) within
-``limits.control_hello_timeout_s``; connections waiting for hello are few (the oldest goes
-first) and do not count against ``max_sessions``; a peer's sessions are capped; idle
+``limits.control_hello_timeout_s``; connections waiting for hello are few (the one silent
+the longest goes first, never one whose hello is waiting to be read) and do not count against
+``max_sessions``; a peer's sessions are capped; idle
 sessions are closed. Large legal requests (a 65,536-key ``contains``, a lookup of millions
 of token ids) are answered in slices on the loop (:mod:`kvfabric.server.slices`), and a
 connection whose requests keep arriving gives the loop back every few milliseconds, so no
@@ -52,7 +53,7 @@ from kvfabric.protocol.frames import MAX_FRAME, FrameDecoder, encode_frame
 from kvfabric.protocol.messages import (Op, error_reply, ok_reply, parse_request,
                                         request_id_of)
 from kvfabric.server import handlers, slices
-from kvfabric.server.admission import Admission, Conn
+from kvfabric.server.admission import Admission, Conn, CountingReader
 from kvfabric.server.handlers import Context
 from kvfabric.server.session import Session
 from kvfabric.server.traffic import Traffic, traffic_of
@@ -110,19 +111,27 @@ class ControlServer:
         self._ctx.store.add_layer_listener(self._on_layers_changed)
         self._socket_path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_socket(self._socket_path)
-        unix = await asyncio.start_unix_server(
-            lambda r, w: self._serve(r, w, local=True), path=str(self._socket_path),
-            limit=READ_CHUNK, backlog=self._limits.control_listen_backlog)
+        loop = self._loop
+        assert loop is not None
+        unix = await loop.create_unix_server(
+            lambda: self._protocol(local=True), path=str(self._socket_path),
+            backlog=self._limits.control_listen_backlog)
         os.chmod(self._socket_path, 0o660)  # the node's engines run as the same group
         self._servers.append(unix)
         if self._tcp_listener is not None:
-            tcp = await asyncio.start_server(
-                lambda r, w: self._serve(r, w, local=False), sock=self._tcp_listener,
-                limit=READ_CHUNK, ssl=self._tcp_ssl,
-                backlog=self._limits.control_listen_backlog,
+            tcp = await loop.create_server(
+                lambda: self._protocol(local=False), sock=self._tcp_listener,
+                ssl=self._tcp_ssl, backlog=self._limits.control_listen_backlog,
                 ssl_handshake_timeout=TLS_HANDSHAKE_S if self._tcp_ssl else None)
             self._servers.append(tcp)
         self._sweeper = asyncio.create_task(self._sweep())
+
+    def _protocol(self, *, local: bool) -> asyncio.StreamReaderProtocol:
+        """What asyncio.start_(unix_)server builds, with a reader that counts what it holds
+        unread (admission passes over a connection whose hello is waiting in it)."""
+        reader = CountingReader(limit=READ_CHUNK, loop=self._loop)
+        return asyncio.StreamReaderProtocol(
+            reader, lambda r, w: self._serve(r, w, local=local), loop=self._loop)
 
     async def _sweep(self) -> None:
         """Idle sessions closed, refusals logged (rate-limited), every so often."""
@@ -149,7 +158,9 @@ class ControlServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
                      local: bool) -> None:
-        conn = self._admission.accept(writer, local=local)
+        conn = self._admission.accept(writer, local=local,
+                                      reader=reader if isinstance(reader, CountingReader)
+                                      else None)
         session = Session(local=local, max_leases=self._ctx.max_leases)
         # until hello, a frame may be small: an unauthenticated peer holds at most that
         decoder = FrameDecoder(self._limits.control_hello_max_bytes)
@@ -162,7 +173,7 @@ class ControlServer:
                 data = await reader.read(READ_CHUNK)
                 if not data:
                     break
-                conn.touch()
+                self._admission.heard(conn)
                 frames = decoder.feed(data)
                 while (message := self._next_message(conn, frames)) is not None:
                     if not session.authenticated:

@@ -212,6 +212,100 @@ def test_a_flood_of_idle_and_half_sent_connections_does_not_lock_out_a_client(
             sock.close()
 
 
+def first_reply(sock: socket.socket, seconds: float) -> dict | None:
+    """The first frame the daemon sends on ``sock`` (None: it closed without one, or sent
+    nothing within ``seconds``)."""
+    sock.setblocking(True)
+    decoder = FrameDecoder()
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            sock.settimeout(max(0.01, end - time.monotonic()))
+            data = sock.recv(1 << 16)
+            if not data:
+                return None
+            for frame in decoder.feed(data):
+                return frame
+    except (TimeoutError, ConnectionError):
+        return None
+    return None
+
+
+@pytest.mark.parametrize("loop", ["default", "asyncio"])
+def test_a_hello_waiting_in_a_full_queue_is_not_pushed_out_by_the_flood_around_it(
+        start_daemon, loop, tmp_path, monkeypatch) -> None:
+    """While the daemon is stopped, 400 silent connections, a client that sends its hello,
+    then 400 more silent ones (all the same uid) fill the accept queue; once the daemon runs
+    again it accepts them in one batch, and the client's hello is answered (ok), while the
+    silent ones are pushed out down to the per-peer bound. On the daemon's default loop
+    (uvloop) and on asyncio's own (the daemon's loop where uvloop is not installed).
+
+    Regression: on the old code, on asyncio's loop, the oldest pending connection was pushed
+    out first, before any of the batch was read: the client (accepted 401st, more than
+    ``control_max_pending_per_peer`` (64) before the end of the batch) was closed with "too
+    many connections from this peer", its hello unread.
+    """
+    if somaxconn() < 1024:
+        pytest.skip(f"net.core.somaxconn is {somaxconn()}: the burst does not fit the queue")
+    raise_fd_limit(2048)
+    if loop == "asyncio":  # the daemon process finds no uvloop to import
+        (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["uvloop"] = None\n')
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+            filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    daemon = start_daemon(*SMALL)
+    flood: list[socket.socket] = []
+    try:
+        with stopped(daemon):
+            flood += [unix_connect(daemon.socket, 5.0) for _ in range(400)]
+            client = unix_connect(daemon.socket, 5.0)
+            client.setblocking(True)
+            client.sendall(hello_frame())
+            flood += [unix_connect(daemon.socket, 5.0) for _ in range(400)]
+        reply = first_reply(client, 10.0)
+        assert reply is not None and reply.get("ok") is True, reply
+        client.close()
+        assert closed_count(daemon, "per_peer_limit") >= 400 - 64
+        with Client(daemon.socket, timeout=10, reconnect=False) as other:
+            other.ping()
+    finally:
+        for sock in flood:
+            sock.close()
+
+
+def test_at_the_pending_bound_the_connection_silent_the_longest_goes_not_the_oldest(
+        start_daemon) -> None:
+    """Per-peer bound 8: the oldest pending connection keeps sending (a hello a byte at a
+    time), 8 silent ones follow; the one pushed out is the first silent one, and the slow
+    sender finishes its hello and gets its session.
+
+    Regression: on the old code the oldest pending connection went first, however recently
+    it had sent bytes: the slow sender was pushed out.
+    """
+    daemon = start_daemon(*SMALL, "limits.control_max_pending_per_peer=8",
+                          "limits.control_hello_timeout_s=30")
+    frame = hello_frame()
+    slow = unix_connect(daemon.socket)
+    slow.setblocking(True)
+    slow.sendall(frame[:2])
+    silent: list[socket.socket] = []
+    try:
+        for i in range(8):
+            slow.sendall(frame[2 + i:3 + i])  # a byte, then a silent connection
+            time.sleep(0.1)
+            silent.append(unix_connect(daemon.socket))
+            time.sleep(0.1)
+        closed, frames = closed_within(silent[0], 3.0)
+        assert closed and frames and frames[0]["error"]["kind"] == "unavailable", frames
+        assert all(not closed_within(sock, 0.05)[0] for sock in silent[1:])
+        slow.sendall(frame[10:])
+        reply = first_reply(slow, 5.0)
+        assert reply is not None and reply.get("ok") is True, reply
+    finally:
+        slow.close()
+        for sock in silent:
+            sock.close()
+
+
 # ---------------------------------------------------------------------- before hello
 
 def test_a_connection_without_a_complete_hello_is_closed_at_the_deadline(start_daemon) -> None:
