@@ -26,6 +26,8 @@ Contract:
   daemon holds no worker, nor the memory a million-id body left one). A worker that dies or
   does not answer within ``answer_s`` (:data:`ANSWER_S`) is killed and replaced on next use;
   its request gets :class:`~kvfabric.errors.UnavailableError` (503).
+* Workers run at a lower priority than the daemon (:data:`WORKER_NICE`): the control plane
+  comes first on a busy host.
 * The socket carries bytes, never pickle: a request is ``u32le length`` + the body; a reply
   is ``u32le length`` + a JSON header, then, for ``{"ok": ..., "tokens": n}``, ``n`` int32
   little-endian token ids. The header is ``{"ok": body less its long lists, "tokens": n or
@@ -36,6 +38,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -55,6 +58,11 @@ from kvfabric.errors import KVFabricError, UnavailableError
 IN_PROCESS_BYTES = 32 << 10
 ANSWER_S = 60.0  # a worker that takes longer on one body is stuck: killed
 IDLE_S = 10.0  # a worker idle this long ends (the next large body starts one: ~0.3 s)
+# Workers run this much nicer than the daemon: a stream of million-id bodies keeps them busy,
+# and on a busy host the control loop, not the parsing, must get the CPU first (at the
+# daemon's own priority two busy workers left its loop runnable but waiting 70-80% of the
+# time, and new sessions waited seconds behind the accept queue).
+WORKER_NICE = 10
 _LEN = struct.Struct("<I")
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -277,6 +285,8 @@ class _Worker:
 
 def _serve(limits: dict[str, int]) -> None:
     """The worker loop: bodies in on stdin, replies out on stdout, until EOF."""
+    with contextlib.suppress(OSError):
+        os.nice(WORKER_NICE)
     sock = socket.socket(fileno=os.dup(0))
     os.close(0)
     os.close(1)
