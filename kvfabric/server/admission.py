@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfabric.config import Limits
-from kvfabric.errors import DeadlineExceededError, KVFabricError, UnavailableError
+from kvfabric.errors import (DeadlineExceededError, FrameTooLargeError, KVFabricError,
+                             UnavailableError)
 from kvfabric.protocol.frames import encode_frame
 from kvfabric.protocol.messages import error_reply
 from kvfabric.server.session import Session
@@ -58,6 +59,10 @@ LOG_EVERY_S = 10.0
 PEEK_BYTES = 4096  # a hello frame (a token and a client name) fits many times
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _FRAME_LEN = struct.Struct("<I")  # kvfabric.protocol.frames: u32le body length
+_PER_PEER_FULL = UnavailableError("too many connections from this peer are waiting for hello; "
+                                  "the one silent the longest is closed")
+_PENDING_FULL = UnavailableError("too many connections are waiting for hello; the one silent "
+                                 "the longest is closed")
 
 
 class CountingReader(asyncio.StreamReader):
@@ -138,19 +143,67 @@ class Admission:
                     reader)
         mine = self._pending_by_peer.setdefault(conn.peer, {})
         if len(mine) >= self._limits.control_max_pending_per_peer:
-            self._push_out(mine, "per_peer_limit", UnavailableError(
-                "too many connections from this peer are waiting for hello; the one silent "
-                "the longest is closed"))
+            self._push_out(mine, "per_peer_limit", _PER_PEER_FULL)
         if len(self._pending) >= self._limits.control_max_pending:
-            self._push_out(self._pending, "pending_overflow", UnavailableError(
-                "too many connections are waiting for hello; the one silent the longest is "
-                "closed"))
+            self._push_out(self._pending, "pending_overflow", _PENDING_FULL)
         self._pending[conn] = None
         mine[conn] = None
         conn.deadline = asyncio.get_running_loop().call_later(
             self._limits.control_hello_timeout_s, self._hello_expired, conn)
         self._metrics.control_pending(len(self._pending))
         return conn
+
+    def screen(self, batch: list[socket.socket]) -> list[socket.socket]:
+        """Unix connections just accepted together (in accept order): refuse at once, before
+        they cost a transport, those :meth:`accept` would refuse or push out before reading
+        them; return the others, in order.
+
+        * a first frame already announced over ``control_hello_max_bytes``: refused
+          (``frame_too_large``), as the first read would;
+        * a connection whose whole first frame is waiting (a client's hello): kept, always;
+        * the silent or partial ones: the batch's newest are kept, up to the pending bounds
+          per peer and overall; the older ones beyond them would be the longest silent when
+          the newer ones arrive, pushed out unread (``per_peer_limit``, ``pending_overflow``).
+        """
+        limit = self._limits.control_hello_max_bytes
+        looked: list[tuple[socket.socket, str, bool]] = []
+        for sock in batch:
+            first = _peek(sock)
+            if first is not None and len(first) >= _FRAME_LEN.size:
+                (length,) = _FRAME_LEN.unpack_from(first)
+                if length > limit:
+                    self._refuse_socket(sock, "frame_too_large", FrameTooLargeError(
+                        f"frame of {length} bytes exceeds the limit {limit}"))
+                    continue
+                waiting = _FRAME_LEN.size + length <= len(first)
+            else:
+                waiting = False
+            looked.append((sock, peer_of_socket(sock), waiting))
+        per_peer: Counter[str] = Counter()
+        overall = 0
+        keep = [True] * len(looked)
+        for i in range(len(looked) - 1, -1, -1):  # newest first: they are silent the least
+            sock, peer, waiting = looked[i]
+            if waiting:
+                continue
+            if per_peer[peer] >= self._limits.control_max_pending_per_peer:
+                keep[i] = False
+                self._refuse_socket(sock, "per_peer_limit", _PER_PEER_FULL)
+            elif overall >= self._limits.control_max_pending:
+                keep[i] = False
+                self._refuse_socket(sock, "pending_overflow", _PENDING_FULL)
+            else:
+                per_peer[peer] += 1
+                overall += 1
+        return [sock for (sock, _, _), kept in zip(looked, keep) if kept]
+
+    def _refuse_socket(self, sock: socket.socket, reason: str, error: KVFabricError) -> None:
+        """Close a Unix connection no transport serves yet, saying why (best effort: a
+        non-blocking send), and count it."""
+        with contextlib.suppress(OSError):
+            sock.send(encode_frame(error_reply(0, error)), socket.MSG_DONTWAIT)
+        sock.close()
+        self._count_listener("unix", reason)
 
     def heard(self, conn: Conn) -> None:
         """Bytes came in on ``conn``: its silence starts again (a pending one goes to the
@@ -265,8 +318,11 @@ class Admission:
             self._metrics.control_pending(len(self._pending))
 
     def _count(self, conn: Conn, reason: str) -> None:
-        self._metrics.control_connection_closed(conn.listener, reason)
-        self._unlogged[(conn.listener, reason)] += 1
+        self._count_listener(conn.listener, reason)
+
+    def _count_listener(self, listener: str, reason: str) -> None:
+        self._metrics.control_connection_closed(listener, reason)
+        self._unlogged[(listener, reason)] += 1
         self._log()
 
     def _log(self) -> None:
@@ -295,26 +351,36 @@ def _frame_waiting(conn: Conn, limit: int) -> bool:
     except (OSError, ValueError):
         return False
     try:  # a view of the transport's descriptor, detached below: the transport keeps it
-        data = raw.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except OSError:
-        return False
+        data = _peek(raw)
     finally:
         raw.detach()
-    if len(data) < _FRAME_LEN.size:
+    if data is None or len(data) < _FRAME_LEN.size:
         return False
     (length,) = _FRAME_LEN.unpack_from(data)
     return length > limit or _FRAME_LEN.size + length <= len(data)
 
 
+def _peek(sock: socket.socket) -> bytes | None:
+    """What the kernel holds unread on ``sock`` (up to PEEK_BYTES), without taking it."""
+    try:
+        return sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return None
+
+
 def peer_of(writer: asyncio.StreamWriter, local: bool) -> str:
     """The peer a connection counts against: its uid (Unix socket) or source address."""
     if local:
-        sock = writer.get_extra_info("socket")
-        try:
-            _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                         _PEERCRED.size))
-        except (OSError, AttributeError, struct.error):
-            return "uid:?"  # not Linux: every local client is one peer
-        return f"uid:{uid}"
+        return peer_of_socket(writer.get_extra_info("socket"))
     peername = writer.get_extra_info("peername")
     return f"ip:{peername[0]}" if isinstance(peername, tuple) and peername else "ip:?"
+
+
+def peer_of_socket(sock: Any) -> str:
+    """A Unix connection's peer: the uid that connected (``SO_PEERCRED``)."""
+    try:
+        _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                     _PEERCRED.size))
+    except (OSError, AttributeError, struct.error):
+        return "uid:?"  # not Linux: every local client is one peer
+    return f"uid:{uid}"

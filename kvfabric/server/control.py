@@ -21,7 +21,9 @@ Floods and slow clients are bounded (:mod:`kvfabric.server.admission`): before i
 connection may send one small frame (``limits.control_hello_max_bytes``) within
 ``limits.control_hello_timeout_s``; connections waiting for hello are few (the one silent
 the longest goes first, never one whose hello is waiting to be read) and do not count against
-``max_sessions``; a peer's sessions are capped; idle
+``max_sessions``; the Unix listener drains its accept queue at each wakeup and refuses what
+the bounds would push out unread before it costs a transport
+(:mod:`kvfabric.server.unix_listener`); a peer's sessions are capped; idle
 sessions are closed. Large legal requests (a 65,536-key ``contains``, a lookup of millions
 of token ids) are answered in slices on the loop (:mod:`kvfabric.server.slices`), and a
 connection whose requests keep arriving gives the loop back every few milliseconds, so no
@@ -57,6 +59,7 @@ from kvfabric.server.admission import Admission, Conn, CountingReader
 from kvfabric.server.handlers import Context
 from kvfabric.server.session import Session
 from kvfabric.server.traffic import Traffic, traffic_of
+from kvfabric.server.unix_listener import UnixListener
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,9 @@ class ControlServer:
         self._metrics = metrics
         self._socket_path = Path(socket_path)
         self._tcp_listener = tcp_listener
-        self._servers: list[asyncio.AbstractServer] = []
+        self._servers: list[asyncio.AbstractServer] = []  # TCP
+        self._unix: UnixListener | None = None
+        self._adopting: set[asyncio.Task[Any]] = set()
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -101,7 +106,7 @@ class ControlServer:
 
     @property
     def tcp_port(self) -> int | None:
-        for server in self._servers[1:]:
+        for server in self._servers:
             return server.sockets[0].getsockname()[1]
         return None
 
@@ -113,11 +118,9 @@ class ControlServer:
         _remove_stale_socket(self._socket_path)
         loop = self._loop
         assert loop is not None
-        unix = await loop.create_unix_server(
-            lambda: self._protocol(local=True), path=str(self._socket_path),
-            backlog=self._limits.control_listen_backlog)
-        os.chmod(self._socket_path, 0o660)  # the node's engines run as the same group
-        self._servers.append(unix)
+        # the Unix listener screens what it accepts before it costs a transport (floods)
+        self._unix = UnixListener(str(self._socket_path), self._limits.control_listen_backlog,
+                                  loop, self._admission.screen, self._adopt)
         if self._tcp_listener is not None:
             tcp = await loop.create_server(
                 lambda: self._protocol(local=False), sock=self._tcp_listener,
@@ -125,6 +128,14 @@ class ControlServer:
                 ssl_handshake_timeout=TLS_HANDSHAKE_S if self._tcp_ssl else None)
             self._servers.append(tcp)
         self._sweeper = asyncio.create_task(self._sweep())
+
+    def _adopt(self, sock: socket.socket) -> None:
+        """A Unix connection the listener accepted and kept: served like any (see _serve)."""
+        assert self._loop is not None
+        task = self._loop.create_task(self._loop.connect_accepted_socket(
+            lambda: self._protocol(local=True), sock=sock))
+        self._adopting.add(task)
+        task.add_done_callback(lambda t: _adopted(t, sock, self._adopting))
 
     def _protocol(self, *, local: bool) -> asyncio.StreamReaderProtocol:
         """What asyncio.start_(unix_)server builds, with a reader that counts what it holds
@@ -144,6 +155,8 @@ class ControlServer:
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let in-flight requests finish (up to ``grace_s``), close sessions."""
+        if self._unix is not None:
+            self._unix.close()
         for server in self._servers:
             server.close()
         with contextlib.suppress(asyncio.TimeoutError):
@@ -421,6 +434,13 @@ def _task_done(task: asyncio.Task[None], tasks: set[asyncio.Task[None]],
     slots.release()
     conn.in_flight -= 1
     conn.touch()  # a long request that just ended: the idle clock starts now
+
+
+def _adopted(task: asyncio.Task[Any], sock: socket.socket,
+             adopting: set[asyncio.Task[Any]]) -> None:
+    adopting.discard(task)
+    if task.cancelled() or task.exception() is not None:
+        sock.close()  # no transport took it (the client left, or shutting down)
 
 
 def _loop_sized(items: Any) -> bool:

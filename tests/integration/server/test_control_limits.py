@@ -306,6 +306,39 @@ def test_at_the_pending_bound_the_connection_silent_the_longest_goes_not_the_old
             sock.close()
 
 
+def test_the_control_socket_rides_out_running_out_of_descriptors(start_daemon) -> None:
+    """The daemon's descriptor limit is cut to what it holds plus a few (prlimit): 200
+    silent connections make it fail to accept (EMFILE); once they are gone, a client gets
+    in, and the daemon never stopped serving its open session.
+
+    A guard rather than a regression: uvloop's server accepted for the old code (libuv keeps
+    a spare descriptor for this); the daemon's own accept loop (kvfabric.server.unix_listener)
+    must pause, say so in the log and resume, neither spinning nor giving up.
+    """
+    daemon = start_daemon(*SMALL)
+    pid = daemon.proc.pid
+    with Client(daemon.socket, timeout=10, reconnect=False) as held:
+        held.ping()
+        in_use = len(os.listdir(f"/proc/{pid}/fd"))
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (in_use + 8, hard))
+        flood = []
+        try:
+            for _ in range(200):
+                flood.append(unix_connect(daemon.socket, 5.0))
+            time.sleep(0.5)  # the daemon accepts what it can, then EMFILE
+            held.ping()  # the loop still serves
+            assert daemon.proc.poll() is None
+        finally:
+            for sock in flood:
+                sock.close()
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        with Client(daemon.socket, timeout=10, reconnect=False) as client:
+            client.ping()
+        held.ping()
+    assert "cannot accept" in daemon.read_log()
+
+
 # ---------------------------------------------------------------------- before hello
 
 def test_a_connection_without_a_complete_hello_is_closed_at_the_deadline(start_daemon) -> None:
