@@ -12,9 +12,10 @@ slow or half-sent connections never locks a legitimate client out:
   ``MSG_PEEK``), because reading it settles that connection at once. A client that says hello
   right after connecting always gets in, however many connections a flood from the same uid
   or address opened just before or after it; a flood only pushes out connections that stay
-  silent, its own first (reasons ``per_peer_limit``, ``pending_overflow``). Connections
-  accepted in one batch (a full accept queue drained at once) are all judged this way before
-  any of them is read;
+  silent, its own first (reasons ``per_peer_limit``, ``pending_overflow``). Unix connections
+  accepted in one batch (a full accept queue drained at once) are screened together first
+  (:meth:`Admission.screen`): those these rules would push out unread are refused before they
+  cost a transport;
 - a pending connection is closed at its hello deadline (``control_hello_timeout_s`` after
   accept; reason ``hello_timeout``), and may send at most ``control_hello_max_bytes`` before
   it (the control server reads with that frame limit; ``frame_too_large``);
