@@ -13,8 +13,8 @@ slow or half-sent connections never locks a legitimate client out:
   right after connecting always gets in, however many connections a flood from the same uid
   or address opened just before or after it; a flood only pushes out connections that stay
   silent, its own first (reasons ``per_peer_limit``, ``pending_overflow``). Unix connections
-  accepted in one batch (a full accept queue drained at once) are screened together first
-  (:meth:`Admission.screen`): those these rules would push out unread are refused before they
+  accepted while the accept queue is drained are screened first (:meth:`Admission.look`,
+  :meth:`Admission.trim`): those these rules would push out unread are refused before they
   cost a transport;
 - a pending connection is closed at its hello deadline (``control_hello_timeout_s`` after
   accept; reason ``hello_timeout``), and may send at most ``control_hello_max_bytes`` before
@@ -154,22 +154,16 @@ class Admission:
         self._metrics.control_pending(len(self._pending))
         return conn
 
-    def screen(self, batch: list[socket.socket]) -> list[socket.socket]:
-        """Unix connections just accepted together (in accept order): refuse at once, before
-        they cost a transport, those :meth:`accept` would refuse or push out before reading
-        them; return the others, in order.
-
-        * a first frame already announced over ``control_hello_max_bytes``: refused
-          (``frame_too_large``), as the first read would;
-        * a connection whose whole first frame is waiting (a client's hello): kept, always;
-        * the silent or partial ones: the batch's newest are kept, up to the pending bounds
-          per peer and overall; the older ones beyond them would be the longest silent when
-          the newer ones arrive, pushed out unread (``per_peer_limit``, ``pending_overflow``).
-        """
+    def look(self, batch: list[socket.socket]) -> list[tuple[socket.socket, str, bool]]:
+        """Unix connections just accepted, before they cost a transport: each one's peer and
+        whether its whole first frame is waiting (a client's hello); one whose first frame is
+        announced over ``control_hello_max_bytes`` is refused right here (``frame_too_large``),
+        as its first read would."""
         limit = self._limits.control_hello_max_bytes
         looked: list[tuple[socket.socket, str, bool]] = []
         for sock in batch:
             first = _peek(sock)
+            waiting = False
             if first is not None and len(first) >= _FRAME_LEN.size:
                 (length,) = _FRAME_LEN.unpack_from(first)
                 if length > limit:
@@ -177,26 +171,26 @@ class Admission:
                         f"frame of {length} bytes exceeds the limit {limit}"))
                     continue
                 waiting = _FRAME_LEN.size + length <= len(first)
-            else:
-                waiting = False
             looked.append((sock, peer_of_socket(sock), waiting))
+        return looked
+
+    def trim(self, quiet: list[tuple[socket.socket, str]]) -> list[tuple[socket.socket, str]]:
+        """Silent or partial Unix connections not served yet, in accept order: the newest are
+        kept, up to the pending bounds per peer and overall, and returned in order; the older
+        ones beyond them would be the longest silent once the newer ones are served, pushed
+        out unread: they are refused now (``per_peer_limit``, ``pending_overflow``)."""
         per_peer: Counter[str] = Counter()
-        overall = 0
-        keep = [True] * len(looked)
-        for i in range(len(looked) - 1, -1, -1):  # newest first: they are silent the least
-            sock, peer, waiting = looked[i]
-            if waiting:
-                continue
+        kept: list[tuple[socket.socket, str]] = []
+        for sock, peer in reversed(quiet):  # newest first: they are silent the least
             if per_peer[peer] >= self._limits.control_max_pending_per_peer:
-                keep[i] = False
                 self._refuse_socket(sock, "per_peer_limit", _PER_PEER_FULL)
-            elif overall >= self._limits.control_max_pending:
-                keep[i] = False
+            elif len(kept) >= self._limits.control_max_pending:
                 self._refuse_socket(sock, "pending_overflow", _PENDING_FULL)
             else:
                 per_peer[peer] += 1
-                overall += 1
-        return [sock for (sock, _, _), kept in zip(looked, keep) if kept]
+                kept.append((sock, peer))
+        kept.reverse()
+        return kept
 
     def _refuse_socket(self, sock: socket.socket, reason: str, error: KVFabricError) -> None:
         """Close a Unix connection no transport serves yet, saying why (best effort: a

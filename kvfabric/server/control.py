@@ -21,8 +21,8 @@ Floods and slow clients are bounded (:mod:`kvfabric.server.admission`): before i
 connection may send one small frame (``limits.control_hello_max_bytes``) within
 ``limits.control_hello_timeout_s``; connections waiting for hello are few (the one silent
 the longest goes first, never one whose hello is waiting to be read) and do not count against
-``max_sessions``; the Unix listener drains its accept queue at each wakeup and refuses what
-the bounds would push out unread before it costs a transport
+``max_sessions``; the Unix listener drains its accept queue and refuses what the bounds
+would push out unread before it costs a transport
 (:mod:`kvfabric.server.unix_listener`); a peer's sessions are capped; idle
 sessions are closed. Large legal requests (a 65,536-key ``contains``, a lookup of millions
 of token ids) are answered in slices on the loop (:mod:`kvfabric.server.slices`), and a
@@ -120,7 +120,8 @@ class ControlServer:
         assert loop is not None
         # the Unix listener screens what it accepts before it costs a transport (floods)
         self._unix = UnixListener(str(self._socket_path), self._limits.control_listen_backlog,
-                                  loop, self._admission.screen, self._adopt)
+                                  loop, self._admission.look, self._admission.trim,
+                                  self._adopt)
         if self._tcp_listener is not None:
             tcp = await loop.create_server(
                 lambda: self._protocol(local=False), sock=self._tcp_listener,

@@ -1,5 +1,5 @@
-"""The control socket's Unix listener: drains its accept queue at every wakeup and screens
-each connection before it costs the daemon a transport, a reader and a task.
+"""The control socket's Unix listener: drains its accept queue and screens each connection
+before it costs the daemon a transport, a reader and a task.
 
 Why: asyncio's and uvloop's servers build a transport, a StreamReader and a task for every
 connection they accept (~0.15 ms of the loop's CPU), before the daemon may look at it. A
@@ -10,14 +10,17 @@ connection behind a thousand of those on a busy host: the chaos suite's new sess
 Contract (on the event loop):
 
 * :class:`UnixListener` binds ``path`` (mode 0660: the node's engines run as the daemon's
-  group) and listens with ``backlog``; at every wakeup it accepts until the queue is empty,
-  :data:`BATCH` at a time (the loop runs between batches);
-* each batch goes through ``screen`` (:meth:`kvfabric.server.admission.Admission.screen`),
-  which refuses at once a connection the admission rules would refuse or push out before
-  reading it, and returns the others, in accept order, to be handed to ``adopt``;
-* out of descriptors (EMFILE / ENFILE) accepting pauses :data:`PAUSE_S`, logged at most every
-  10 s; other accept errors (a client that left) cost that connection only;
-* :meth:`close` stops accepting and closes the socket; the socket file is the caller's.
+  group) and listens with ``backlog``. At each wakeup it accepts up to :data:`BATCH`
+  connections (the loop serves the others between batches: ~2 ms each on a busy host);
+* each is looked at (``look``: :meth:`kvfabric.server.admission.Admission.look`): one whose
+  hello is waiting is handed to ``adopt`` at once; a silent or partial one is held while the
+  queue still has connections, and the held ones are trimmed to the pending bounds (``trim``:
+  the older ones beyond them are refused, unread, as they would be pushed out); what is held
+  is adopted once the queue is empty, or after :data:`HOLD_ROUNDS` batches;
+* out of descriptors (EMFILE / ENFILE) accepting pauses :data:`PAUSE_S` (what is held is
+  adopted), logged at most every 10 s; other accept errors cost that connection only;
+* :meth:`close` stops accepting and closes the socket and what is held; the socket file is
+  the caller's.
 """
 
 from __future__ import annotations
@@ -32,16 +35,20 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-BATCH = 1024
+BATCH = 32
+HOLD_ROUNDS = 64  # at most BATCH * HOLD_ROUNDS connections accepted before the held are served
 PAUSE_S = 0.1
 _LOG_EVERY_S = 10.0
+
+Looked = list[tuple[socket.socket, str, bool]]  # (connection, peer, its hello is waiting)
+Held = list[tuple[socket.socket, str]]
 
 
 class UnixListener:
     def __init__(self, path: str, backlog: int, loop: asyncio.AbstractEventLoop,
-                 screen: Callable[[list[socket.socket]], list[socket.socket]],
+                 look: Callable[[list[socket.socket]], Looked], trim: Callable[[Held], Held],
                  adopt: Callable[[socket.socket], None]) -> None:
-        self._loop, self._screen, self._adopt = loop, screen, adopt
+        self._loop, self._look, self._trim, self._adopt = loop, look, trim, adopt
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(path)
@@ -51,6 +58,8 @@ class UnixListener:
         except BaseException:
             self._sock.close()
             raise
+        self._held: Held = []
+        self._rounds = 0
         self._closed = False
         self._last_log = float("-inf")
         loop.add_reader(self._sock.fileno(), self._ready)
@@ -61,25 +70,39 @@ class UnixListener:
         self._closed = True
         self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
+        for sock, _ in self._held:
+            sock.close()
+        self._held = []
 
     def _ready(self) -> None:
         batch: list[socket.socket] = []
+        drained = False
         while len(batch) < BATCH:
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
+                drained = True
                 break
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     self._pause(exc)
+                    drained = True
                     break
                 continue  # ECONNABORTED and the like: that client only
             conn.setblocking(False)
             batch.append(conn)
-        if not batch:
-            return
-        for conn in self._screen(batch):
-            self._adopt(conn)
+        for sock, peer, waiting in self._look(batch):
+            if waiting:
+                self._adopt(sock)
+            else:
+                self._held.append((sock, peer))
+        if self._held:
+            self._held = self._trim(self._held)
+        self._rounds += 1
+        if drained or self._rounds >= HOLD_ROUNDS:
+            held, self._held, self._rounds = self._held, [], 0
+            for sock, _ in held:
+                self._adopt(sock)
 
     def _pause(self, exc: OSError) -> None:
         """Out of descriptors: stop reading the queue a moment (it would wake us at once)."""
