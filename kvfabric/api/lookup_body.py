@@ -35,9 +35,10 @@ import re
 import time
 from json.decoder import scanstring
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+if TYPE_CHECKING:  # pydantic is imported where a model is built: parser processes skip it
+    from pydantic import BaseModel
 
 SLICE = 1 << 15
 PIECE_CHARS = 1 << 17  # ~2 ms of json.loads per piece
@@ -48,7 +49,7 @@ _DECODER = json.JSONDecoder()
 MAX_ISSUES = 10
 INT32 = (-(1 << 31), (1 << 31) - 1)
 
-Model = TypeVar("Model", bound=BaseModel)
+Model = TypeVar("Model", bound="BaseModel")
 
 
 class BodyTooLarge(Exception):
@@ -191,6 +192,8 @@ def _long_list(text: str, i: int, key: str, max_items: int | None) -> tuple[list
 
 
 def _validate(model: type[Model], data: Any) -> Model:
+    from pydantic import ValidationError
+
     try:
         return model.model_validate(data)
     except ValidationError as exc:  # few: the long lists are not in it
