@@ -23,9 +23,12 @@ from kvfabric.spec import KVSpec, Namespace
 SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
 NS = Namespace("api-model", SPEC, tenant_salt="acme")
 CT = SPEC.chunk_tokens
-# DRAM holds 8 chunks of 16 KiB: a longer prompt spills its oldest chunks to SSD
+# DRAM holds 8 chunks of 16 KiB: a longer prompt spills its oldest chunks to SSD. Watermarks
+# at 1: only puts move chunks (make room), never the background pass between two of a
+# test's calls (on a loaded host it demoted a chunk between a lookup and its check)
 SETTINGS = ["store.tiers.dram.capacity=128KiB", "store.tiers.dram.page_size=16KiB",
-            "store.tiers.ssd.capacity=32MiB", "node_id=api-node-1"]
+            "store.tiers.ssd.capacity=32MiB", "node_id=api-node-1",
+            "store.high_watermark=1.0", "store.low_watermark=1.0"]
 
 
 @pytest.fixture
