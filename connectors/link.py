@@ -85,3 +85,13 @@ class DaemonLink:
             client, self._client = self._client, None
         if client is not None:
             client.close()
+
+
+def held_prefix(held: list[bool]) -> int:
+    """How many leading chunks a ``contains`` answer says the daemon holds."""
+    count = 0
+    for here in held:
+        if not here:
+            break
+        count += 1
+    return count

@@ -30,7 +30,7 @@ from kvfabric.errors import (AlreadyExistsError, KVFabricError, NotFoundError,
                              UnavailableError, UnsupportedError)
 from kvfabric.hashing import ROOT, ChunkRef
 
-from ..link import DaemonLink
+from ..link import DaemonLink, held_prefix
 from .keys import chunk_key, layout_tag, namespace_for, opaque_spec
 from .settings import PluginSettings
 
@@ -260,7 +260,7 @@ class KVFabricRemoteConnector(RemoteConnector):
             if elsewhere > hit and self._pull_missing(client, fkeys[hit:elsewhere]):
                 # a check, not a second lookup: the daemon counted the first one (tokens
                 # other nodes held as hits from "peer")
-                hit = _prefix(client.contains(self.namespace, fkeys))
+                hit = held_prefix(client.contains(self.namespace, fkeys))
             return hit
 
         hits = self._call(lookup, 0)
@@ -444,13 +444,3 @@ class KVFabricConnectorAdapter(ConnectorAdapter):
                                        local_cpu_backend=context.local_cpu_backend,
                                        config=config, metadata=metadata,
                                        plugin_name=plugin_name)
-
-
-def _prefix(held: list[bool]) -> int:
-    """How many leading entries are True."""
-    count = 0
-    for here in held:
-        if not here:
-            break
-        count += 1
-    return count

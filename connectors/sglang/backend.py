@@ -47,6 +47,7 @@ from kvfabric.spec import Namespace
 
 from .keys import namespace_for, page_chunks, page_key
 from .layout import PageLayout, read_chunk, write_chunk
+from ..link import held_prefix
 from .link import DaemonLink
 from .settings import StorageSettings
 from .stats import KVFabricStorageMetrics, StorageCounters
@@ -112,7 +113,7 @@ class KVFabricHiCacheStorage(HiCacheStorage):
                 self.counters.add(pulled_pages=int(reply.get("pulled", 0)))
                 # a check, not a second lookup: the daemon counted the first one (pages other
                 # nodes held as hits from "peer")
-                hit = _prefix(client.contains(self.namespace, chunk_keys))
+                hit = held_prefix(client.contains(self.namespace, chunk_keys))
         except (KVFabricError, OSError) as exc:
             self._failed("exists", exc)
         self.counters.add(queried_pages=len(keys), hit_pages=hit)
@@ -331,16 +332,6 @@ class KVFabricHiCacheStorage(HiCacheStorage):
         self.counters.add(daemon_errors=1)
         if not isinstance(exc, UnavailableError):
             log.warning("kvfabric HiCache %s failed: %s", what, exc)
-
-
-def _prefix(held: list[bool]) -> int:
-    """How many leading entries are True."""
-    count = 0
-    for here in held:
-        if not here:
-            break
-        count += 1
-    return count
 
 
 def _page_tensor(value: Any) -> torch.Tensor:

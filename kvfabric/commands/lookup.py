@@ -7,6 +7,7 @@ shared with ``kvfabric put``, which stores what ``lookup`` finds.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from kvfabric.commands.common import (EXIT_USAGE, add_command, add_socket_arg, add_token_arg,
@@ -35,14 +36,20 @@ example:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(commands, "lookup", help="how much of a prompt the daemon holds",
-                         description=DESCRIPTION)
+    add_prompt_command(commands, "lookup", "how much of a prompt the daemon holds",
+                       DESCRIPTION, run)
+
+
+def add_prompt_command(commands: argparse._SubParsersAction, name: str, help: str,
+                       description: str, handler: Callable[[argparse.Namespace], int]) -> None:
+    """A subcommand about one prompt of one namespace at the node's daemon."""
+    parser = add_command(commands, name, help=help, description=description)
     add_namespace_args(parser)
     add_prompt_args(parser)
     add_socket_arg(parser)
     add_token_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=handler)
 
 
 def add_namespace_args(parser: argparse.ArgumentParser) -> None:

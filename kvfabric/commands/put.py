@@ -13,9 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvfabric.commands.common import (EXIT_USAGE, add_command, add_socket_arg, add_token_arg,
-                                      connect, daemon_error, fail)
-from kvfabric.commands.lookup import add_namespace_args, add_prompt_args, prompt_of
+from kvfabric.commands.common import EXIT_USAGE, connect, daemon_error, fail
+from kvfabric.commands.lookup import add_prompt_command, prompt_of
 from kvfabric.errors import KVFabricError
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing at start-up
@@ -41,14 +40,8 @@ example:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(commands, "put", help="store a prompt's (synthetic) KV in the daemon",
-                         description=DESCRIPTION)
-    add_namespace_args(parser)
-    add_prompt_args(parser)
-    add_socket_arg(parser)
-    add_token_arg(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(handler=run)
+    add_prompt_command(commands, "put", "store a prompt's (synthetic) KV in the daemon",
+                       DESCRIPTION, run)
 
 
 def run(args: argparse.Namespace) -> int:
