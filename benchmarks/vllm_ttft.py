@@ -26,16 +26,21 @@ intended cache can hit; every hit must report ``num_cached_tokens`` as expected.
 recompute's (with random weights a near-tie can flip between the 1-token step of a hit and
 the full prefill; it should stay at or near 0).
 
-* job 3, the connector's cost to the engine when it loads nothing (issue 19): a
-  two-process engine (what ``vllm serve`` runs) with ``VLLM_CPU_NUM_OF_RESERVED_CPU`` unset,
-  ``plain-a`` / ``saving-a`` / ``plain-b`` / ``saving-b`` in turn (no connector / the
-  connector, ``kv_both``, saving every chunk of prompts the fabric does not hold; the ``a``
-  and ``b`` pairs run their own prompts, so nothing is ever loaded), 16 output tokens each.
-  ``step_time_with_connector_vs_without`` is the median engine time per request (vLLM's
-  ``prefill_s`` + ``decode_s``: first scheduled to last token) with the connector over
-  without; ``logprob_max_abs_diff_no_load`` the largest difference of a generated token's
-  logprob between the two (0: bit-identical), ``outputs_differing_no_load`` the requests
-  whose tokens differ.
+* job 3, the connector's cost to the engine when it loads nothing (issue 19): a two-process
+  engine (what ``vllm serve`` runs) with ``VLLM_CPU_NUM_OF_RESERVED_CPU`` unset, eight engines
+  in the order plain, saving, saving, plain, plain, saving, saving, plain (no connector / the
+  connector, ``kv_both``, saving every chunk of prompts the fabric does not hold; every engine
+  runs prompts of its own, so nothing is ever loaded; the ABBA order cancels a drift of the
+  machine's speed over the job), each a warm-up prompt and then COST prompts of
+  COST_PROMPT_TOKENS tokens, COST_MAX_TOKENS output tokens, one request at a time.
+  ``step_time_with_connector_vs_without`` is the median over the saving engines of their
+  median engine time per request (vLLM's ``prefill_s`` + ``decode_s``: first scheduled to
+  last token) over the same for the plain engines; ``step_time_plain_vs_plain`` the same
+  ratio between the two halves of the plain engines, the run's noise floor (an engine
+  instance's speed varies by a percent or two here). ``logprob_max_abs_diff_no_load`` is the
+  largest difference of a generated token's logprob between an engine and the plain engine
+  run on the same prompts without (0: bit-identical), ``outputs_differing_no_load`` the
+  requests whose tokens differ: every saving engine's prompts are also run by a plain one.
 
 TTFT is the runner's per-request ``engine_ttft_s``: vLLM's engine-core interval from the
 request being queued to its first token (monotonic clock). It includes the connector's
@@ -89,6 +94,9 @@ BLOCK_SIZE = 128  # vLLM's CPU default
 DAEMON = ["store.tiers.dram.capacity=1GiB", "store.tiers.ssd.capacity=2GiB"]
 READY_TIMEOUT_S = 60.0
 JOB_TIMEOUT_S = 900.0
+COST_PROMPT_TOKENS = 1024
+COST_MAX_TOKENS = 16
+COST_ORDER = "PSSPPSSP"  # P: no connector, S: the connector saving (ABBA: drift cancels)
 
 TARGETS: dict[str, tuple[str, float]] = {
     "ttft_hit_dram_vs_recompute": ("<=", 0.2),
@@ -108,6 +116,7 @@ FIGURES: list[tuple[str, str]] = [
     ("load_share_of_hit_ttft_ssd", "connector load_seconds / TTFT, SSD-hit engine"),
     ("step_time_with_connector_vs_without", "engine time per request, connector saving, "
      "nothing loaded / no connector"),
+    ("step_time_plain_vs_plain", "the same, plain engines against plain (noise floor)"),
     ("logprob_max_abs_diff_no_load", "largest |logprob difference|, connector vs none"),
     ("outputs_differing_no_load", "requests whose tokens differ, connector vs none"),
     ("ttft_recompute_s", "median engine TTFT, no connector, prompt not cached"),
@@ -129,10 +138,11 @@ FIGURES: list[tuple[str, str]] = [
 @dataclass(frozen=True)
 class Settings:
     prompts: int  # measured prompts per case, each its own random sequence
+    cost_prompts: int  # job 3: measured prompts per engine (plus a warm-up)
 
 
-QUICK = Settings(prompts=2)
-FULL = Settings(prompts=5)
+QUICK = Settings(prompts=2, cost_prompts=4)
+FULL = Settings(prompts=5, cost_prompts=8)
 
 
 def build_model(model_dir: Path) -> Path:
@@ -143,9 +153,9 @@ def build_model(model_dir: Path) -> Path:
     return module.build_tiny_llama(model_dir, **MODEL)  # no-op when already built
 
 
-def prompt(seed: int) -> list[int]:
+def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(10, MODEL["vocab"]) for _ in range(PROMPT_TOKENS)]
+    return [rng.randrange(10, MODEL["vocab"]) for _ in range(tokens)]
 
 
 class Daemon:
@@ -292,22 +302,28 @@ def logprob_diff(a: dict, b: dict) -> tuple[float, int]:
 
 
 def connector_cost(root: Path, model: Path, kv: dict, n: int) -> dict[str, Any]:
-    """Job 3: the connector saving and loading nothing against no connector, ABAB."""
-    pairs = {"a": [prompt(3000 + i) for i in range(n)],
-             "b": [prompt(4000 + i) for i in range(n)]}
-    engines = []
-    for pair, prompts in pairs.items():
-        for name, config in ((f"plain-{pair}", None), (f"saving-{pair}", kv)):
-            engines.append({**engine(name, prompts, config), "max_tokens": 16, "logprobs": 1})
+    """Job 3: the connector saving and loading nothing against no connector, engines in
+    COST_ORDER. The k-th saving engine runs the k-th plain engine's prompts (its logprobs
+    must be the same), which no other saving engine runs (so nothing is loaded)."""
+    engines, runs = [], []
+    for i, kind in enumerate(COST_ORDER):
+        k = COST_ORDER[:i].count(kind)
+        prompts = [prompt(3000 + 100 * k + j, COST_PROMPT_TOKENS) for j in range(n + 1)]
+        name = f"{'saving' if kind == 'S' else 'plain'}-{k}"
+        runs.append(name)
+        engines.append({"name": name, "prompts": prompts, "max_tokens": COST_MAX_TOKENS,
+                        "logprobs": 1, "kv_transfer_config": kv if kind == "S" else None})
     job = run_job(root / "job3", model, engines, multiprocessing=True,
                   env={"VLLM_CPU_NUM_OF_RESERVED_CPU": None})
-    plain = engine_seconds(job["plain-a"]) + engine_seconds(job["plain-b"])
-    saving = engine_seconds(job["saving-a"]) + engine_seconds(job["saving-b"])
-    diffs = [logprob_diff(job[f"plain-{p}"], job[f"saving-{p}"]) for p in pairs]
+    per_engine = {name: median(engine_seconds(job[name])[1:]) for name in runs}  # [0]: warm-up
+    plain = [per_engine[n] for n in runs if n.startswith("plain")]
+    saving = [per_engine[n] for n in runs if n.startswith("saving")]
+    diffs = [logprob_diff(job[f"plain-{k}"], job[f"saving-{k}"]) for k in range(len(saving))]
     return {"step_time_with_connector_vs_without": median(saving) / median(plain),
+            "step_time_plain_vs_plain": median(plain[1::2]) / median(plain[0::2]),
             "logprob_max_abs_diff_no_load": max(d for d, _ in diffs),
             "outputs_differing_no_load": sum(c for _, c in diffs),
-            "engine_seconds_per_request": {"without": plain, "with": saving}}
+            "engine_seconds_per_request": {"plain": plain, "saving": saving}}
 
 
 def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
@@ -333,7 +349,7 @@ def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
         before = daemon.tier_hit_tokens()
         job2 = run_job(root / "job2", model, [engine("hit-ssd", hit_prompts, kv)])
         after = daemon.tier_hit_tokens()
-        cost = connector_cost(root, model, kv, n)
+        cost = connector_cost(root, model, kv, cfg.cost_prompts)
     finally:
         daemon.kill()
 

@@ -32,4 +32,5 @@ ls .venv/wheels/sglang-0.5.23-*.whl >/dev/null 2>&1 || \
     .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps \
         sglang==0.5.23 -d .venv/wheels
 
-exec .venv/bin/python -m pytest "$@"
+# the slowest tests are listed at the end: where the suite's time goes
+exec .venv/bin/python -m pytest --durations=25 "$@"

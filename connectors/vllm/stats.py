@@ -14,8 +14,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 COUNTERS = ("loaded_tokens", "loaded_chunks", "load_errors", "load_seconds",
-            "background_loads", "saved_tokens", "saved_chunks", "save_errors", "pushed_chunks",
-            "push_errors")
+            "background_loads", "saved_tokens", "saved_chunks", "save_errors", "save_seconds",
+            "pushed_chunks", "push_errors")
 
 
 @dataclass

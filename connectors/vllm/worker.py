@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from kvfabric.client import RemoteReader, RemoteWriter
-from kvfabric.convert.dtype import read_layer, write_layer
+from kvfabric.convert.dtype import layer_in_place, read_layer, write_layer
 from kvfabric.errors import AlreadyExistsError, KVFabricError
 from kvfabric.hashing import ChunkRef
 
@@ -176,6 +176,15 @@ class WorkerSide:
                    ) -> None:
         if not meta.saves or not self.share.saves:
             return
+        started = time.perf_counter()
+        try:
+            self._save_layer(meta, layer_name, kv_layer)
+        finally:
+            # the forward pass waits for this: the connector's whole cost to a saving step
+            self.counters.add(save_seconds=time.perf_counter() - started)
+
+    def _save_layer(self, meta: KVFabricMetadata, layer_name: str, kv_layer: torch.Tensor
+                    ) -> None:
         if self._saving is None:
             self._saving = self._reserve(meta.saves)
         layer = self._layer_of[layer_name]
@@ -186,10 +195,12 @@ class WorkerSide:
         try:
             for item in live:
                 chunk = item.chunk
+                # straight into the fabric's pages where they take the engine's dtype as is
+                target = layer_in_place(item.handle, layer, self._layout.dtype)  # type: ignore[arg-type]
                 canonical = self._layout.gather(kv_layer, item.blocks, chunk.start,
-                                                chunk.num_tokens)
-                # into the fabric's dtype on the way (converted, or quantized for fp8)
-                write_layer(item.handle, layer, canonical)  # type: ignore[arg-type]
+                                                chunk.num_tokens, out=target)
+                if target is None:  # converted, or quantized for fp8, on the way
+                    write_layer(item.handle, layer, canonical)  # type: ignore[arg-type]
             self.link.client().commit_layer_many([i.handle for i in live], layer)  # type: ignore[misc]
         except (KVFabricError, OSError, ValueError) as exc:
             self._abandon_saves(exc)

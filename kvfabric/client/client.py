@@ -157,10 +157,10 @@ class Client:
         items = session.call(Op.COMMIT_BATCH, requests.layer_commit_args(writers, layer))
         results = requests.item_results(items)
         requests.raise_first(results)
-        done = [bool(r["done"]) for r in results]
-        for writer, complete in zip(writers, done):
-            writer.closed = complete
-        return done
+        for writer, result in zip(writers, results):
+            writer.renewed(result)
+            writer.closed = bool(result["done"])
+        return [w.closed for w in writers]
 
     def put_many(self, ns: Namespace, chunks: Sequence[ChunkRef],
                  payloads: Sequence[Any]) -> list[bool]:

@@ -48,6 +48,11 @@ class _RemoteLease(PayloadAccess):
         self.deadline = time.monotonic() + float(reply.get("lease_s", 0.0)) * LEASE_SAFETY
         self.closed = False
 
+    def renewed(self, reply: dict[str, Any]) -> None:
+        """A partial commit's reply: the daemon renewed the lease (``lease_s`` left)."""
+        if "lease_s" in reply:
+            self.deadline = time.monotonic() + float(reply["lease_s"]) * LEASE_SAFETY
+
     def _range_pieces(self, offset: int, length: int) -> list[Any]:
         if self.closed:
             raise ValueError("lease already given back")
@@ -81,10 +86,12 @@ class _WriterBase(_RemoteLease, PayloadWriter):
 
 class RemoteWriter(_WriterBase):
     def commit_layer(self, layer: int) -> bool:
-        """Publish one layer; True once every layer is committed (the lease then ends)."""
-        done = bool(self._call()(Op.COMMIT, self._commit_args(layer))["done"])
-        self.closed = done
-        return done
+        """Publish one layer; True once every layer is committed (the lease then ends,
+        else it is renewed)."""
+        reply = self._call()(Op.COMMIT, self._commit_args(layer))
+        self.renewed(reply)
+        self.closed = bool(reply["done"])
+        return self.closed
 
     def commit(self) -> None:
         self._call()(Op.COMMIT, self._commit_args(None))
@@ -105,9 +112,10 @@ class RemoteWriter(_WriterBase):
 
 class AsyncRemoteWriter(_WriterBase):
     async def commit_layer(self, layer: int) -> bool:
-        done = bool((await self._call()(Op.COMMIT, self._commit_args(layer)))["done"])
-        self.closed = done
-        return done
+        reply = await self._call()(Op.COMMIT, self._commit_args(layer))
+        self.renewed(reply)
+        self.closed = bool(reply["done"])
+        return self.closed
 
     async def commit(self) -> None:
         await self._call()(Op.COMMIT, self._commit_args(None))

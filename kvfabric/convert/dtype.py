@@ -16,6 +16,8 @@ fp16-only accelerator reading bf16 KV) converts while it copies the KV out of th
   (or a head range of it), ``[layers, planes, heads, tokens, head_dim]`` for a payload.
 * :func:`write_layer` is the producer's side: a canonical tensor in any of those dtypes into
   a writer's layer (or head range), converted to the stored dtype on the way.
+  :func:`layer_in_place` spares that copy where it can: the writer's layer as a tensor that
+  aliases its pages, for a producer that gathers its KV straight into them.
 * :func:`convert_tensor` converts a canonical tensor already in memory (a view when nothing
   changes).
 
@@ -151,6 +153,21 @@ def write_layer(writer: PayloadWriter, layer: int, data: torch.Tensor, *,
         return
     converted = convert_tensor(data, writer.layout.spec.dtype).contiguous()
     copy_pieces(pieces, [converted.view(-1).view(torch.uint8)])
+
+
+def layer_in_place(writer: PayloadWriter, layer: int, dtype: torch.dtype
+                   ) -> torch.Tensor | None:
+    """The writer's layer (its own heads) as a ``[planes, heads, tokens, head_dim]`` tensor of
+    ``dtype`` that aliases its pages, or None where data of ``dtype`` cannot land there as is
+    (another stored dtype, float8, or pages that are not one contiguous run): then
+    :func:`write_layer`. Fill it completely before committing the layer."""
+    spec = writer.layout.spec
+    if spec.dtype is KVDtype.FLOAT8_E4M3 or convertible(spec.dtype) != dtype:
+        return None
+    runs = coalesce(writer.layer_pieces(layer))
+    if len(runs) != 1:
+        return None
+    return as_tensor(runs[0]).view(dtype).view(layer_shape(writer.layout, writer.heads))
 
 
 def read_payload(reader: PayloadReader, *, heads: HeadRange | None = None, dtype: Any = None,

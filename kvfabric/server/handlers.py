@@ -184,7 +184,16 @@ def _reserve_one(ctx: Context, session: Session, ns: Any, args: Any) -> dict[str
 
 
 def commit(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
-    return {"done": _commit_one(session, arg_int(args, "lease"), args.get("layers"))}
+    lease_id = arg_int(args, "lease")
+    done = _commit_one(session, lease_id, args.get("layers"))
+    if done:
+        return {"done": True}
+    # a partial commit renewed the lease: the writer may keep writing this much longer
+    return {"done": False, "lease_s": _lease_left(session.writer(lease_id))}
+
+
+def _lease_left(lease: ObjectWriter | ObjectReader) -> float:
+    return max(0.0, lease.deadline - time.monotonic())
 
 
 def _commit_one(session: Session, lease_id: int, layers: Any) -> bool:
@@ -477,7 +486,7 @@ def _placement(lease_id: int, lease: ObjectWriter | ObjectReader) -> dict[str, A
     # arena: the shared-memory arena the pages lie in (absent: not one a client can map)
     result = {"lease": lease_id, "tier": lease.tier_index, "pages": lease.pages.tobytes(),
               "nbytes": lease.nbytes, "num_tokens": lease.num_tokens,
-              "lease_s": max(0.0, lease.deadline - time.monotonic())}
+              "lease_s": _lease_left(lease)}
     arena = lease.arena_id
     if arena is not None:
         result["arena"] = arena

@@ -22,7 +22,9 @@ Tenants: a configured tenant's objects live in arenas of its own, within its quo
 (:mod:`kvfabric.store.tenants`); :meth:`TieredStore.arenas` says which arenas a tenant's
 clients may map. A namespace is forgotten once it holds nothing (no table slot, no counters).
 
-Leases: a reservation whose deadline passes is aborted, but its pages stay **quarantined**
+Leases: each committed layer renews a reservation for ``reservation_timeout_s`` (a writer
+streaming the layers of a forward pass that takes longer than that keeps its lease as long
+as it makes progress). A reservation whose deadline passes is aborted, but its pages stay **quarantined**
 (taken, used by nothing) until the writer gives the lease back (:meth:`ObjectWriter.close`;
 the daemon does it when the writer's session ends): a writer frozen past its deadline may
 still be copying into them, and they must not belong to another object when it resumes. An
@@ -232,6 +234,9 @@ class TieredStore:
             done = writer.committed == full
             if done:
                 self._end_lease(writer)
+            else:  # progress renews the lease: a long forward pass keeps its reservation
+                writer.deadline = max(writer.deadline,
+                                      time.monotonic() + self.config.reservation_timeout_s)
             if ready == full:
                 entry.ready = READY_ALL
                 entry.shards = None

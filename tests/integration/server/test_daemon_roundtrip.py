@@ -247,6 +247,27 @@ def test_a_batch_of_chunks_streams_layer_by_layer_one_round_trip_per_layer(daemo
         consumer.release_many(readers)
 
 
+def test_streaming_a_forward_pass_longer_than_the_lease_keeps_the_reservation(
+        start_daemon) -> None:
+    """Each committed layer renews the lease on both sides (the daemon's deadline and the
+    client's own, which stops it touching the pages): a producer whose layers come slower in
+    total than ``store.reservation_timeout_s`` still stores the chunks. Before, the client
+    gave up at 90% of the first lease (a 4,096-token CPU prefill lost every save)."""
+    daemon = start_daemon(*SMALL, "store.reservation_timeout_s=1",
+                          "store.maintenance_interval_s=0.1")
+    refs = chunk_hashes(NS, list(range(90_000, 90_000 + 2 * SPEC.chunk_tokens)))
+    with Client(daemon.socket) as producer:
+        writers = producer.reserve_many(NS, refs)
+        for layer in range(SPEC.num_layers):  # 2.4 s in all, 0.6 s a layer
+            time.sleep(0.6)
+            for ref, writer in zip(refs, writers):
+                writer.write_layer(layer, payload(ref.key).reshape(SPEC.num_layers, -1)[layer])
+            producer.commit_layer_many(writers, layer)
+        assert all(w.closed for w in writers)
+        with producer.get(NS, refs[1].key) as reader:
+            assert reader.to_bytes() == payload(refs[1].key).tobytes()
+
+
 def test_tcp_serves_remote_tooling_but_no_shared_memory(start_daemon) -> None:
     daemon = start_daemon(*SMALL, "tcp.port=0")
     with Client(daemon.socket) as local:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from kvfabric.convert.dtype import (
     convert_pieces,
     convert_tensor,
+    layer_in_place,
     layer_shape,
     read_layer,
     read_payload,
@@ -121,6 +122,23 @@ def test_a_head_range_is_two_runs_and_is_copied(big_pages: TieredStore) -> None:
         # every head: K and V runs are adjacent again
         assert read_layer(reader, 2, heads=(0, HEADS)).data_ptr() == \
             reader.layer_pieces(2)[0].ctypes.data
+
+
+def test_a_writers_layer_in_place_aliases_its_pages(big_pages: TieredStore) -> None:
+    """A producer in the stored dtype fills the layer where it lies (no staging copy); in
+    another dtype, or where the layer is not one run of memory, it is told to convert."""
+    data = kv(torch.bfloat16, seed=3)
+    ns = Namespace("in-place", spec_for(torch.bfloat16))
+    ref = chunk_hashes(ns, list(range(TOKENS)))[0]
+    writer = big_pages.reserve(ns, ref.key, parent=ref.parent)
+    assert layer_in_place(writer, 0, torch.float16) is None
+    for layer in range(LAYERS):
+        target = layer_in_place(writer, layer, torch.bfloat16)
+        assert target is not None and target.shape == (2, HEADS, TOKENS, DIM)
+        target.copy_(data[layer])
+        writer.commit_layer(layer)
+    with big_pages.get(ns, ref.key) as reader:
+        assert torch.equal(read_payload(reader), data)
 
 
 @pytest.mark.parametrize("requested", DTYPES)
