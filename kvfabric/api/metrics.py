@@ -130,8 +130,9 @@ class Metrics:
             f"{PREFIX}peer_served_tokens", "Tokens of the chunks this node pinned for other "
             "nodes to pull.", registry=reg)
         self._control_closed = _Children(Counter(
-            f"{PREFIX}control_connections_closed", "Control connections refused or closed by "
-            "the daemon, by listener (unix, tcp) and reason.", ["listener", "reason"],
+            f"{PREFIX}control_connections_closed", "Control and HTTP connections refused or "
+            "closed by the daemon, by listener (unix, tcp, http) and reason.",
+            ["listener", "reason"],
             registry=reg))
         self._control_pending = Gauge(
             f"{PREFIX}control_pending_connections", "Control connections that have not "
@@ -151,8 +152,9 @@ class Metrics:
         self._sessions.dec()
 
     def control_connection_closed(self, listener: str, reason: str) -> None:
-        """The daemon refused or closed a control connection (``reason``: a fixed word such
-        as hello_timeout, idle, per_peer_limit, frame_too_large)."""
+        """The daemon refused or closed a control connection, or (listener ``http``) an HTTP
+        one (``reason``: a fixed word such as hello_timeout, idle, per_peer_limit,
+        frame_too_large; per_ip_limit on HTTP)."""
         self._control_closed(listener, reason).inc()
 
     def control_pending(self, count: int) -> None:
