@@ -94,6 +94,9 @@ class Limits:
     http_request_timeout_s: float = 10.0  # a request's headers and body must arrive within this
     http_keepalive_s: float = 5.0  # an idle keep-alive connection is closed after this
     http_max_connections: int = 1024  # beyond this, new requests get 503
+    # open HTTP connections of one source address (loopback too): beyond it 503, and the
+    # refused connection takes none of the global slots, so one client cannot lock out others
+    http_max_connections_per_ip: int = 64
     # processes parsing lookup bodies over 32 KiB (0: threads of the daemon, whose GIL the
     # control loop shares: a million-id body then slows control round trips)
     http_parse_workers: int = 2
@@ -118,8 +121,8 @@ class Limits:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"limits.{name} must be a positive integer")
         for name in ("http_max_body_bytes", "lookup_max_tokens", "http_max_connections",
-                     "peer_max_handshakes", "peer_max_handshakes_per_ip",
-                     "peer_max_connections"):
+                     "http_max_connections_per_ip", "peer_max_handshakes",
+                     "peer_max_handshakes_per_ip", "peer_max_connections"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"limits.{name} must be a positive integer")

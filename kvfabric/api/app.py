@@ -253,6 +253,12 @@ class TierStatsBody(BaseModel):
                                         description="SSD tier: I/O errors by errno name")
     refused_demotions: int = Field(0, description="SSD tier: objects evicted from memory "
                                    "instead of demoted while it was degraded")
+    quota_refused_demotions: int = Field(0, description="SSD tier: objects evicted from "
+                                         "memory instead of demoted because their tenant's "
+                                         "own SSD records could not make room in its quota")
+    tenant_bytes: dict[str, int] = Field(default_factory=dict, description="configured "
+                                         "tenants' bytes in the tier (memory: their arena's "
+                                         "pages in use; SSD: their records)")
 
 
 class TotalsBody(BaseModel):

@@ -12,6 +12,12 @@ Contract:
   :class:`DeadlineH11Protocol` adds it.
 * An idle keep-alive connection is closed after ``keepalive_s``; past ``max_connections``
   open connections a new request is answered 503 (uvicorn's ``limit_concurrency``).
+* One source address holds at most ``max_connections_per_ip`` of them (loopback included):
+  a connection over that bound is answered 503 (``unavailable``, ``connection: close``) at
+  its first request and counts toward neither bound, so a flood from one address cannot
+  take the global slots from every other client. A silent one is closed at its read
+  deadline like any other. Each refusal calls ``on_refused("per_ip_limit")`` (on the HTTP
+  loop) and is summed up in one warning line at most every :data:`LOG_EVERY_S` seconds.
 * ``ssl_context`` (a :class:`kvfabric.server.tls.ReloadingTLS` context) serves HTTPS only;
   the context is used as is, so a certificate reloaded into it applies to new connections.
 """
@@ -20,10 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +47,7 @@ _TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application
                      b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
                      % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))
 _RECEIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
+LOG_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -46,17 +55,78 @@ class HttpLimits:
     request_timeout_s: float = 10.0
     keepalive_s: float = 5.0
     max_connections: int = 1024
+    max_connections_per_ip: int = 64
     shutdown_grace_s: float = 5.0
+
+
+class _PerIpGate:
+    """Admitted connections per source address, and the ones refused over the bound.
+
+    One per server, shared by its connections; used on the HTTP loop only (no locks).
+    """
+
+    def __init__(self, limit: int, on_refused: Callable[[str], None] | None) -> None:
+        self.limit = limit
+        self.open: Counter[str] = Counter()
+        self.refused: set[DeadlineH11Protocol] = set()  # closed by the server's shutdown
+        self._on_refused = on_refused
+        self._unlogged = 0
+        self._last_log = 0.0
+        body = json.dumps({"error": {"kind": "unavailable", "message": (
+            f"more than {limit} open HTTP connections from this address "
+            "(limits.http_max_connections_per_ip)")}}).encode()
+        self._headers = [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode()),
+                         (b"connection", b"close")]
+        self._body = body
+
+    def admit(self, ip: str) -> bool:
+        if self.open[ip] >= self.limit:
+            return False
+        self.open[ip] += 1
+        return True
+
+    def release(self, ip: str) -> None:
+        self.open[ip] -= 1
+        if self.open[ip] <= 0:
+            del self.open[ip]
+
+    def count_refusal(self, ip: str) -> None:
+        if self._on_refused is not None:
+            self._on_refused("per_ip_limit")
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._last_log >= LOG_EVERY_S:
+            log.warning("HTTP connections refused over limits.http_max_connections_per_ip=%d "
+                        "(since the last such line): %d; the last from %s", self.limit,
+                        self._unlogged, ip)
+            self._unlogged = 0
+            self._last_log = now
+
+    async def refusal(self, scope: Any, receive: Any, send: Any) -> None:
+        """The ASGI app a refused connection's request gets instead of the daemon's."""
+        await send({"type": "http.response.start", "status": 503, "headers": self._headers})
+        await send({"type": "http.response.body", "body": self._body})
 
 
 class DeadlineH11Protocol(H11Protocol):
     """uvicorn's h11 protocol plus a read deadline per request (see the module docstring)."""
 
-    request_timeout_s = 10.0  # set per server by :func:`_protocol_class`
+    request_timeout_s = 10.0  # set per server by :func:`_protocol_class`, with gate
+    gate: _PerIpGate
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._read_deadline: asyncio.TimerHandle | None = None
+        self._admitted_ip: str | None = None
         super().connection_made(transport)
+        ip = self.client[0] if self.client else None
+        if ip is not None and self.gate.admit(ip):
+            self._admitted_ip = ip
+        elif ip is not None:
+            self.app = self.gate.refusal  # its first request is answered 503, then closed
+            self.connections.discard(self)  # uvicorn's set is what max_connections counts
+            self.gate.refused.add(self)
+            self.gate.count_refusal(ip)
         self._arm()  # a connection that never sends a byte is a slowloris too
 
     def data_received(self, data: bytes) -> None:
@@ -71,6 +141,10 @@ class DeadlineH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._admitted_ip is not None:
+            self.gate.release(self._admitted_ip)
+            self._admitted_ip = None
+        self.gate.refused.discard(self)
         super().connection_lost(exc)
 
     def _arm(self) -> None:
@@ -101,34 +175,46 @@ class DeadlineH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def _protocol_class(request_timeout_s: float) -> type[DeadlineH11Protocol]:
+def _protocol_class(request_timeout_s: float, gate: _PerIpGate) -> type[DeadlineH11Protocol]:
     return type("DeadlineH11Protocol", (DeadlineH11Protocol,),
-                {"request_timeout_s": request_timeout_s})
+                {"request_timeout_s": request_timeout_s, "gate": gate})
 
 
 class _ThreadedUvicorn(uvicorn.Server):
     """uvicorn on a thread of its own: the daemon, not uvicorn, owns the signals."""
 
+    def __init__(self, config: uvicorn.Config, gate: _PerIpGate) -> None:
+        super().__init__(config)
+        self._gate = gate
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    async def shutdown(self, sockets: Any = None) -> None:
+        for refused in list(self._gate.refused):  # outside uvicorn's set: it would miss them
+            refused.transport.close()
+        await super().shutdown(sockets)
+
 
 class HttpServer:
-    """``start()`` serves ``app`` on ``listener`` until ``stop()``."""
+    """``start()`` serves ``app`` on ``listener`` until ``stop()``; ``on_refused(reason)``
+    is called on the HTTP loop for each connection refused over a per-address bound."""
 
     def __init__(self, app: Any, listener: Any, limits: HttpLimits, *,
                  ssl_context: ssl.SSLContext | None = None,
-                 loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> None:
+                 loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+                 on_refused: Callable[[str], None] | None = None) -> None:
         factory = None if ssl_context is None else (lambda _config, _default: ssl_context)
+        gate = _PerIpGate(limits.max_connections_per_ip, on_refused)
         config = uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off",
-            http=_protocol_class(limits.request_timeout_s),  # type: ignore[arg-type]
+            http=_protocol_class(limits.request_timeout_s, gate),  # type: ignore[arg-type]
             timeout_keep_alive=limits.keepalive_s,  # type: ignore[arg-type]
             limit_concurrency=limits.max_connections,
             timeout_graceful_shutdown=max(1, round(limits.shutdown_grace_s)),
             ssl_context_factory=factory)
-        self._server = _ThreadedUvicorn(config)
+        self._server = _ThreadedUvicorn(config, gate)
         self._listener = listener
         self._loop_factory = loop_factory or asyncio.new_event_loop
         self._thread = threading.Thread(target=self._run, name="kvfabric-http", daemon=True)

@@ -130,8 +130,9 @@ class Metrics:
             f"{PREFIX}peer_served_tokens", "Tokens of the chunks this node pinned for other "
             "nodes to pull.", registry=reg)
         self._control_closed = _Children(Counter(
-            f"{PREFIX}control_connections_closed", "Control connections refused or closed by "
-            "the daemon, by listener (unix, tcp) and reason.", ["listener", "reason"],
+            f"{PREFIX}control_connections_closed", "Control and HTTP connections refused or "
+            "closed by the daemon, by listener (unix, tcp, http) and reason.",
+            ["listener", "reason"],
             registry=reg))
         self._control_pending = Gauge(
             f"{PREFIX}control_pending_connections", "Control connections that have not "
@@ -151,8 +152,9 @@ class Metrics:
         self._sessions.dec()
 
     def control_connection_closed(self, listener: str, reason: str) -> None:
-        """The daemon refused or closed a control connection (``reason``: a fixed word such
-        as hello_timeout, idle, per_peer_limit, frame_too_large)."""
+        """The daemon refused or closed a control connection, or (listener ``http``) an HTTP
+        one (``reason``: a fixed word such as hello_timeout, idle, per_peer_limit,
+        frame_too_large; per_ip_limit on HTTP)."""
         self._control_closed(listener, reason).inc()
 
     def control_pending(self, count: int) -> None:
@@ -255,6 +257,9 @@ _TIER_COUNTERS = (
     ("tier_torn_records", "torn_records", "Torn (partially written) SSD records skipped."),
     ("tier_refused_demotions", "refused_demotions",
      "Objects evicted from memory instead of demoted because the SSD tier was degraded."),
+    ("tier_quota_refused_demotions", "quota_refused_demotions",
+     "Objects evicted from memory instead of demoted because their tenant's own SSD records "
+     "could not make room in its SSD quota."),
 )
 _STORE_COUNTERS = (
     ("store_commits", "puts", "Objects committed (every layer written)."),
@@ -339,6 +344,9 @@ def _families(stats: StoreStats | None) -> list[Metric]:
     disk_errors = CounterMetricFamily(
         f"{PREFIX}tier_disk_errors", "I/O errors of the SSD tier, by errno name (ENOSPC, "
         "EDQUOT, EIO, ...).", labels=["tier", "errno"])
+    tenant_used = GaugeMetricFamily(
+        f"{PREFIX}tier_tenant_used_bytes", "A configured tenant's bytes in the tier (memory: "
+        "its arena's pages in use; SSD: its records).", labels=["tier", "tenant"])
     if stats is not None:
         for tier in stats.tiers:
             info.add_metric([tier.name, tier.kind], 1)
@@ -347,7 +355,9 @@ def _families(stats: StoreStats | None) -> list[Metric]:
             degraded.add_metric([tier.name], int(tier.degraded))
             for name, count in sorted(tier.disk_errors.items()):  # a few errno names at most
                 disk_errors.add_metric([tier.name, name], count)
+            for tenant, used in sorted(tier.tenant_bytes.items()):  # configured tenants only
+                tenant_used.add_metric([tier.name, tenant], used)
         for attr, family in store_families:
             family.add_metric([], getattr(stats, attr))
-    return [info, *(f for _, f in tier_families), degraded, disk_errors,
+    return [info, *(f for _, f in tier_families), degraded, disk_errors, tenant_used,
             *(f for _, f in store_families)]

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from kvfabric.config import AuthConfig, DaemonConfig
-from kvfabric.store.config import GiB, KiB, MiB, TiB, StoreConfig, TierConfig
+from kvfabric.store.config import GiB, KiB, MiB, TiB, Quota, StoreConfig, TierConfig
 
 REDACTED = "<redacted>"
 _SIZE_KEYS = ("capacity", "page_size", "segment_bytes")
@@ -39,8 +39,19 @@ def _auth(auth: AuthConfig) -> dict[str, Any]:
 
 
 def _store(store: StoreConfig) -> dict[str, Any]:
-    out = {f.name: getattr(store, f.name) for f in fields(store) if f.name != "tiers"}
+    out = {f.name: getattr(store, f.name) for f in fields(store)
+           if f.name not in ("tiers", "quotas")}
     out["tiers"] = [_tier(t) for t in store.tiers]
+    out["quotas"] = {tenant: _quota(quota) for tenant, quota in store.quotas.items()}
+    return out
+
+
+def _quota(quota: Quota) -> dict[str, Any]:
+    out: dict[str, Any] = {tier: f"{limit * 100:g}%" if isinstance(limit, float)
+                           else _size(limit) for tier, limit in quota.tiers.items()}
+    for key in ("reservations", "namespaces"):
+        if getattr(quota, key) is not None:
+            out[key] = getattr(quota, key)
     return out
 
 

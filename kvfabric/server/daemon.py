@@ -188,8 +188,10 @@ class Daemon:
                 HttpLimits(request_timeout_s=limits.http_request_timeout_s,
                            keepalive_s=limits.http_keepalive_s,
                            max_connections=limits.http_max_connections,
+                           max_connections_per_ip=limits.http_max_connections_per_ip,
                            shutdown_grace_s=SHUTDOWN_GRACE_S),
-                ssl_context=self._tls_for("http"), loop_factory=event_loop_factory())
+                ssl_context=self._tls_for("http"), loop_factory=event_loop_factory(),
+                on_refused=lambda reason: self.metrics.control_connection_closed("http", reason))
             await asyncio.to_thread(self._http.start)
         if ready_file is not None:
             _write_ready_file(ready_file, self)

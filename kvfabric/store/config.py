@@ -114,8 +114,9 @@ ANY_TENANT = "*"
 class Quota:
     """What one tenant (a namespace ``tenant_salt``) may hold; None: no limit of that kind.
 
-    ``tiers`` maps memory tier names to bytes (an int) or a share of the tier (a float in
-    (0, 1]; ``"40%"`` in YAML): the tenant's objects there never take more, whoever put them.
+    ``tiers`` maps tier names (memory tiers and the SSD tier) to bytes (an int) or a share of
+    the tier (a float in (0, 1]; ``"40%"`` in YAML): the tenant's objects there never take
+    more, whoever put them (on SSD: its records, header pages included).
     ``reservations``: writes in flight at once (a reservation whose lease expired counts
     until its session ends). ``namespaces``: namespaces holding data at once.
     """
@@ -242,14 +243,14 @@ class StoreConfig:
     def _check_quotas(self) -> None:
         if not isinstance(self.quotas, Mapping):
             raise ConfigError("quotas must map tenant names to quotas")
-        memory = {t.name for t in self.tiers if t.kind is not TierKind.SSD}
+        names = {t.name for t in self.tiers}
         for tenant, quota in self.quotas.items():
             if not isinstance(tenant, str) or not tenant or not isinstance(quota, Quota):
                 raise ConfigError(f"quotas: {tenant!r} must be a tenant name mapped to a quota")
-            unknown = set(quota.tiers) - memory
+            unknown = set(quota.tiers) - names
             if unknown:
-                raise ConfigError(f"quotas.{tenant}: {sorted(unknown)} name no memory tier; "
-                                  f"memory tiers: {sorted(memory)}")
+                raise ConfigError(f"quotas.{tenant}: {sorted(unknown)} name no tier; "
+                                  f"tiers: {sorted(names)}")
 
     def quota_for(self, tenant: str) -> Quota | None:
         """The quota of ``tenant`` (its own over the ``*`` one); None: unlimited."""

@@ -13,6 +13,12 @@ A degraded SSD tier (a write fault: full disk, quota, I/O error) takes no demoti
 victim is evicted instead (counted in the source tier's evictions and the SSD tier's
 ``refused_demotions``), never turned into an error for the put that needed the room.
 
+Tenants' SSD quotas (:mod:`kvfabric.store.ssd_usage`): before a tenant's record is queued,
+its own SSD copies and then its own SSD leaves (oldest first) are given up until the record
+fits its quota; when they cannot make room the victim is evicted from memory instead
+(counted in the SSD tier's ``quota_refused_demotions``). A tenant with an SSD quota that
+finds the disk full makes room among its own records too, never among other tenants'.
+
 Every method is called with the store lock held (``cond``'s lock, re-entrant). Methods that
 may wait (for SSD demotions to free memory) do so on ``cond``, which releases the lock, so
 an entry can change meanwhile: movers mark it MOVING and re-check it afterwards. SSD reads
@@ -40,9 +46,11 @@ from kvfabric.store import codec
 from kvfabric.store.config import StoreConfig
 from kvfabric.store.factory import AnyTier
 from kvfabric.store.index import FP8_COPY, FP8_ON_DISK, MOVING, REMOVED, Entry, LocalIndex
+from kvfabric.store.ssd_usage import SsdUsage
 from kvfabric.store.stats import TierCounters
 from kvfabric.tiers.base import PagedTier
 from kvfabric.tiers.disk import DiskExtent, DiskTier, StaleExtentError, TierDegradedError
+from kvfabric.tiers.disk.records import record_span
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +61,8 @@ class Placement:
     def __init__(self, tiers: list[AnyTier], names: list[str], index: LocalIndex,
                  counters: list[TierCounters], cond: threading.Condition, config: StoreConfig,
                  reclaim: Callable[[], object],
-                 on_inventory: Callable[[list[Entry], list[tuple[Entry, int]]], None]) -> None:
+                 on_inventory: Callable[[list[Entry], list[tuple[Entry, int]]], None],
+                 ssd: SsdUsage | None = None) -> None:
         self.tiers = tiers
         self.names = names
         self.index = index
@@ -72,8 +81,11 @@ class Placement:
         self.pending_demotion = [0] * len(tiers)  # bytes being written to SSD, per source tier
         self.draining = [False] * len(tiers)
         self.nonblocking = threading.local()  # .on: wait() raises WouldBlockError instead
-        # memory-resident entries that keep an SSD record (Entry.ssd_copy), oldest first
+        # memory-resident entries that keep an SSD record (Entry.ssd_copy), oldest first;
+        # and the same per tenant with an SSD quota (it gives up its own first)
         self.copies: dict[Entry, None] = {}
+        self.tenant_copies: dict[str, dict[Entry, None]] = {}
+        self.ssd = ssd or SsdUsage({})  # tenants' SSD bytes (records queued or written)
 
     def pieces(self, entry: Entry, offset: int, length: int) -> list[Piece]:
         tier = self.tiers[entry.tier]
@@ -234,8 +246,17 @@ class Placement:
         if disk.degraded:
             self.refuse_demotion(entry)
             return
-        pieces = self.pieces(entry, 0, nbytes)
+        tenant = entry.ns.tenant_salt
         fmt = self.disk_format if codec.encodable(entry.ns.spec) else codec.NATIVE
+        meta = encode_meta(entry, fmt)
+        # its span before any byte is encoded (an fp8 payload's size follows from the spec)
+        span = record_span(len(meta), codec.encoded_nbytes(entry.ns.spec, entry.num_tokens)
+                           if fmt == codec.FP8 else nbytes)
+        if not self.make_ssd_room(tenant, span):
+            self.counters[self.disk_index].quota_refused_demotions += 1  # type: ignore[index]
+            self.evict(entry)
+            return
+        pieces = self.pieces(entry, 0, nbytes)
         if fmt == codec.FP8:  # quantized on the way down (under the lock: a memory pass)
             pieces = [codec.encode(entry.ns.spec, entry.num_tokens, pieces)]
         elif pieces and not isinstance(pieces[0], np.ndarray):  # device memory: stage on host
@@ -243,21 +264,34 @@ class Placement:
             copy_pieces([staged], pieces)
             pieces = [staged]
         try:
-            future = disk.write(entry.key, encode_meta(entry, fmt), pieces)
+            future = disk.write(entry.key, meta, pieces)
         except TierDegradedError:  # degraded since the check above (by a writer thread)
             self.refuse_demotion(entry)
             return
-        except CapacityError:
-            self.evict_disk_leaves(nbytes)
+        except CapacityError:  # a tenant with an SSD quota gives up its own records only
+            self.evict_disk_leaves(nbytes, tenant if self.ssd.limit(tenant) else None)
             self.evict(entry)
             return
+        self.ssd.add(tenant, span)
         src_index = entry.tier
         entry.flags |= MOVING
         self.pending_demotion[src_index] += nbytes
         future.add_done_callback(
-            lambda f: self.finish_disk_demotion(entry, src_index, nbytes, pieces, fmt, f))
+            lambda f: self.finish_disk_demotion(entry, src_index, nbytes, span, pieces, fmt, f))
 
-    def finish_disk_demotion(self, entry: Entry, src_index: int, nbytes: int,
+    def make_ssd_room(self, tenant: str, span: int) -> bool:
+        """Whether a record of ``span`` bytes of ``tenant`` fits its SSD quota, once its own
+        SSD copies and leaves (oldest first) are given up as far as needed (nothing is given
+        up for a record larger than the whole quota)."""
+        excess = self.ssd.excess(tenant, span)
+        if excess <= 0:
+            return True
+        if span > (self.ssd.limit(tenant) or 0):
+            return False
+        self.evict_disk_leaves(excess, tenant)
+        return self.ssd.excess(tenant, span) <= 0
+
+    def finish_disk_demotion(self, entry: Entry, src_index: int, nbytes: int, span: int,
                               pieces: list[Piece], fmt: str,
                               future: "Future[DiskExtent]") -> None:
         written = total_bytes(pieces)
@@ -268,12 +302,14 @@ class Placement:
             disk = self.tiers[self.disk_index]  # type: ignore[index]
             assert isinstance(disk, DiskTier)
             error = future.exception()
+            if error is not None:  # no record: the tenant is not charged for it
+                self.ssd.remove(entry.ns.tenant_salt, span)
             if isinstance(error, TierDegradedError):
                 pass  # counted and logged (rate-limited) by the tier; the entry stays put
             elif error is not None:
                 log.warning("SSD demotion of %s failed: %s", entry.key.hex(), error)
             elif entry.flags & REMOVED or entry.ssd_copy is not None:
-                disk.delete(future.result())  # deleted meanwhile
+                self.delete_record(entry, future.result())  # deleted meanwhile
             elif entry.pins:
                 self.keep_copy(entry, future.result(), fp8=fmt == codec.FP8)  # hot again
             else:
@@ -376,40 +412,55 @@ class Placement:
         entry.ssd_copy = extent
         entry.flags = entry.flags | FP8_COPY if fp8 else entry.flags & ~FP8_COPY
         self.copies[entry] = None
+        if self.ssd.limit(entry.ns.tenant_salt) is not None:
+            self.tenant_copies.setdefault(entry.ns.tenant_salt, {})[entry] = None
 
-    def drop_copy(self, entry: Entry) -> int:
-        """Delete an entry's SSD copy; returns the record's span (lock held)."""
+    def forget_copy(self, entry: Entry) -> DiskExtent:
+        """The entry no longer keeps its SSD record (returned); nothing is deleted."""
         extent = entry.ssd_copy
         entry.ssd_copy = None
         entry.flags &= ~FP8_COPY
         self.copies.pop(entry, None)
-        self.disk().delete(extent)  # type: ignore[union-attr]
+        own = self.tenant_copies.get(entry.ns.tenant_salt)
+        if own is not None:
+            own.pop(entry, None)
+        return extent  # type: ignore[no-any-return]
+
+    def drop_copy(self, entry: Entry) -> int:
+        """Delete an entry's SSD copy; returns the record's span (lock held)."""
+        extent = self.forget_copy(entry)
+        self.delete_record(entry, extent)
         return int(extent.span)
+
+    def delete_record(self, entry: Entry, extent: DiskExtent) -> None:
+        """Delete an SSD record of ``entry``'s object; its tenant is charged no more."""
+        self.disk().delete(extent)  # type: ignore[union-attr]
+        self.ssd.remove(entry.ns.tenant_salt, extent.span)
 
     def return_to_copy(self, entry: Entry) -> None:
         """Demote an entry to the SSD record it kept: a switch of handles, no write."""
-        src_index, old, extent = entry.tier, entry.handle, entry.ssd_copy
+        src_index, old = entry.tier, entry.handle
         fp8 = bool(entry.flags & FP8_COPY)
-        entry.ssd_copy = None
-        entry.flags &= ~FP8_COPY
-        self.copies.pop(entry, None)
+        extent = self.forget_copy(entry)
         self.rehome(entry, self.disk_index, extent)  # type: ignore[arg-type]
         if fp8:
             entry.flags |= FP8_ON_DISK
         self.tiers[src_index].free(old)  # type: ignore[union-attr]
         self.counters[src_index].demotions += 1
 
-    def evict_disk_leaves(self, nbytes: int) -> None:
-        """Free SSD records worth ``nbytes``: the copies of memory-resident objects first
-        (nothing is lost), then SSD leaves; compaction returns the space later."""
+    def evict_disk_leaves(self, nbytes: int, tenant: str | None = None) -> None:
+        """Free SSD records worth ``nbytes`` (of ``tenant``'s objects only, one with an SSD
+        quota, when given): the copies of memory-resident objects first (nothing is lost),
+        then SSD leaves, oldest first; compaction returns the space later."""
         freed = 0
-        while freed < nbytes and self.copies:
-            freed += self.drop_copy(next(iter(self.copies)))
+        copies = self.copies if tenant is None else self.tenant_copies.get(tenant, {})
+        while freed < nbytes and copies:
+            freed += self.drop_copy(next(iter(copies)))
         while freed < nbytes:
-            victim = self.index.pick_victim(self.disk_index)  # type: ignore[arg-type]
+            victim = self.index.pick_victim(self.disk_index, tenant)  # type: ignore[arg-type]
             if victim is None:
                 return
-            freed += victim.ns.spec.layout(victim.num_tokens).nbytes
+            freed += victim.handle.span
             self.evict(victim)
 
     def drop(self, entry: Entry, *, disk_already_dead: bool = False) -> None:
@@ -420,7 +471,8 @@ class Placement:
         entry.flags |= REMOVED
         if entry.ssd_copy is not None:
             self.drop_copy(entry)
-        if disk_already_dead and entry.tier == self.disk_index:
+        if disk_already_dead and entry.tier == self.disk_index and entry.handle is not None:
+            self.ssd.remove(entry.ns.tenant_salt, entry.handle.span)  # its record is DEAD
             entry.handle = None
         self.free_if_dead(entry)
         if was_listed:
@@ -442,7 +494,7 @@ class Placement:
             return
         tier = self.tiers[entry.tier]
         if isinstance(tier, DiskTier):
-            tier.delete(entry.handle)
+            self.delete_record(entry, entry.handle)
         else:
             tier.free(entry.handle)
         entry.handle = None
@@ -508,9 +560,8 @@ class Placement:
                         not entry.flags & MOVING:
                     self.drop(entry, disk_already_dead=True)
                 elif entry.ssd_copy == extent:
-                    entry.ssd_copy = None
-                    entry.flags &= ~FP8_COPY
-                    self.copies.pop(entry, None)
+                    self.forget_copy(entry)  # its record is DEAD already
+                    self.ssd.remove(entry.ns.tenant_salt, extent.span)
 
     def disk(self) -> DiskTier | None:
         if self.disk_index is None:

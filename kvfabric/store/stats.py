@@ -23,6 +23,8 @@ class TierCounters:
     bytes_out: int = 0
     bytes_saved: int = 0  # SSD in fp8: native bytes minus the bytes written
     refused_demotions: int = 0  # SSD: victims evicted instead because the tier was degraded
+    # SSD: victims evicted instead because their tenant was at its SSD quota
+    quota_refused_demotions: int = 0
 
 
 @dataclass
@@ -54,6 +56,10 @@ class TierStats:
     degraded: bool = False
     disk_errors: dict[str, int] = field(default_factory=dict)
     refused_demotions: int = 0
+    quota_refused_demotions: int = 0  # SSD only: victims evicted at their tenant's SSD quota
+    # configured tenants' bytes here: memory tiers, their arena's pages in use (host tiers);
+    # SSD, their records (queued or written; dead bytes awaiting compaction are nobody's)
+    tenant_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def utilisation(self) -> float:

@@ -70,6 +70,7 @@ from kvfabric.store.index import (ABORTED, FP8_ON_DISK, MOVING, READY_ALL, REMOV
                                      LocalIndex)
 from kvfabric.store.placement import Placement, decode_meta
 from kvfabric.store.shards import HeadRange, HeadShards, head_mask
+from kvfabric.store.ssd_usage import SsdUsage
 from kvfabric.store.stats import (NamespaceCounters, NamespaceStats, StoreStats, TierCounters,
                                   TierStats)
 from kvfabric.store.tenants import EVERY_TENANT, ArenaInfo, Tenancy
@@ -123,7 +124,8 @@ class TieredStore:
         self._placement = Placement(self._tiers, self._names, self._index, self._tier_counters,
                                     self._cond, self.config,
                                     lambda: self._reclaim_expired(time.monotonic()),
-                                    self._inventory_changed)
+                                    self._inventory_changed,
+                                    SsdUsage(self._tenancy.ssd_limits))
         self._disk_index = self._placement.disk_index
         self._ns_counters: dict[tuple[str, str], NamespaceCounters] = {}
         self._namespaces: dict[bytes, Namespace] = {}
@@ -619,6 +621,8 @@ class TieredStore:
             if fmt == FP8:
                 entry.flags |= FP8_ON_DISK
             self._index.add(entry)
+            # the record's metadata names its tenant: its SSD bytes survive the restart
+            self._placement.ssd.add(ns.tenant_salt, record.extent.span)
 
     # ------------------------------------------------------------------ helpers
 
@@ -695,7 +699,12 @@ class TieredStore:
                              "torn_records": disk_stats.torn_records,
                              "degraded": disk_stats.degraded,
                              "disk_errors": disk_stats.disk_errors,
-                             "refused_demotions": c.refused_demotions}
+                             "refused_demotions": c.refused_demotions,
+                             "quota_refused_demotions": c.quota_refused_demotions,
+                             "tenant_bytes": self._placement.ssd.by_tenant()}
+                elif isinstance(tier, HostTier):
+                    extra = {"tenant_bytes": {t: tier.pool_used_bytes(t)
+                                              for t in self._tenancy.tenants}}
                 tiers.append(TierStats(
                     name=self._names[i], kind=self.config.tiers[i].kind.value,
                     capacity_bytes=tier.capacity_bytes, used_bytes=tier.used_bytes,

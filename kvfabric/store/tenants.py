@@ -18,6 +18,8 @@ tenants' arenas follow, tenant by tenant (sorted), tier by tier.
 * bytes per memory tier: the tenant's pool in that tier is that large, so its objects never
   take more; a tenant at its quota makes room by demoting its own objects (and only its own),
   and gets :class:`~kvfabric.errors.QuotaExceededError` when none can move;
+* bytes of the SSD tier (:attr:`Tenancy.ssd_limits`): counted and enforced by placement
+  (:mod:`kvfabric.store.ssd_usage`); a tenant at its quota gives up its own SSD records;
 * reservations in flight (:meth:`Tenancy.begin_write`), expired ones still quarantined
   included;
 * namespaces holding data (:meth:`Tenancy.add_namespace`; :data:`DEFAULT_NAMESPACES` when
@@ -41,6 +43,7 @@ from kvfabric.spec import Namespace
 from kvfabric.store.config import ANY_TENANT, Quota, StoreConfig
 from kvfabric.store.index import LocalIndex
 from kvfabric.tiers.base import PagedTier
+from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.host import HostTier
 
 # SCM_RIGHTS passes at most 253 descriptors in one message: the admin gets every arena
@@ -76,6 +79,8 @@ class Tenancy:
         self._quotas = {t: config.quota_for(t) for t in self.tenants}
         self._arenas: list[ArenaInfo] = []
         self._ids: dict[tuple[int, str | None], int] = {}
+        # every configured tenant -> its bytes on the SSD tier (None: no SSD quota)
+        self.ssd_limits: dict[str, int | None] = dict.fromkeys(self.tenants)
         for i in host:
             self._add(i, names[i], None, tiers[i].arena, i)
         next_id = len(tiers)
@@ -84,6 +89,11 @@ class Tenancy:
             for i, tier in enumerate(tiers):
                 limit = None if quota is None else quota.tier_bytes(names[i],
                                                                     tier.capacity_bytes)
+                if isinstance(tier, DiskTier):
+                    self.ssd_limits[tenant] = limit
+                    if limit is not None:
+                        index.track_tenant(tenant)  # it makes room among its own records
+                    continue
                 if not isinstance(tier, HostTier):
                     if limit is not None and isinstance(tier, PagedTier):
                         raise ConfigError(f"quotas.{tenant}.{names[i]}: a device tier has no "

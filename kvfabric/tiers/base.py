@@ -95,6 +95,10 @@ class PagedTier(ABC):
         """How large ``pool`` is (a tenant's quota of this tier, or the tier)."""
         return self._pools[pool].num_pages * self.page_size
 
+    def pool_used_bytes(self, pool: Pool) -> int:
+        """Bytes of ``pool``'s pages in use."""
+        return self._pools[pool].used_pages * self.page_size
+
     def pages_for(self, nbytes: int) -> int:
         return -(-nbytes // self.page_size)
 

@@ -14,6 +14,10 @@ node:
 * **slowloris** -- ``slowloris`` HTTP connections trickling header bytes, reopened when
   closed.
 
+The HTTP attacks come from loopback addresses of their own (:data:`OVERSIZED_FROM`,
+:data:`SLOWLORIS_FROM`), as a remote attacker would: the harness's own HTTP calls (from
+127.0.0.1) must get through ``limits.http_max_connections_per_ip`` beside them.
+
 It touches ``<workdir>/<name>.flooding`` once the flood is established, and reports what it
 did (connections opened, closed by the daemon, HTTP answers by status) as ``counts``.
 """
@@ -37,6 +41,8 @@ from chaos_common import Events, namespace
 from kvfabric.protocol.frames import encode_frame
 from kvfabric.protocol.messages import Op, encode_namespace, request
 
+OVERSIZED_FROM = "127.0.0.3"
+SLOWLORIS_FROM = "127.0.0.4"
 MODES = ("idle", "half_frame", "big_header", "bad_hello", "garbage")
 
 
@@ -153,7 +159,7 @@ class Flood:
     def _post(self, body: bytes, headers: dict[str, str]) -> int:
         host, port = self.cfg["http_host"], self.cfg["http_port"]
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        with socket.create_connection((host, port), timeout=20) as sock:
+        with socket.create_connection((host, port), 20, (OVERSIZED_FROM, 0)) as sock:
             sock.sendall(f"POST /v1/lookup HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
                          f"{head}Content-Length: {len(body)}\r\n\r\n".encode())
             try:
@@ -164,7 +170,7 @@ class Flood:
 
     def _lying_length(self) -> int:
         host, port = self.cfg["http_host"], self.cfg["http_port"]
-        with socket.create_connection((host, port), timeout=20) as sock:
+        with socket.create_connection((host, port), 20, (OVERSIZED_FROM, 0)) as sock:
             sock.sendall(f"POST /v1/lookup HTTP/1.1\r\nHost: {host}\r\n"
                          f"Content-Length: {1 << 30}\r\nContent-Type: application/json\r\n"
                          f"\r\n{{\"namespace\":".encode())
@@ -176,7 +182,7 @@ class Flood:
         while not self.should_stop():
             while len(socks) < n:
                 try:
-                    sock = socket.create_connection((host, port), timeout=5)
+                    sock = socket.create_connection((host, port), 5, (SLOWLORIS_FROM, 0))
                     sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never ends
                 except OSError as exc:
                     self.count(f"slowloris_connect_{type(exc).__name__}")

@@ -21,7 +21,7 @@ from kvfabric.commands.stats_table import from_store_stats, render, tenant_hit_r
 from kvfabric.commands.tokens import parse_tokens, read_tokens_file
 from kvfabric.config import load_config
 from kvfabric.errors import SpecError
-from kvfabric.store.config import GiB
+from kvfabric.store.config import GiB, Quota
 from kvfabric.store.stats import NamespaceStats, StoreStats, TierStats
 
 LOOKUP_NS = ["--model", "m", "--layers", "2", "--kv-heads", "2", "--head-dim", "16"]
@@ -133,6 +133,21 @@ def test_print_config_of_the_defaults_round_trips(capsys: pytest.CaptureFixture[
     printed.write_text(capsys.readouterr().out)
     assert load_config(printed, env={}) == load_config(env={})
     assert load_config(printed, env={}).store.tiers[0].capacity == 1 * GiB
+
+
+def test_print_config_with_quotas_round_trips(capsys: pytest.CaptureFixture[str],
+                                             tmp_path: Path) -> None:
+    """Regression: on the old code --print-config crashed (a Quota is no YAML) whenever
+    ``store.quotas`` was set, e.g. by configs/store-tiers.yaml."""
+    argv = ["--set", "store.quotas.team-a.ssd=25%", "--set", "store.quotas.team-a.dram=3MiB",
+            "--set", "store.quotas.*.reservations=8"]
+    assert main(["serve", *argv, "--print-config"]) == 0
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(capsys.readouterr().out)
+    expected = load_config(env={}, overrides=[a for a in argv if a != "--set"])
+    assert load_config(printed, env={}).store.quotas == expected.store.quotas
+    assert expected.store.quota_for("team-a") == Quota(tiers={"ssd": 0.25, "dram": 3 << 20},
+                                                       reservations=8)
 
 
 # ---------------------------------------------------------------- config errors

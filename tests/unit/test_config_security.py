@@ -72,7 +72,7 @@ def test_limits_defaults_and_settings() -> None:
     limits = load_config(env={}).limits
     assert limits.http_max_body_bytes == 16 << 20 and limits.lookup_max_tokens == 1 << 20
     assert limits.http_request_timeout_s == 10.0 and limits.http_keepalive_s == 5.0
-    assert limits.http_max_connections == 1024
+    assert limits.http_max_connections == 1024 and limits.http_max_connections_per_ip == 64
     assert limits.peer_handshake_timeout_s == 5.0 and limits.peer_max_handshakes == 256
     assert limits.peer_max_handshakes_per_ip == 32 and limits.peer_max_connections == 512
     assert LOOKUP_TOKENS_CEILING == MAX_TOKENS
@@ -96,6 +96,8 @@ def test_lookup_parse_workers_default_and_setting() -> None:
     ("limits.http_request_timeout_s=0", "http_request_timeout_s must be a positive"),
     ("limits.http_keepalive_s=never", "http_keepalive_s must be a positive"),
     ("limits.peer_max_handshakes_per_ip=true", "peer_max_handshakes_per_ip must be a"),
+    ("limits.http_max_connections_per_ip=0", "http_max_connections_per_ip must be a positive"),
+    ("limits.http_max_connections_per_ip=2.5", "http_max_connections_per_ip must be a"),
     ("limits.peer_handshake_timeout_s=-1", "peer_handshake_timeout_s must be a positive"),
     ("security.allow_insecure=yes please", "allow_insecure must be true or false"),
     ("security.tls_key_file=/k.pem", "need security.tls_cert_file"),

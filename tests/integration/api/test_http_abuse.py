@@ -1,6 +1,7 @@
 """The HTTP plane under abuse, on a real daemon: slowloris connections are closed at the
 configured deadline, an oversized or million-bad-id lookup is refused without stalling the
-control socket, and meanwhile control pings and /healthz stay fast."""
+control socket, one source address cannot take every connection, and meanwhile control
+pings and /healthz stay fast."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+from scrape import sample, scrape
 
 from kvfabric.client import Client
 
@@ -47,7 +49,11 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 
 def test_slowloris_connections_are_closed_at_the_deadline(start_daemon) -> None:
-    """Regression: on the old code (h11 without a read deadline) 300 slowloris requests
+    """300 slowloris requests from 127.0.0.1 (64 admitted, the rest refused by
+    ``limits.http_max_connections_per_ip`` but as silent until the deadline) are all closed
+    by it, while /healthz from another address (127.0.0.2) and control pings stay fast.
+
+    Regression: on the old code (h11 without a read deadline) 300 slowloris requests
     stayed open past 90 s."""
     daemon = start_daemon(f"limits.http_request_timeout_s={DEADLINE_S}")
     port = daemon.info["http_port"]
@@ -72,7 +78,8 @@ def test_slowloris_connections_are_closed_at_the_deadline(start_daemon) -> None:
     health: list[float] = []
     try:
         all_closed = lambda: all(closed_by_server(s) for s in loris)  # noqa: E731
-        with httpx.Client(timeout=5) as http:
+        other = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(timeout=5, transport=other) as http:
             def closed_or_late() -> bool:
                 start = time.perf_counter()
                 assert http.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
@@ -190,3 +197,70 @@ def test_body_and_token_limits_are_settings(start_daemon) -> None:
     assert over_count.status_code == 413 and "at most 100" in over_count.text
     ok = httpx.post(url, json={"namespace": NS, "token_ids": [1] * 100})
     assert ok.status_code == 200 and ok.json()["requested_tokens"] == 100
+
+
+def connect_from(source: str, port: int) -> socket.socket:
+    """A connection to the daemon's loopback HTTP port from ``source`` (any 127.x address:
+    Linux routes all of 127.0.0.0/8 to lo, so each is a distinct client address)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def get_healthz(sock: socket.socket) -> tuple[int, bytes]:
+    """One ``GET /healthz`` (``Connection: close``): the status and the body."""
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def test_one_address_cannot_take_every_http_connection(start_daemon) -> None:
+    """127.0.0.1 holds its 4 connections and opens 20 more: each of those is answered 503
+    (kind ``unavailable``, naming the setting) and counted, and takes no global slot: a
+    client at 127.0.0.2 is still served under ``http_max_connections=8``. Once one of the
+    first four closes, 127.0.0.1 is served again (the count follows closes).
+
+    Regression: on the old code there was no per-address bound: the 20 extra connections of
+    127.0.0.1 filled the 8 global slots and 127.0.0.2 got uvicorn's 503 as well."""
+    daemon = start_daemon("limits.http_max_connections_per_ip=4",
+                          "limits.http_max_connections=8", "limits.http_request_timeout_s=60")
+    port = daemon.info["http_port"]
+    held = [connect_from("127.0.0.1", port) for _ in range(4)]  # silent: admitted, held
+    flood = [connect_from("127.0.0.1", port) for _ in range(20)]
+    try:
+        for sock in flood[:-1]:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, body = get_healthz(flood[-1])
+        assert status == 503, body
+        error = json.loads(body)["error"]
+        assert error["kind"] == "unavailable"
+        assert "limits.http_max_connections_per_ip" in error["message"]
+        for sock in flood[:-1]:  # every one refused, then closed by the daemon
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 503"), data[:200]
+        with connect_from("127.0.0.2", port) as other:
+            status, body = get_healthz(other)
+        assert status == 200, body
+        held.pop().close()
+        refused, deadline = 20, time.monotonic() + 5
+        while True:  # the daemon sees the close on its next loop turn
+            with connect_from("127.0.0.1", port) as again:
+                status, _ = get_healthz(again)
+            if status == 200 or time.monotonic() > deadline:
+                break
+            refused += 1
+            time.sleep(0.05)
+        assert status == 200
+        samples = scrape(daemon.http_url)  # from 127.0.0.1, in the freed slot
+        assert sample(samples, "kvfabric_control_connections_closed_total",
+                      listener="http", reason="per_ip_limit") == refused
+    finally:
+        for sock in held + flood:
+            sock.close()

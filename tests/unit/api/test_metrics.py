@@ -36,10 +36,11 @@ class FixedStats:
                         hit_tokens=0, hit_chunks=0, evictions=11, promotions=12, demotions=13,
                         bytes_in=14, bytes_out=15, corrupt_records=16, torn_records=17,
                         degraded=True, disk_errors={"ENOSPC": 18, "EIO": 19},
-                        refused_demotions=20)
+                        refused_demotions=20, quota_refused_demotions=26,
+                        tenant_bytes={"acme": 27, "zeta": 0})
         dram = TierStats(name="dram", kind="dram", capacity_bytes=500, used_bytes=100, objects=3,
                          hit_tokens=0, hit_chunks=0, evictions=21, promotions=22, demotions=23,
-                         bytes_in=24, bytes_out=25)
+                         bytes_in=24, bytes_out=25, tenant_bytes={"acme": 28})
         return StoreStats(tiers=(dram, ssd), objects=10, lookups=0, lookup_tokens=0,
                           hit_tokens=0, miss_tokens=0, puts=31, gets=32, deletes=33,
                           expired_leases=34, aborted_writes=35,
@@ -166,12 +167,17 @@ def test_store_snapshot_maps_every_field_to_its_metric() -> None:
         ("kvfabric_tier_degraded", "dram"): 0, ("kvfabric_tier_degraded", "ssd"): 1,
         ("kvfabric_tier_refused_demotions_total", "dram"): 0,
         ("kvfabric_tier_refused_demotions_total", "ssd"): 20,
+        ("kvfabric_tier_quota_refused_demotions_total", "dram"): 0,
+        ("kvfabric_tier_quota_refused_demotions_total", "ssd"): 26,
     }
     for (name, tier), number in expected.items():
         assert value(metrics, name, tier=tier) == number, name
     assert value(metrics, "kvfabric_tier_info", tier="ssd", kind="ssd") == 1
     assert value(metrics, "kvfabric_tier_disk_errors_total", tier="ssd", errno="ENOSPC") == 18
     assert value(metrics, "kvfabric_tier_disk_errors_total", tier="ssd", errno="EIO") == 19
+    for tier, tenant, used in (("ssd", "acme", 27), ("ssd", "zeta", 0), ("dram", "acme", 28)):
+        assert value(metrics, "kvfabric_tier_tenant_used_bytes", tier=tier,
+                     tenant=tenant) == used
     store_counters = {"kvfabric_store_commits_total": 31, "kvfabric_store_pins_total": 32,
                       "kvfabric_store_deletes_total": 33,
                       "kvfabric_store_leases_expired_total": 34,

@@ -73,9 +73,29 @@ def test_quotas_parse_sizes_shares_and_counts_and_merge_over_the_default() -> No
     assert StoreConfig().quota_for("team-a") is None and StoreConfig().free_memory_kept == 0.15
 
 
+def test_an_ssd_quota_is_a_size_or_a_share_of_the_ssd_tier() -> None:
+    """Regression: on the old code ``quotas.<tenant>.ssd`` was refused ("name no memory
+    tier"): no tenant's SSD bytes could be bounded."""
+    config = StoreConfig.from_dict({
+        "tiers": [{"kind": "dram", "capacity": "1GiB"}, {"kind": "ssd", "capacity": "4GiB"}],
+        "quotas": {"*": {"ssd": "25%"}, "team-a": {"ssd": "512MiB", "dram": "10%"}}})
+    own, other = config.quota_for("team-a"), config.quota_for("team-b")
+    assert own is not None and own.tier_bytes("ssd", 4 << 30) == 512 << 20
+    assert own.tier_bytes("ssd", 256 << 20) == 256 << 20  # never more than the tier
+    assert other is not None and other.tier_bytes("ssd", 4 << 30) == 1 << 30
+    named = StoreConfig.from_dict({  # the SSD tier by its configured name
+        "tiers": [{"kind": "dram", "capacity": "1GiB"},
+                  {"kind": "ssd", "capacity": "4GiB", "name": "nvme"}],
+        "quotas": {"team-a": {"nvme": "1GiB"}}})
+    assert named.quota_for("team-a").tier_bytes("nvme", 4 << 30) == 1 << 30  # type: ignore
+
+
 @pytest.mark.parametrize("quotas,message", [
-    ({"a": {"tape": "1GiB"}}, "name no memory tier"),
-    ({"a": {"ssd": "1GiB"}}, "name no memory tier"),
+    ({"a": {"tape": "1GiB"}}, r"\['tape'\] name no tier; tiers: \['dram', 'ssd'\]"),
+    ({"a": {"ssd": "0%"}}, "share"),
+    ({"a": {"ssd": "150%"}}, "share"),
+    ({"a": {"ssd": "-1GiB"}}, "cannot parse"),
+    ({"a": {"ssd": True}}, "store.quotas.a.ssd: expected a size"),
     ({"a": {"dram": "150%"}}, "share"),
     ({"a": {"dram": "lots"}}, "cannot parse"),
     ({"a": {"reservations": 0}}, "positive integer"),
