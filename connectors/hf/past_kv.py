@@ -165,21 +165,10 @@ def _pin(client: Client, ns: Namespace, refs: list[ChunkRef], pull: bool, deadli
     if not refs:
         return [], {}
     keys = [ref.key for ref in refs]
-    readers = client.get_many(ns, keys, timeout=_left(deadline))
-    first = _prefix(readers)
-    if first == len(keys) or not pull:
-        return readers, {}
-    # what follows the first gap is useless without it: pull from there on, then pin again
-    try:
-        reply = _prefetch(client, ns, keys[first:], _left(deadline))
-        if reply is None:
-            return readers, {}
-        client.release_many(readers[first:])
-        again = client.get_many(ns, keys[first:], timeout=_left(deadline))
-    except BaseException:
-        client.release_many(readers)
-        raise
-    return readers[:first] + again, reply
+    # pull first: a get before it would count the chunks only another node holds as this
+    # node's misses (and pin them twice); the daemon pulls only what it lacks
+    reply = _prefetch(client, ns, keys, _left(deadline)) if pull else None
+    return client.get_many(ns, keys, timeout=_left(deadline)), reply or {}
 
 
 def _prefetch(client: Client, ns: Namespace, keys: list[bytes], timeout: float

@@ -40,6 +40,7 @@ import json
 import math
 import random
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -316,6 +317,15 @@ def _agreeing(a: list[int], b: list[int]) -> int:
 # ------------------------------------------- (d) a transformers decode worker on another node
 
 
+def _get_not_found(node) -> float:
+    """The node's count of gets that found nothing (``kvfabric_store_errors_total``)."""
+    with urllib.request.urlopen(f"{node.http_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvfabric_store_errors_total{")
+               and 'op="get"' in line and 'kind="not_found"' in line)
+
+
 def test_transformers_decode_on_another_node_pulls_the_prefill(engines, nodes, ns, models,
                                                                references) -> None:
     model, reference = models[torch.bfloat16], references[torch.bfloat16]
@@ -323,12 +333,16 @@ def test_transformers_decode_on_another_node_pulls_the_prefill(engines, nodes, n
     with Client(nodes[DECODE].socket) as client:
         assert client.node_id == DECODE
         assert client.lookup(ns, keys=keys).matched_chunks == 0  # all on the prefill node
+        not_found = _get_not_found(nodes[DECODE])
         started = time.monotonic()
         run = decode_from_fabric(client, ns, model, P, STEPS,
                                  teacher_tokens=reference["tokens"], return_logits=True)
         MEASURED["decode_node_pull_and_decode_s"] = round(time.monotonic() - started, 2)
         assert run.fabric is not None
         assert (run.fabric.pulled, run.fabric.source) == (3, PREFILL)
+        # pulled before it was pinned: no get of a chunk the node did not hold yet (the old
+        # loader's get-then-pull counted each pulled chunk as a not_found store error)
+        assert _get_not_found(nodes[DECODE]) == not_found
         assert run.prefix_tokens == PROMPT_LEN - 1 and run.computed_tokens == 1
         assert client.lookup(ns, keys=keys).matched_chunks == 3  # now held here
         free = decode_from_fabric(client, ns, model, P, STEPS)
