@@ -13,25 +13,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from readme_shell import fenced_blocks, quickstart_block
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 KVFABRIC = str(Path(sys.executable).parent / "kvfabric")  # what `.venv/bin/kvfabric` is here
 
 
-def _blocks(language: str, after: str | None = None) -> list[str]:
-    text = README.read_text()
-    if after is not None:
-        text = text[text.index(after):]
-    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
-
-
 def _engine_snippet() -> str:
-    return _blocks("python", after="## Using the daemon from an engine")[0]
+    return fenced_blocks("python", after="## Using the daemon from an engine")[0].body
 
 
 def _quickstart_commands() -> list[str]:
-    block = next(b for b in _blocks("bash") if "kvfabric put" in b)
-    return [line for line in block.splitlines() if line.strip()]
+    return [line for line in quickstart_block().body.splitlines() if line.strip()]
 
 
 @pytest.fixture
