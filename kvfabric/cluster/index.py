@@ -446,7 +446,10 @@ class BatchingIndex(GlobalIndex):
                 self._done += len(batch)
                 self._failures += failed
                 self._cond.notify_all()
-            if not batch:
+            if not batch or failed:
+                # a failed send may mean the index must be rebuilt (a stale Redis index
+                # refuses updates until it republishes): with puts arriving faster than the
+                # back-off, a tick only on an empty queue would never come
                 try:
                     self._tick()
                 except KVFabricError:

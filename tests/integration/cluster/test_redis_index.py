@@ -70,6 +70,51 @@ def test_redis_loss_fails_fast_then_republish_restores(redis_server) -> None:
         manual.close()
 
 
+def test_republish_is_not_starved_by_a_steady_stream_of_updates(redis_server) -> None:
+    """Regression (a chaos-suite failure): the flusher ran its republish tick only when its
+    queue was empty, and a stale index refuses updates, each refusal followed by a 50 ms
+    back-off; a node whose store kept reporting puts faster than that never found its queue
+    empty and stayed out of the index after Redis came back empty."""
+    local = list(INVENTORY[:3])
+    node = RedisGlobalIndex(redis_server.url, socket_timeout=0.3, inventory=lambda: list(local),
+                            retry_interval=0.1)
+    observer = RedisGlobalIndex(redis_server.url, socket_timeout=0.3)
+    stop = threading.Event()
+
+    def store_reports() -> None:  # a put every 2 ms, as a busy node's store reports them
+        i = 0
+        while not stop.is_set():
+            node.publish(stored=[local[i % len(local)]])
+            i += 1
+            time.sleep(0.002)
+
+    reporter = threading.Thread(target=store_reports, daemon=True)
+    try:
+        node.register(NodeInfo("busy", "10.0.0.1:7000", ("dram",)))
+        node.publish(stored=local)
+        node.flush()
+        reporter.start()
+        redis_server.restart()  # empty: the node's lease and entries are gone
+        wait_for(lambda: _heartbeat_says_stale(node))  # what the daemon's heartbeat does
+        wait_for(lambda: not node.stale, timeout=5.0)  # republished while updates keep coming
+        found = observer.lookup(NS.seed, CHAIN)
+        assert found.matched_chunks == 3
+        assert {loc.node_id for row in found.owners for loc in row} == {"busy"}
+    finally:
+        stop.set()
+        reporter.join()
+        node.close()
+        observer.close()
+
+
+def _heartbeat_says_stale(index: RedisGlobalIndex) -> bool:
+    try:
+        index.heartbeat()
+    except UnavailableError:
+        pass  # the first command after the restart may find the old connection dead
+    return index.stale
+
+
 def load_consumer():
     path = Path(__file__).parents[3] / "examples" / "kv_event_consumer.py"
     spec = importlib.util.spec_from_file_location("kv_event_consumer", path)
