@@ -17,14 +17,16 @@ lookup         ns, keys | tokens, num_tokens?, scope?       requested_chunks, ch
                                                             tier_tokens, requested_tokens
                                                             (cluster: nodes, stale, peer_tokens)
 reserve        ns, key, parent, num_tokens?                 lease, tier, pages, nbytes, num_tokens
-commit         lease, layers? (bitmask; all when absent)    done (bool: object complete)
+commit         lease, layers? (bitmask; all when absent)    done (bool: object complete);
+                                                            lease_s while not done (the lease,
+                                                            renewed by this commit)
 abort          lease                                        null
 get            ns, key, timeout?                            lease, tier, pages, nbytes, num_tokens,
                                                             ready
 wait_layer     lease, layer, timeout                        ready
 release        lease                                        null
 reserve_batch  ns, items [{key, parent?, num_tokens?}]        [item, ...] (item: see below)
-commit_batch   leases                                       [item, ...] (each fully committed)
+commit_batch   leases, layers?                              [item, ...] (as commit's result)
 get_batch      ns, keys, timeout?                           [item, ...]
 release_batch  leases                                       [item, ...]
 contains       ns, keys                                     [bool, ...]
