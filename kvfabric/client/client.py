@@ -56,10 +56,18 @@ def default_address() -> str:
 class Client:
     """A session with the local daemon (Unix socket) or a remote one (TCP: no leases)."""
 
-    def __init__(self, address: Address | None = None, *, token: str | None = None,
-                 timeout: float = 30.0, reconnect: bool = True,
-                 reconnect_timeout: float = 30.0, backoff: Backoff | None = None,
-                 engine: str | None = None, tls: TLSOption = None) -> None:
+    def __init__(
+        self,
+        address: Address | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        reconnect: bool = True,
+        reconnect_timeout: float = 30.0,
+        backoff: Backoff | None = None,
+        engine: str | None = None,
+        tls: TLSOption = None,
+    ) -> None:
         """``engine`` names what this client serves ("vllm", "sglang", ...): the daemon's
         per-engine traffic metrics carry it as a label. ``tls`` (a
         :class:`~kvfabric.client.tls.ClientTLS` or an ``ssl.SSLContext``): speak TLS to a TCP
@@ -74,35 +82,70 @@ class Client:
         self._backoff = backoff or ExponentialBackoff()
         self._lock = threading.Lock()
         self._connection: Connection | None = Connection(
-            self.address, token=self._token, timeout=timeout, client=engine,
-            backoff=self._backoff, tls=tls)
+            self.address,
+            token=self._token,
+            timeout=timeout,
+            client=engine,
+            backoff=self._backoff,
+            tls=tls,
+        )
 
     @property
     def node_id(self) -> str:
         return str(self._session().hello["node_id"])
 
-    def lookup(self, ns: Namespace, tokens: Any = None, *, keys: Sequence[bytes] | None = None,
-               scope: str = "local", num_tokens: int | None = None) -> LookupResult:
+    @property
+    def can_pull(self) -> bool:
+        """Whether the daemon can pull chunks other nodes hold (:meth:`prefetch`): it is in a
+        cluster with a peer transport (its hello lists the ``pull`` feature)."""
+        return "pull" in (self._session().hello.get("features") or ())
+
+    def lookup(
+        self,
+        ns: Namespace,
+        tokens: Any = None,
+        *,
+        keys: Sequence[bytes] | None = None,
+        scope: str = "local",
+        num_tokens: int | None = None,
+    ) -> LookupResult:
         """Longest prefix the node holds, from token ids (full chunks) or chunk keys; with
         ``scope="cluster"`` also the longest any live node holds (``cluster_chunks``).
         ``num_tokens`` (with keys): the tokens the chain covers, when its last chunk may be
         partial, so the daemon's metrics count a missed partial chunk by its real tokens."""
-        return requests.lookup_result(self._call(Op.LOOKUP, requests.lookup_args(
-            ns, tokens, keys, scope, packed=self._packs_keys(), num_tokens=num_tokens)))
+        return requests.lookup_result(
+            self._call(
+                Op.LOOKUP,
+                requests.lookup_args(
+                    ns, tokens, keys, scope, packed=self._packs_keys(), num_tokens=num_tokens
+                ),
+            )
+        )
 
-    def prefetch(self, ns: Namespace, keys: Sequence[bytes] | None = None, tokens: Any = None,
-                 *, timeout: float = DEFAULT_PREFETCH_S) -> dict[str, Any]:
+    def prefetch(
+        self,
+        ns: Namespace,
+        keys: Sequence[bytes] | None = None,
+        tokens: Any = None,
+        *,
+        timeout: float = DEFAULT_PREFETCH_S,
+    ) -> dict[str, Any]:
         """Have the node pull the chunks of ``keys`` (or of the full chunks of ``tokens``) it
         lacks from the nodes that own them, within ``timeout`` seconds; afterwards they are
         served like any local chunk. Returns counts of chunks ``pulled``, ``already_local``
         and ``missing`` (held nowhere, or not pulled in time) and ``source`` (the node they
         came from, or None). Needs the local socket and a node in a redis cluster."""
-        return dict(self._call(Op.PREFETCH, requests.prefetch_args(
-            ns, tokens, keys, timeout, packed=self._packs_keys()),
-            timeout=timeout + PREFETCH_REPLY_MARGIN_S))
+        return dict(
+            self._call(
+                Op.PREFETCH,
+                requests.prefetch_args(ns, tokens, keys, timeout, packed=self._packs_keys()),
+                timeout=timeout + PREFETCH_REPLY_MARGIN_S,
+            )
+        )
 
-    def push(self, ns: Namespace, keys: Sequence[bytes], target: str, *,
-             timeout: float = DEFAULT_PUSH_S) -> dict[str, Any]:
+    def push(
+        self, ns: Namespace, keys: Sequence[bytes], target: str, *, timeout: float = DEFAULT_PUSH_S
+    ) -> dict[str, Any]:
         """Have the node push the chunks of ``keys`` to node ``target``, each layer as soon
         as it is committed here (the chunks may still be being written), within ``timeout``
         seconds. The chunks exist on ``target`` as soon as the push has reserved them there:
@@ -110,19 +153,38 @@ class Client:
         distinct chunks ``pushed`` (complete on ``target``), ``already_there`` and
         ``failed`` (not held here, or not pushed in time). Blocks until the push ends.
         Needs the local socket and a node in a redis cluster."""
-        return dict(self._call(Op.PUSH, requests.push_args(ns, keys, target, timeout),
-                               timeout=timeout + PREFETCH_REPLY_MARGIN_S))
+        return dict(
+            self._call(
+                Op.PUSH,
+                requests.push_args(ns, keys, target, timeout),
+                timeout=timeout + PREFETCH_REPLY_MARGIN_S,
+            )
+        )
 
-    def reserve(self, ns: Namespace, key: bytes, *, parent: bytes = ROOT,
-                num_tokens: int | None = None, heads: HeadRange | None = None) -> RemoteWriter:
+    def reserve(
+        self,
+        ns: Namespace,
+        key: bytes,
+        *,
+        parent: bytes = ROOT,
+        num_tokens: int | None = None,
+        heads: HeadRange | None = None,
+    ) -> RemoteWriter:
         """Reserve a chunk to write; with ``heads``, only that KV-head range (one
         tensor-parallel rank: the other ranks reserve the same key with theirs)."""
         args = requests.reserve_args(ns, key, parent, num_tokens, heads)
         session, reply = self._call_on_session(Op.RESERVE, args)
         return RemoteWriter(session, ns, key, reply, heads=heads)
 
-    def put(self, ns: Namespace, key: bytes, data: Any, *, parent: bytes = ROOT,
-            num_tokens: int | None = None) -> bool:
+    def put(
+        self,
+        ns: Namespace,
+        key: bytes,
+        data: Any,
+        *,
+        parent: bytes = ROOT,
+        num_tokens: int | None = None,
+    ) -> bool:
         """Store a whole payload; ``False`` if the node already holds the key."""
         try:
             writer = self.reserve(ns, key, parent=parent, num_tokens=num_tokens)
@@ -133,14 +195,17 @@ class Client:
             writer.commit()
         return True
 
-    def reserve_many(self, ns: Namespace, chunks: Sequence[ChunkRef], *,
-                     heads: HeadRange | None = None) -> list[RemoteWriter | KVFabricError]:
+    def reserve_many(
+        self, ns: Namespace, chunks: Sequence[ChunkRef], *, heads: HeadRange | None = None
+    ) -> list[RemoteWriter | KVFabricError]:
         """Reserve many chunks in one round trip; each item is a writer or its own error."""
-        session, items = self._call_on_session(Op.RESERVE_BATCH,
-                                               requests.reserve_batch_args(ns, chunks, heads))
-        return [r if isinstance(r, KVFabricError) else
-                RemoteWriter(session, ns, c.key, r, heads=heads)
-                for c, r in zip(chunks, requests.item_results(items))]
+        session, items = self._call_on_session(
+            Op.RESERVE_BATCH, requests.reserve_batch_args(ns, chunks, heads)
+        )
+        return [
+            r if isinstance(r, KVFabricError) else RemoteWriter(session, ns, c.key, r, heads=heads)
+            for c, r in zip(chunks, requests.item_results(items))
+        ]
 
     def commit_many(self, writers: Sequence[RemoteWriter]) -> None:
         """Commit every layer of each writer in one round trip; raises the first failure."""
@@ -162,8 +227,9 @@ class Client:
             writer.closed = bool(result["done"])
         return [w.closed for w in writers]
 
-    def put_many(self, ns: Namespace, chunks: Sequence[ChunkRef],
-                 payloads: Sequence[Any]) -> list[bool]:
+    def put_many(
+        self, ns: Namespace, chunks: Sequence[ChunkRef], payloads: Sequence[Any]
+    ) -> list[bool]:
         """Store many chunks (e.g. a prompt's :func:`~kvfabric.hashing.chunk_hashes`) with
         two round trips in all; ``False`` where the node already held the chunk."""
         if len(chunks) != len(payloads):
@@ -171,8 +237,9 @@ class Client:
         results = self.reserve_many(ns, chunks)
         writers = [r for r in results if isinstance(r, RemoteWriter)]
         try:
-            requests.raise_first([r for r in results
-                                  if not isinstance(r, (RemoteWriter, AlreadyExistsError))])
+            requests.raise_first(
+                [r for r in results if not isinstance(r, (RemoteWriter, AlreadyExistsError))]
+            )
             for result, data in zip(results, payloads):
                 if isinstance(result, RemoteWriter):
                     result.write(data)
@@ -183,18 +250,26 @@ class Client:
         self.commit_many(writers)
         return [isinstance(r, RemoteWriter) for r in results]
 
-    def get_many(self, ns: Namespace, keys: Sequence[bytes], *,
-                 timeout: float | None = None, want: ReadSpec | None = None
-                 ) -> list[RemoteReader | None]:
+    def get_many(
+        self,
+        ns: Namespace,
+        keys: Sequence[bytes],
+        *,
+        timeout: float | None = None,
+        want: ReadSpec | None = None,
+    ) -> list[RemoteReader | None]:
         """Pin many chunks in one round trip; ``None`` where the node does not hold one."""
-        session, items = self._call_on_session(Op.GET_BATCH,
-                                               requests.get_batch_args(ns, keys, timeout, want))
+        session, items = self._call_on_session(
+            Op.GET_BATCH, requests.get_batch_args(ns, keys, timeout, want)
+        )
         results = requests.item_results(items)
-        readers = [None if isinstance(r, KVFabricError)
-                   else RemoteReader(session, ns, k, r, want=want)
-                   for k, r in zip(keys, results)]
-        failures = [r for r in results if isinstance(r, KVFabricError) and
-                    not isinstance(r, NotFoundError)]
+        readers = [
+            None if isinstance(r, KVFabricError) else RemoteReader(session, ns, k, r, want=want)
+            for k, r in zip(keys, results)
+        ]
+        failures = [
+            r for r in results if isinstance(r, KVFabricError) and not isinstance(r, NotFoundError)
+        ]
         if failures:
             self.release_many([r for r in readers if r is not None])
             raise failures[0]
@@ -206,16 +281,23 @@ class Client:
         if live:
             requests.raise_first(_batch(live, Op.RELEASE_BATCH))
 
-    def get(self, ns: Namespace, key: bytes, *, timeout: float | None = None,
-            want: ReadSpec | None = None) -> RemoteReader:
+    def get(
+        self,
+        ns: Namespace,
+        key: bytes,
+        *,
+        timeout: float | None = None,
+        want: ReadSpec | None = None,
+    ) -> RemoteReader:
         """Pin one chunk; ``want`` is how this consumer reads it (its dtype, KV-head range,
         layout: see :mod:`kvfabric.readspec`), validated by the daemon before it pins."""
         session, reply = self._call_on_session(Op.GET, requests.get_args(ns, key, timeout, want))
         return RemoteReader(session, ns, key, reply, want=want)
 
     def contains(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
-        return list(self._call(Op.CONTAINS, requests.keys_args(ns, keys,
-                                                               packed=self._packs_keys())))
+        return list(
+            self._call(Op.CONTAINS, requests.keys_args(ns, keys, packed=self._packs_keys()))
+        )
 
     def delete(self, ns: Namespace, key: bytes) -> bool:
         return bool(self._call(Op.DELETE, requests.key_args(ns, key)))
@@ -229,8 +311,9 @@ class Client:
     def _call(self, op: Op, args: dict[str, Any], timeout: float | None = None) -> Any:
         return self._call_on_session(op, args, timeout)[1]
 
-    def _call_on_session(self, op: Op, args: dict[str, Any], timeout: float | None = None
-                         ) -> tuple[Connection, Any]:
+    def _call_on_session(
+        self, op: Op, args: dict[str, Any], timeout: float | None = None
+    ) -> tuple[Connection, Any]:
         """``timeout``: for the reply (default: the client's)."""
         give_up = time.monotonic() + self.reconnect_timeout
         attempt = 0
@@ -254,9 +337,14 @@ class Client:
         with self._lock:
             if self._connection is None or self._connection.closed:
                 self._connection = None
-                self._connection = Connection(self.address, token=self._token,
-                                              timeout=self.timeout, client=self.engine,
-                                              backoff=self._backoff, tls=self._tls)
+                self._connection = Connection(
+                    self.address,
+                    token=self._token,
+                    timeout=self.timeout,
+                    client=self.engine,
+                    backoff=self._backoff,
+                    tls=self._tls,
+                )
             return self._connection
 
     def close(self) -> None:
@@ -265,7 +353,7 @@ class Client:
                 self._connection.close()
                 self._connection = None
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:

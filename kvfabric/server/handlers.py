@@ -21,18 +21,39 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvfabric.config import AuthConfig
-from kvfabric.errors import (AuthError, ForbiddenError, KVFabricError, LeaseExpiredError,
-                             ObjectAbortedError, ProtocolError, UnavailableError, UnsupportedError,
-                             WouldBlockError)
+from kvfabric.errors import (
+    AuthError,
+    ForbiddenError,
+    KVFabricError,
+    LeaseExpiredError,
+    ObjectAbortedError,
+    ProtocolError,
+    UnavailableError,
+    UnsupportedError,
+    WouldBlockError,
+)
 from kvfabric.hashing import ROOT, chunk_keys
-from kvfabric.protocol.messages import (MAX_KEYS, MAX_TOKENS, PROTOCOL_VERSION, Op,
-                                        arg_chain_tokens, arg_float, arg_head_range, arg_int,
-                                        arg_key, arg_keys, arg_list, arg_str, arg_tokens,
-                                        item_error, item_ok)
+from kvfabric.protocol.messages import (
+    MAX_KEYS,
+    MAX_TOKENS,
+    PROTOCOL_VERSION,
+    Op,
+    arg_chain_tokens,
+    arg_float,
+    arg_head_range,
+    arg_int,
+    arg_key,
+    arg_keys,
+    arg_list,
+    arg_str,
+    arg_tokens,
+    item_error,
+    item_ok,
+)
 from kvfabric.readspec import ReadSpec
 from kvfabric.server.cluster_link import ClusterLink
-from kvfabric.server.puller import Puller
 from kvfabric.server.instrumented import InstrumentedPuller, InstrumentedPusher
+from kvfabric.server.puller import Puller
 from kvfabric.server.pusher import Pusher
 from kvfabric.server.session import Session
 from kvfabric.store.handles import ObjectReader, ObjectWriter
@@ -91,8 +112,9 @@ def hello(ctx: Context, session: Session, args: dict[str, Any]) -> tuple[dict[st
     access = arg_str(args, "access", default="write")
     if access not in ("read", "write"):
         raise ProtocolError(f"access must be 'read' or 'write', got {access!r}")
-    session.authenticate(_tenant_of(ctx.auth, token), arg_str(args, "client", default=""),
-                         read_only=access == "read")
+    session.authenticate(
+        _tenant_of(ctx.auth, token), arg_str(args, "client", default=""), read_only=access == "read"
+    )
     if not session.local:
         arenas = []
     elif session.tenant is None:
@@ -100,15 +122,25 @@ def hello(ctx: Context, session: Session, args: dict[str, Any]) -> tuple[dict[st
     else:
         arenas = ctx.store.arenas(session.tenant)
     result = {
-        "protocol": PROTOCOL_VERSION, "node_id": ctx.node_id, "tenant": session.tenant,
-        "shared_memory": session.local, "tiers": ctx.store.tier_names,
-        "arenas": [{"tier": a.tier_name, "index": a.tier_index, "arena": a.arena_id,
-                    "size": a.arena.size, "page_size": a.arena.page_size,
-                    "writable": not session.read_only} for a in arenas],
-        "limits": {"max_keys": MAX_KEYS, "max_tokens": MAX_TOKENS,
-                   "max_leases": ctx.max_leases},
+        "protocol": PROTOCOL_VERSION,
+        "node_id": ctx.node_id,
+        "tenant": session.tenant,
+        "shared_memory": session.local,
+        "tiers": ctx.store.tier_names,
+        "arenas": [
+            {
+                "tier": a.tier_name,
+                "index": a.tier_index,
+                "arena": a.arena_id,
+                "size": a.arena.size,
+                "page_size": a.arena.page_size,
+                "writable": not session.read_only,
+            }
+            for a in arenas
+        ],
+        "limits": {"max_keys": MAX_KEYS, "max_tokens": MAX_TOKENS, "max_leases": ctx.max_leases},
         # additions within this protocol version; a client uses them only when listed here
-        "features": list(FEATURES),
+        "features": [*FEATURES, *(["pull"] if ctx.puller is not None else [])],
     }
     return result, [a.read_only_fd if session.read_only else a.arena.fd for a in arenas]
 
@@ -156,8 +188,7 @@ def lookup(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, An
     nodes, stale = ctx.cluster.node_prefixes(ns, keys)
     peer_chunks = max((n["chunks"] for n in nodes if n["node_id"] != ctx.node_id), default=0)
     result = ctx.store.lookup(ns, keys, num_tokens=num_tokens, peer_chunks=peer_chunks)
-    return {**result.to_dict(), "nodes": nodes, "stale": stale,
-            "peer_tokens": result.peer_tokens}
+    return {**result.to_dict(), "nodes": nodes, "stale": stale, "peer_tokens": result.peer_tokens}
 
 
 def reserve(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
@@ -175,11 +206,13 @@ def _reserve_one(ctx: Context, session: Session, ns: Any, args: Any) -> dict[str
     if not isinstance(args, dict):
         raise ProtocolError("a reserve item must be a map")
     parent = arg_key(args, "parent") if "parent" in args else ROOT
-    num_tokens = arg_int(args, "num_tokens", low=1, high=ns.spec.chunk_tokens,
-                         default=ns.spec.chunk_tokens)
+    num_tokens = arg_int(
+        args, "num_tokens", low=1, high=ns.spec.chunk_tokens, default=ns.spec.chunk_tokens
+    )
     heads = arg_head_range(args, ns.spec.num_kv_heads) if "heads" in args else None
-    writer = ctx.store.reserve(ns, arg_key(args, "key"), parent=parent, num_tokens=num_tokens,
-                               heads=heads)
+    writer = ctx.store.reserve(
+        ns, arg_key(args, "key"), parent=parent, num_tokens=num_tokens, heads=heads
+    )
     return _placement(session.add_lease(writer), writer)
 
 
@@ -206,8 +239,9 @@ def _commit_one(session: Session, lease_id: int, layers: Any) -> bool:
             done = True
         else:
             all_layers = (1 << writer.layout.spec.num_layers) - 1
-            done = writer.commit_layers(arg_int({"layers": layers}, "layers", low=1,
-                                                high=all_layers))
+            done = writer.commit_layers(
+                arg_int({"layers": layers}, "layers", low=1, high=all_layers)
+            )
     except (LeaseExpiredError, ObjectAbortedError):
         session.forget(lease_id)  # the object is gone: the lease must not count any more
         raise
@@ -220,8 +254,7 @@ def commit_batch(ctx: Context, session: Session, args: dict[str, Any]) -> list[d
     """Commit many writers: every layer, or the layers in mask ``layers`` of each (a batch
     of chunks streamed layer by layer costs one round trip per layer)."""
     layers = args.get("layers")
-    return [_item(_commit_item, ctx, session, layers, lease)
-            for lease in arg_list(args, "leases")]
+    return [_item(_commit_item, ctx, session, layers, lease) for lease in arg_list(args, "leases")]
 
 
 def _commit_item(ctx: Context, session: Session, layers: Any, raw_id: Any) -> dict[str, Any]:
@@ -242,16 +275,19 @@ def get(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     reply's ``conversions`` name what that read converts (empty: zero copy) and
     ``convert_at`` where it runs (the consumer, straight from the pinned pages)."""
     ns = session.namespace(args.get("ns"))
-    return _get_one(ctx, session, ns, (args.get("key"), arg_float(args, "timeout"),
-                                       _conversions(ns, args)))
+    return _get_one(
+        ctx, session, ns, (args.get("key"), arg_float(args, "timeout"), _conversions(ns, args))
+    )
 
 
 def get_batch(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
     ns = session.namespace(args.get("ns"))
     timeout = arg_float(args, "timeout")
     conversions = _conversions(ns, args)
-    return [_item(_get_one, ctx, session, ns, (key, timeout, conversions))
-            for key in arg_list(args, "keys")]
+    return [
+        _item(_get_one, ctx, session, ns, (key, timeout, conversions))
+        for key in arg_list(args, "keys")
+    ]
 
 
 def _conversions(ns: Any, args: dict[str, Any]) -> list[str]:
@@ -262,8 +298,9 @@ def _conversions(ns: Any, args: dict[str, Any]) -> list[str]:
     return [c.value for c in want.conversions(ns.spec)]
 
 
-def _get_one(ctx: Context, session: Session, ns: Any,
-             item: tuple[Any, float | None, list[str]]) -> dict[str, Any]:
+def _get_one(
+    ctx: Context, session: Session, ns: Any, item: tuple[Any, float | None, list[str]]
+) -> dict[str, Any]:
     key, timeout, conversions = item
     reader = ctx.store.get(ns, arg_key({"key": key}, "key"), timeout=timeout)
     result = _placement(session.add_lease(reader), reader)
@@ -276,8 +313,9 @@ def _get_one(ctx: Context, session: Session, ns: Any,
 
 def wait_layer(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     reader = session.reader(arg_int(args, "lease"))
-    reader.wait_layer(arg_int(args, "layer", high=reader.layout.spec.num_layers - 1),
-                      wait_timeout(args))
+    reader.wait_layer(
+        arg_int(args, "layer", high=reader.layout.spec.num_layers - 1), wait_timeout(args)
+    )
     return {"ready": reader.ready_mask}
 
 
@@ -290,16 +328,17 @@ def release(ctx: Context, session: Session, args: dict[str, Any]) -> None:
 
 
 def release_batch(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
-    return [_item(_release_one, ctx, session, None, lease)
-            for lease in arg_list(args, "leases")]
+    return [_item(_release_one, ctx, session, None, lease) for lease in arg_list(args, "leases")]
 
 
 def _release_one(ctx: Context, session: Session, _: Any, lease_id: Any) -> None:
     lease = session.forget(arg_int({"lease": lease_id}, "lease"))
     if lease.expired:
         # the pages may have been reused while the client read them: tell it so
-        raise LeaseExpiredError(f"the pin on {lease.key.hex()} expired before its release; "
-                                f"data read through it may be torn")
+        raise LeaseExpiredError(
+            f"the pin on {lease.key.hex()} expired before its release; "
+            f"data read through it may be torn"
+        )
     if isinstance(lease, ObjectReader):
         lease.release()
     else:
@@ -339,12 +378,14 @@ def peer_pin(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[
     ns = session.namespace(args.get("ns"))
     timeout = arg_float(args, "timeout")
     page_sizes = {index: arena.page_size for index, _, arena in ctx.store.host_arenas()}
-    return [_item(_peer_pin_one, ctx, session, ns, (key, timeout, page_sizes))
-            for key in arg_keys(args)]
+    return [
+        _item(_peer_pin_one, ctx, session, ns, (key, timeout, page_sizes)) for key in arg_keys(args)
+    ]
 
 
-def _peer_pin_one(ctx: Context, session: Session, ns: Any,
-                  item: tuple[bytes, float | None, dict[int, int]]) -> dict[str, Any]:
+def _peer_pin_one(
+    ctx: Context, session: Session, ns: Any, item: tuple[bytes, float | None, dict[int, int]]
+) -> dict[str, Any]:
     key, timeout, page_sizes = item
     reader = ctx.store.get(ns, key, timeout=timeout)
     try:
@@ -364,8 +405,7 @@ def peer_release(ctx: Context, session: Session, args: dict[str, Any]) -> list[d
     return release_batch(ctx, session, args)
 
 
-def peer_reserve(ctx: Context, session: Session, args: dict[str, Any]
-                 ) -> list[dict[str, Any]]:
+def peer_reserve(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
     """Reserve chunks a peer node is about to push (admin only).
 
     ``items`` as for ``reserve_batch``; per item: the reservation's placement (see
@@ -378,12 +418,15 @@ def peer_reserve(ctx: Context, session: Session, args: dict[str, Any]
     _require_admin(session, "peer_reserve")
     ns = session.namespace(args.get("ns"))
     page_sizes = {index: arena.page_size for index, _, arena in ctx.store.host_arenas()}
-    return [_item(_peer_reserve_one, ctx, session, ns, (item, page_sizes))
-            for item in arg_list(args, "items")]
+    return [
+        _item(_peer_reserve_one, ctx, session, ns, (item, page_sizes))
+        for item in arg_list(args, "items")
+    ]
 
 
-def _peer_reserve_one(ctx: Context, session: Session, ns: Any,
-                      item: tuple[Any, dict[int, int]]) -> dict[str, Any]:
+def _peer_reserve_one(
+    ctx: Context, session: Session, ns: Any, item: tuple[Any, dict[int, int]]
+) -> dict[str, Any]:
     raw, page_sizes = item
     result = _reserve_one(ctx, session, ns, raw)
     page_size = page_sizes.get(result.get("arena"))
@@ -400,12 +443,15 @@ def peer_commit(ctx: Context, session: Session, args: dict[str, Any]) -> list[di
     ``{"done"}`` (True once the chunk is complete, which ends the lease) or its error."""
     _require_admin(session, "peer_commit")
     layers = arg_int(args, "layers", low=1)
-    return [_item(_peer_commit_one, ctx, session, None, (lease, layers))
-            for lease in arg_list(args, "leases")]
+    return [
+        _item(_peer_commit_one, ctx, session, None, (lease, layers))
+        for lease in arg_list(args, "leases")
+    ]
 
 
-def _peer_commit_one(ctx: Context, session: Session, _: Any, item: tuple[Any, int]
-                     ) -> dict[str, bool]:
+def _peer_commit_one(
+    ctx: Context, session: Session, _: Any, item: tuple[Any, int]
+) -> dict[str, bool]:
     raw_id, layers = item
     return {"done": _commit_one(session, arg_int({"lease": raw_id}, "lease"), layers)}
 
@@ -431,8 +477,9 @@ def push(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]
     Returns counts of distinct chunks: ``pushed``, ``already_there``, ``failed``.
     """
     if ctx.pusher is None:
-        raise UnsupportedError("this node cannot push chunks: it has no peer transport "
-                               "(cluster.index is not redis)")
+        raise UnsupportedError(
+            "this node cannot push chunks: it has no peer transport (cluster.index is not redis)"
+        )
     ns = session.namespace(args.get("ns"))
     keys = arg_keys(args)
     target = arg_str(args, "target")
@@ -448,14 +495,14 @@ def prefetch(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, 
     node the pulled chunks came from, or None).
     """
     if ctx.puller is None:
-        raise UnsupportedError("this node cannot pull chunks: it has no peer transport "
-                               "(cluster.index is not redis)")
+        raise UnsupportedError(
+            "this node cannot pull chunks: it has no peer transport (cluster.index is not redis)"
+        )
     ns = session.namespace(args.get("ns"))
     if "keys" in args:
         keys = arg_keys(args)
     else:
-        keys = chunk_keys(ns, np.frombuffer(arg_tokens(args), dtype="<i4"),
-                          include_partial=False)
+        keys = chunk_keys(ns, np.frombuffer(arg_tokens(args), dtype="<i4"), include_partial=False)
     timeout = arg_float(args, "timeout") or DEFAULT_PREFETCH_S
     return ctx.puller.prefetch(ns, keys, timeout).to_dict()
 
@@ -471,8 +518,13 @@ def _require_admin(session: Session, op: str) -> None:
         raise ForbiddenError(f"{op} is a node-to-node operation: it needs the admin token")
 
 
-def _item(fn: Callable[[Context, Session, Any, Any], Any], ctx: Context, session: Session,
-          ns: Any, item: Any) -> dict[str, Any]:
+def _item(
+    fn: Callable[[Context, Session, Any, Any], Any],
+    ctx: Context,
+    session: Session,
+    ns: Any,
+    item: Any,
+) -> dict[str, Any]:
     """One batch item: its result, or its own error (the other items go on)."""
     try:
         return item_ok(fn(ctx, session, ns, item))
@@ -484,9 +536,14 @@ def _placement(lease_id: int, lease: ObjectWriter | ObjectReader) -> dict[str, A
     # lease_s: the client stops touching the pages when it runs out, since after it they
     # may belong to another object (a client frozen mid-copy is the one case it cannot stop)
     # arena: the shared-memory arena the pages lie in (absent: not one a client can map)
-    result = {"lease": lease_id, "tier": lease.tier_index, "pages": lease.pages.tobytes(),
-              "nbytes": lease.nbytes, "num_tokens": lease.num_tokens,
-              "lease_s": _lease_left(lease)}
+    result = {
+        "lease": lease_id,
+        "tier": lease.tier_index,
+        "pages": lease.pages.tobytes(),
+        "nbytes": lease.nbytes,
+        "num_tokens": lease.num_tokens,
+        "lease_s": _lease_left(lease),
+    }
     arena = lease.arena_id
     if arena is not None:
         result["arena"] = arena
@@ -502,8 +559,7 @@ HANDLERS: dict[Op, Handler] = {
     Op.GET: Handler(get, blocking=True, local=True),
     Op.WAIT_LAYER: Handler(wait_layer, blocking=True, local=True, waits_for_layers=True),
     Op.RELEASE: Handler(release, local=True),
-    Op.RESERVE_BATCH: Handler(reserve_batch, blocking=True, local=True, batch=True,
-                              items="items"),
+    Op.RESERVE_BATCH: Handler(reserve_batch, blocking=True, local=True, batch=True, items="items"),
     Op.COMMIT_BATCH: Handler(commit_batch, local=True),
     Op.GET_BATCH: Handler(get_batch, blocking=True, local=True, batch=True, items="keys"),
     Op.RELEASE_BATCH: Handler(release_batch, local=True),

@@ -54,8 +54,9 @@ def torch_dtype(spec: KVSpec) -> torch.dtype:
     return getattr(torch, spec.dtype.value)
 
 
-def spec_from_config(config: Any, *, dtype: str | torch.dtype = "bfloat16",
-                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> KVSpec:
+def spec_from_config(
+    config: Any, *, dtype: str | torch.dtype = "bfloat16", chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> KVSpec:
     """The canonical KV spec of a transformers decoder config (Llama-like: MHA/GQA).
 
     ``dtype`` is the dtype the KV is *stored* in (the producer's), not necessarily the one
@@ -64,34 +65,62 @@ def spec_from_config(config: Any, *, dtype: str | torch.dtype = "bfloat16",
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // heads
-    return KVSpec(num_layers=int(text.num_hidden_layers), num_kv_heads=kv_heads,
-                  head_dim=int(head_dim), dtype=str(dtype), chunk_tokens=chunk_tokens)
+    return KVSpec(
+        num_layers=int(text.num_hidden_layers),
+        num_kv_heads=kv_heads,
+        head_dim=int(head_dim),
+        dtype=str(dtype),
+        chunk_tokens=chunk_tokens,
+    )
 
 
-def namespace_for(model_id: str, config: Any, *, dtype: str | torch.dtype = "bfloat16",
-                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, tenant_salt: str = "",
-                  lora_id: str = "") -> Namespace:
+def namespace_for(
+    model_id: str,
+    config: Any,
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    tenant_salt: str = "",
+    lora_id: str = "",
+) -> Namespace:
     """The namespace a vLLM ``KVFabricConnector`` producer stores this model's KV under:
     ``model_id`` = its served model name (or the connector's ``model_id``), ``dtype`` its
     model dtype, ``tenant_salt`` the request's ``cache_salt``."""
-    return Namespace(model_id, spec_from_config(config, dtype=dtype, chunk_tokens=chunk_tokens),
-                     tenant_salt, lora_id)
+    return Namespace(
+        model_id,
+        spec_from_config(config, dtype=dtype, chunk_tokens=chunk_tokens),
+        tenant_salt,
+        lora_id,
+    )
 
 
 def check_config(spec: KVSpec, config: Any) -> None:
     """Raise :class:`SpecError` unless the model of ``config`` has the KV shape of ``spec``."""
     own = spec_from_config(config, dtype=spec.dtype.value, chunk_tokens=spec.chunk_tokens)
-    if (own.num_layers, own.num_kv_heads, own.head_dim) != \
-            (spec.num_layers, spec.num_kv_heads, spec.head_dim):
-        raise SpecError(f"the model has {own.num_layers} layers x {own.num_kv_heads} KV heads "
-                        f"x {own.head_dim}, the namespace {spec.num_layers} x "
-                        f"{spec.num_kv_heads} x {spec.head_dim}")
+    if (own.num_layers, own.num_kv_heads, own.head_dim) != (
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.head_dim,
+    ):
+        raise SpecError(
+            f"the model has {own.num_layers} layers x {own.num_kv_heads} KV heads "
+            f"x {own.head_dim}, the namespace {spec.num_layers} x "
+            f"{spec.num_kv_heads} x {spec.head_dim}"
+        )
 
 
-def load_past_key_values(client: Client, ns: Namespace, token_ids: Sequence[int], *,
-                         dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                         config: Any = None, max_tokens: int | None = None, pull: bool = True,
-                         timeout: float = DEFAULT_TIMEOUT_S) -> FabricPrefix:
+def load_past_key_values(
+    client: Client,
+    ns: Namespace,
+    token_ids: Sequence[int],
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    config: Any = None,
+    max_tokens: int | None = None,
+    pull: bool = True,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> FabricPrefix:
     """The KV of the longest prefix of ``token_ids`` the fabric holds, as ``past_key_values``.
 
     ``max_tokens`` caps the prefix (a decode that still needs the logits of the last prompt
@@ -105,8 +134,9 @@ def load_past_key_values(client: Client, ns: Namespace, token_ids: Sequence[int]
     """
     spec = ns.spec
     if spec.kind is not AttentionKind.MHA:
-        raise SpecError("transformers past_key_values hold K and V per head: MLA is not "
-                        "supported here")
+        raise SpecError(
+            "transformers past_key_values hold K and V per head: MLA is not supported here"
+        )
     if config is not None:
         check_config(spec, config)
     limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
@@ -118,8 +148,7 @@ def load_past_key_values(client: Client, ns: Namespace, token_ids: Sequence[int]
         readers, reply = _pin(client, ns, refs, pull, deadline)
         stored = _prefix(readers)
         found = min(limit, sum(ref.num_tokens for ref in refs[:stored]))
-        layers = _copy_out(readers[:stored], refs[:stored], spec, found, dtype, device,
-                           deadline)
+        layers = _copy_out(readers[:stored], refs[:stored], spec, found, dtype, device, deadline)
     finally:
         if readers:
             try:
@@ -127,8 +156,14 @@ def load_past_key_values(client: Client, ns: Namespace, token_ids: Sequence[int]
             except (KVFabricError, OSError):
                 pass  # the pins expire with their leases
     pulled = int(reply.get("pulled", 0))
-    return FabricPrefix(make_cache(layers, config), found, stored, pulled,
-                        reply.get("source") if pulled else None, reply)
+    return FabricPrefix(
+        make_cache(layers, config),
+        found,
+        stored,
+        pulled,
+        reply.get("source") if pulled else None,
+        reply,
+    )
 
 
 def make_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], config: Any = None) -> Any:
@@ -160,19 +195,22 @@ def _left(deadline: float) -> float:
     return max(0.001, deadline - time.monotonic())
 
 
-def _pin(client: Client, ns: Namespace, refs: list[ChunkRef], pull: bool, deadline: float
-         ) -> tuple[list[RemoteReader | None], dict[str, Any]]:
+def _pin(
+    client: Client, ns: Namespace, refs: list[ChunkRef], pull: bool, deadline: float
+) -> tuple[list[RemoteReader | None], dict[str, Any]]:
     if not refs:
         return [], {}
     keys = [ref.key for ref in refs]
     # pull first: a get before it would count the chunks only another node holds as this
-    # node's misses (and pin them twice); the daemon pulls only what it lacks
-    reply = _prefetch(client, ns, keys, _left(deadline)) if pull else None
+    # node's misses (and pin them twice); the daemon pulls only what it lacks, and one
+    # outside a cluster is not asked at all
+    reply = _prefetch(client, ns, keys, _left(deadline)) if pull and client.can_pull else None
     return client.get_many(ns, keys, timeout=_left(deadline)), reply or {}
 
 
-def _prefetch(client: Client, ns: Namespace, keys: list[bytes], timeout: float
-              ) -> dict[str, Any] | None:
+def _prefetch(
+    client: Client, ns: Namespace, keys: list[bytes], timeout: float
+) -> dict[str, Any] | None:
     """The daemon's prefetch reply, or None where this node cannot pull (not in a cluster)."""
     try:
         return dict(client.prefetch(ns, keys=keys, timeout=timeout))
@@ -189,9 +227,15 @@ def _prefix(readers: Sequence[RemoteReader | None]) -> int:
     return count
 
 
-def _copy_out(readers: Sequence[RemoteReader | None], refs: Sequence[ChunkRef], spec: KVSpec,
-              tokens: int, dtype: torch.dtype | None, device: str | torch.device,
-              deadline: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _copy_out(
+    readers: Sequence[RemoteReader | None],
+    refs: Sequence[ChunkRef],
+    spec: KVSpec,
+    tokens: int,
+    dtype: torch.dtype | None,
+    device: str | torch.device,
+    deadline: float,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K, V), each [1, kv_heads, tokens, head_dim], from canonical payloads."""
     if tokens == 0:
         return []
@@ -211,9 +255,7 @@ def _copy_out(readers: Sequence[RemoteReader | None], refs: Sequence[ChunkRef], 
             reader.wait_layer(layer, timeout=_left(deadline))
             # [2, heads, tokens, dim]: a view when nothing converts
             canonical = read_layer(reader, layer, dtype=target)
-            kv[:, 0, :, start:start + take].copy_(canonical[:, :, :take])
+            kv[:, 0, :, start : start + take].copy_(canonical[:, :, :take])
             start += take
         out.append((kv[0], kv[1]))
     return out
-
-

@@ -1,0 +1,49 @@
+"""What the scheduler-side connector tells the worker-side one each step.
+
+vLLM carries :class:`KVFabricMetadata` from the scheduler process to the workers inside its
+``SchedulerOutput`` (its own IPC, not a kvfabric wire), so everything here is a plain frozen
+value. A request's tokens ``[0, n)`` live in its blocks: token ``t`` in block
+``block_ids[t // block_size]`` at offset ``t % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class ChunkSlice:
+    """One kvfabric chunk of a request and the part of it that moves: chunk tokens
+    ``[begin, end)``, which are the request's tokens ``[start + begin, start + end)``."""
+
+    key: bytes
+    parent: bytes
+    start: int  # request token index of the chunk's first token
+    num_tokens: int  # tokens in the chunk (chunk_tokens; fewer for a prompt's last chunk)
+    begin: int = 0
+    end: int = -1  # -1: the whole chunk
+
+    @property
+    def stop(self) -> int:
+        return self.num_tokens if self.end < 0 else self.end
+
+
+@dataclass(frozen=True)
+class RequestTransfer:
+    """The chunks of one request to load into, or save from, its blocks this step."""
+
+    req_id: str
+    tenant_salt: str
+    lora_id: str
+    block_ids: tuple[int, ...]
+    chunks: tuple[ChunkSlice, ...]
+    push_to: str | None = None  # saves: also push the chunks to this node
+    background: bool = False  # loads: between steps, reported by get_finished (a pull)
+
+
+@dataclass(frozen=True)
+class KVFabricMetadata(KVConnectorMetadata):
+    loads: tuple[RequestTransfer, ...] = ()
+    saves: tuple[RequestTransfer, ...] = ()
