@@ -6,7 +6,11 @@ setup(
     ext_modules=[
         # optional: without a C compiler the install still succeeds and
         # kvfabric.memory.strided falls back to Tensor.copy_
-        Extension("kvfabric.memory._strided", ["kvfabric/memory/_strided.c"],
-                  extra_compile_args=["-O3"], optional=True),
+        Extension(
+            "kvfabric.memory._strided",
+            ["kvfabric/memory/_strided.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ],
 )

@@ -84,8 +84,12 @@ def measure(fn: Callable[[int], object], repeat: int) -> list[float]:
     return samples
 
 
-def measure_pairs(pairs: Sequence[tuple[Callable[[int], object], Callable[[int], object]]],
-                  repeat: int, *, flip: bool = False) -> list[tuple[float, float]]:
+def measure_pairs(
+    pairs: Sequence[tuple[Callable[[int], object], Callable[[int], object]]],
+    repeat: int,
+    *,
+    flip: bool = False,
+) -> list[tuple[float, float]]:
     """Median seconds per call of each ``(baseline, subject)`` pair, measured back to back.
 
     Pairs run in order (a later pair may read what an earlier one wrote). Within a pair the
@@ -118,23 +122,30 @@ def median(samples: Sequence[float]) -> float:
     return percentile(samples, 50)
 
 
-def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
-                file: TextIO = sys.stdout) -> None:
+def print_table(
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[str], file: TextIO = sys.stdout
+) -> None:
     """An aligned text table; floats get 4 significant digits, numbers align right."""
+
     def cell(value: Any) -> str:
         if isinstance(value, float):
             return f"{value:.4g}"
         return "" if value is None else str(value)
 
     cells = [[cell(row.get(column)) for column in columns] for row in rows]
-    widths = [max([len(column), *(len(line[i]) for line in cells)])
-              for i, column in enumerate(columns)]
-    numeric = [all(isinstance(row.get(column), (int, float)) or row.get(column) is None
-                   for row in rows) for column in columns]
+    widths = [
+        max([len(column), *(len(line[i]) for line in cells)]) for i, column in enumerate(columns)
+    ]
+    numeric = [
+        all(isinstance(row.get(column), (int, float)) or row.get(column) is None for row in rows)
+        for column in columns
+    ]
 
     def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if right else v.ljust(w)
-                         for v, w, right in zip(values, widths, numeric, strict=True)).rstrip()
+        return "  ".join(
+            v.rjust(w) if right else v.ljust(w)
+            for v, w, right in zip(values, widths, numeric, strict=True)
+        ).rstrip()
 
     print(line(columns), file=file)
     print(line(["-" * w for w in widths]), file=file)
@@ -159,29 +170,54 @@ def met(value: float | None, op: str, target: float) -> bool:
 EXIT_MISSED = 1  # a benchmark's exit status when a target was missed
 
 
-def missed_targets(figures: Mapping[str, float | None],
-                   targets: Mapping[str, tuple[str, float]]) -> list[str]:
+def missed_targets(
+    figures: Mapping[str, float | None], targets: Mapping[str, tuple[str, float]]
+) -> list[str]:
     """One line per missed target: ``name = value (target op bound)``."""
-    return [f"{name} = {figures.get(name)} (target {op} {bound})"
-            for name, (op, bound) in targets.items() if not met(figures.get(name), op, bound)]
+    return [
+        f"{name} = {figures.get(name)} (target {op} {bound})"
+        for name, (op, bound) in targets.items()
+        if not met(figures.get(name), op, bound)
+    ]
 
 
-def report(figures: Mapping[str, float], targets: Mapping[str, tuple[str, float]],
-           described: Sequence[tuple[str, str]], *, as_json: bool, quick: bool) -> int:
+def report(
+    figures: Mapping[str, float],
+    targets: Mapping[str, tuple[str, float]],
+    described: Sequence[tuple[str, str]],
+    *,
+    as_json: bool,
+    quick: bool,
+) -> int:
     """The table (stderr when JSON goes to stdout) and, with ``as_json``, one JSON object.
 
     Returns the exit status: :data:`EXIT_MISSED` when a target was missed (each one named on
     stderr, after the table), else 0."""
     verdicts = {name: met(figures.get(name), *target) for name, target in targets.items()}
-    rows = [{"figure": name, "value": figures[name],
-             "target": " ".join(map(str, targets[name])) if name in targets else "",
-             "met": ("yes" if verdicts[name] else "NO") if name in targets else "",
-             "what": what} for name, what in described]
-    print_table(rows, ["figure", "value", "target", "met", "what"],
-                file=sys.stderr if as_json else sys.stdout)
+    rows = [
+        {
+            "figure": name,
+            "value": figures[name],
+            "target": " ".join(map(str, targets[name])) if name in targets else "",
+            "met": ("yes" if verdicts[name] else "NO") if name in targets else "",
+            "what": what,
+        }
+        for name, what in described
+    ]
+    print_table(
+        rows,
+        ["figure", "value", "target", "met", "what"],
+        file=sys.stderr if as_json else sys.stdout,
+    )
     if as_json:
-        emit_json({**figures, "targets_met": verdicts, "all_targets_met": all(verdicts.values()),
-                   "quick": quick})
+        emit_json(
+            {
+                **figures,
+                "targets_met": verdicts,
+                "all_targets_met": all(verdicts.values()),
+                "quick": quick,
+            }
+        )
     missed = missed_targets(figures, targets)
     for line in missed:
         print(f"{Path(sys.argv[0]).name}: target missed: {line}", file=sys.stderr)
@@ -264,8 +300,11 @@ def install_cleanup() -> None:
 def _run_as_a_benchmark() -> bool:
     """Whether the running script is a file of this directory (not pytest, not ``-c``)."""
     main = Path(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
-    return main is not None and main.is_file() \
+    return (
+        main is not None
+        and main.is_file()
         and main.resolve().parent == Path(__file__).resolve().parent
+    )
 
 
 if _run_as_a_benchmark():
@@ -285,21 +324,37 @@ def touched(nbytes: int) -> np.ndarray:
 
 
 @contextmanager
-def daemon_process(data_dir: Path, *settings: str, ready_timeout_s: float = 60.0
-                   ) -> Iterator[dict[str, Any]]:
+def daemon_process(
+    data_dir: Path, *settings: str, ready_timeout_s: float = 60.0
+) -> Iterator[dict[str, Any]]:
     """A ``kvfabric serve`` child process on ``data_dir`` (HTTP on a free loopback port);
     yields its ready file (socket, http_port, tcp_port, ...); killed when the block ends."""
     data_dir.mkdir(parents=True)
     ready = data_dir / "ready.json"
-    args = [sys.executable, "-m", "kvfabric.cli", "serve", "--ready-file", str(ready),
-            "--set", f"store.data_dir={data_dir}", "--set", "http.host=127.0.0.1",
-            "--set", "http.port=0"]
+    args = [
+        sys.executable,
+        "-m",
+        "kvfabric.cli",
+        "serve",
+        "--ready-file",
+        str(ready),
+        "--set",
+        f"store.data_dir={data_dir}",
+        "--set",
+        "http.host=127.0.0.1",
+        "--set",
+        "http.port=0",
+    ]
     for item in settings:
         args += ["--set", item]
     log_path = data_dir / "daemon.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509
+        )
     try:
         deadline = time.monotonic() + ready_timeout_s
         while not ready.exists():
@@ -327,10 +382,24 @@ def redis_server(workdir: Path) -> Iterator[str]:
     if binary is None:
         raise RuntimeError("redis-server is not on PATH")
     port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,  # noqa: PLW1509 (prctl only, before exec)
+    )
     try:
         client = redis.Redis(port=port, socket_timeout=0.2, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10

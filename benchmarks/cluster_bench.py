@@ -39,9 +39,17 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import (daemon_process, limit_torch_threads, measure, median, percentile,
-                     redis_server, report,
-                     tokens, touched)
+from _common import (
+    daemon_process,
+    limit_torch_threads,
+    measure,
+    median,
+    percentile,
+    redis_server,
+    report,
+    tokens,
+    touched,
+)
 # isort: on
 
 import argparse
@@ -114,11 +122,19 @@ def daemon(data_dir: Path, *settings: str) -> Iterator[str]:
 
 def node_settings(redis_url: str, node_id: str, transport: str) -> list[str]:
     # Pre-faulted DRAM arena with room for the 64 MiB chain at under 75% full.
-    return ["store.tiers.dram.capacity=128MiB", "store.tiers.dram.page_size=256KiB",
-            "store.tiers.dram.prefault=true", "store.tiers.ssd.capacity=64MiB",
-            f"node_id={node_id}", "cluster.index=redis", f"cluster.redis_url={redis_url}",
-            "cluster.lease_ttl_s=10", "cluster.heartbeat_s=0.5", "tcp.port=0",
-            f"cluster.transport={transport}"]
+    return [
+        "store.tiers.dram.capacity=128MiB",
+        "store.tiers.dram.page_size=256KiB",
+        "store.tiers.dram.prefault=true",
+        "store.tiers.ssd.capacity=64MiB",
+        f"node_id={node_id}",
+        "cluster.index=redis",
+        f"cluster.redis_url={redis_url}",
+        "cluster.lease_ttl_s=10",
+        "cluster.heartbeat_s=0.5",
+        "tcp.port=0",
+        f"cluster.transport={transport}",
+    ]
 
 
 def make_transport(backend: type[Transport], name: str) -> Transport:
@@ -173,8 +189,7 @@ def wait_until_held(index: RedisGlobalIndex, keys: list[bytes], node: str) -> No
         time.sleep(0.05)
 
 
-def bench_transfers(root: Path, redis_url: str, preferred: str,
-                    cfg: Settings) -> dict[str, float]:
+def bench_transfers(root: Path, redis_url: str, preferred: str, cfg: Settings) -> dict[str, float]:
     backend = select_backend(preferred)
     ctx = multiprocessing.get_context("spawn")
     descriptors, stop = ctx.Queue(), ctx.Event()
@@ -188,17 +203,26 @@ def bench_transfers(root: Path, redis_url: str, preferred: str,
         transport.register(0, local)
         transport.register(1, anonymous)
         peer = transport.connect(descriptors.get(timeout=READY_TIMEOUT_S), DEADLINE_S)
-        reads = [ReadPiece(0, i * CHUNK_BYTES, local[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])
-                 for i in range(CHUNKS)]
-        writes = [WritePiece(local[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES], 0, i * CHUNK_BYTES)
-                  for i in range(CHUNKS)]
-        anonymous_reads = [ReadPiece(1, i * CHUNK_BYTES,
-                                     anonymous[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])
-                           for i in range(CHUNKS)]
+        reads = [
+            ReadPiece(0, i * CHUNK_BYTES, local[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES])
+            for i in range(CHUNKS)
+        ]
+        writes = [
+            WritePiece(local[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES], 0, i * CHUNK_BYTES)
+            for i in range(CHUNKS)
+        ]
+        anonymous_reads = [
+            ReadPiece(1, i * CHUNK_BYTES, anonymous[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES])
+            for i in range(CHUNKS)
+        ]
 
-        with daemon(root / f"a-{tag}", *node_settings(redis_url, "node-a", preferred)) as a, \
-                daemon(root / f"b-{tag}", *node_settings(redis_url, "node-b", preferred)) as b, \
-                Client(a) as ca, Client(b) as cb, RedisGlobalIndex(redis_url) as index:
+        with (
+            daemon(root / f"a-{tag}", *node_settings(redis_url, "node-a", preferred)) as a,
+            daemon(root / f"b-{tag}", *node_settings(redis_url, "node-b", preferred)) as b,
+            Client(a) as ca,
+            Client(b) as cb,
+            RedisGlobalIndex(redis_url) as index,
+        ):
             keys = put_chain(a)
             wait_until_held(index, keys, "node-a")
 
@@ -228,8 +252,11 @@ def bench_transfers(root: Path, redis_url: str, preferred: str,
             rounds = []
             for r in range(cfg.rounds + 1):
                 # one sample each, alternating who goes first; B is emptied between ops
-                order = [("raw_read", raw_read), ("pull", pull),
-                         ("raw_read_anonymous", raw_read_anonymous)]
+                order = [
+                    ("raw_read", raw_read),
+                    ("pull", pull),
+                    ("raw_read_anonymous", raw_read_anonymous),
+                ]
                 order2 = [("raw_write", raw_write), ("push", push)]
                 if r % 2:
                     order.reverse()
@@ -270,8 +297,9 @@ def bench_index(redis_url: str, cfg: Settings) -> dict[str, float]:
     keys = [r.key for r in chain]
     with RedisGlobalIndex(redis_url, prefix="benchlookup") as index:
         index.register(NodeInfo("bench-node", "127.0.0.1:1", ("dram",)))
-        index.publish([ChunkRecord(seed, r.key, "dram", r.parent, BIG.spec.chunk_tokens)
-                       for r in chain])
+        index.publish(
+            [ChunkRecord(seed, r.key, "dram", r.parent, BIG.spec.chunk_tokens) for r in chain]
+        )
         index.flush(30)
         if index.lookup(seed, keys).matched_chunks != CHAIN_CHUNKS:
             raise RuntimeError("the published chain is not found")
@@ -284,10 +312,8 @@ def bench_index(redis_url: str, cfg: Settings) -> dict[str, float]:
 
     # N independent chunks (parent ROOT): one record and one stream event each.
     rng = np.random.default_rng(11)
-    records = [ChunkRecord(seed, rng.bytes(16), "dram", num_tokens=32)
-               for _ in range(cfg.records)]
-    with RedisGlobalIndex(redis_url, prefix="benchupd",
-                          max_events=2 * cfg.records) as index:
+    records = [ChunkRecord(seed, rng.bytes(16), "dram", num_tokens=32) for _ in range(cfg.records)]
+    with RedisGlobalIndex(redis_url, prefix="benchupd", max_events=2 * cfg.records) as index:
         index.register(NodeInfo("bench-writer", "127.0.0.1:2", ("dram",)))
         start = time.perf_counter()
         index.publish(records)
@@ -304,11 +330,13 @@ def bench_index(redis_url: str, cfg: Settings) -> dict[str, float]:
             read += len(batch)
             after = batch[-1].stream_id
         events_s = time.perf_counter() - start
-    return {"global_lookup_512_ms_p50": percentile(lookups, 50) * 1e3,
-            "global_lookup_512_ms_p99": percentile(lookups, 99) * 1e3,
-            "redis_ping_ms_p50": median(pings) * 1e3,
-            "index_updates_per_s": cfg.records / updates_s,
-            "events_per_s": read / events_s}
+    return {
+        "global_lookup_512_ms_p50": percentile(lookups, 50) * 1e3,
+        "global_lookup_512_ms_p99": percentile(lookups, 99) * 1e3,
+        "redis_ping_ms_p50": median(pings) * 1e3,
+        "index_updates_per_s": cfg.records / updates_s,
+        "events_per_s": read / events_s,
+    }
 
 
 def transport_name(preferred: str) -> str:
@@ -318,10 +346,16 @@ def transport_name(preferred: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds: under a minute")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object on stdout; the table goes to stderr")
-    parser.add_argument("--all-transports", action="store_true",
-                        help="also measure pull/push on socket and nixl separately")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout; the table goes to stderr",
+    )
+    parser.add_argument(
+        "--all-transports",
+        action="store_true",
+        help="also measure pull/push on socket and nixl separately",
+    )
     args = parser.parse_args(argv)
     limit_torch_threads()
     cfg = QUICK if args.quick else FULL
@@ -336,8 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with redis_server(root) as url:
             auto = transport_name("auto")
-            for name, value in bench_transfers(root, url, "auto", cfg).items():
-                figures[name] = value
+            figures.update(bench_transfers(root, url, "auto", cfg))
             described += [
                 ("pull_vs_raw_transport", f"client.prefetch {CHUNKS} x 4 MiB ({auto}) / raw read"),
                 ("push_vs_raw_transport", f"client.push {CHUNKS} x 4 MiB ({auto}) / raw write"),
@@ -345,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("push_gb_s", "push A -> B of 64 MiB, GB/s"),
                 ("raw_read_gb_s", f"{auto} transport read, 64 MiB between processes, GB/s"),
                 ("raw_write_gb_s", f"{auto} transport write, 64 MiB, GB/s"),
-                ("raw_read_anonymous_gb_s", f"{auto} read between anonymous (THP) buffers, "
-                                            f"GB/s")]
+                ("raw_read_anonymous_gb_s", f"{auto} read between anonymous (THP) buffers, GB/s"),
+            ]
             if args.all_transports:
                 for backend in ("socket", "nixl"):
                     if backend == "nixl" and nixl_unavailable_reason() is not None:
@@ -363,14 +396,17 @@ def main(argv: list[str] | None = None) -> int:
                 ("global_lookup_512_ms_p99", "same, p99"),
                 ("redis_ping_ms_p50", "bare redis PING round trip, for scale"),
                 ("index_updates_per_s", f"publish + flush of {cfg.records} chunk records"),
-                ("events_per_s", f"events(after_id, count=1000) over {cfg.records} events")]
+                ("events_per_s", f"events(after_id, count=1000) over {cfg.records} events"),
+            ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
         sys.stdout.flush()
         os.dup2(saved_stdout, 1)
         os.close(saved_stdout)
     figures["transport"] = auto  # not a table row: goes into the JSON object only
-    print(f"transport: {auto} (cluster.transport=auto)", file=sys.stderr if args.json else sys.stdout)
+    print(
+        f"transport: {auto} (cluster.transport=auto)", file=sys.stderr if args.json else sys.stdout
+    )
     return report(figures, TARGETS, described, as_json=args.json, quick=args.quick)
 
 

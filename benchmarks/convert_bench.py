@@ -93,7 +93,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "layout_convert_vs_memcpy": (">=", 0.5),
     # 0.5 exactly is out of reach with the scales counted: 0.5 + 2 / (256 * 128) here.
     "fp8_bytes_ratio": ("<=", 0.501),
-    "fp8_max_rel_error": ("<=", 2.0 ** -4),
+    "fp8_max_rel_error": ("<=", 2.0**-4),
     "fp8_error_vs_bound": ("<=", 1.0),
 }
 
@@ -141,8 +141,14 @@ def bench_tp_slice(root: Path, cfg: Settings) -> dict[str, float]:
     sources = [touched(share) for _ in range(OBJECTS)]
     for i, buf in enumerate(sources):
         buf.fill(i + 1)
-    dst = torch.empty(SPEC.num_layers, 2, heads[1] - heads[0], SPEC.chunk_tokens, SPEC.head_dim,
-                      dtype=torch.bfloat16)
+    dst = torch.empty(
+        SPEC.num_layers,
+        2,
+        heads[1] - heads[0],
+        SPEC.chunk_tokens,
+        SPEC.head_dim,
+        dtype=torch.bfloat16,
+    )
     dst_bytes = dst.view(-1).view(torch.uint8).numpy()
     dst_bytes.fill(0)
     payload = np.random.default_rng(2).integers(0, 256, SPEC.chunk_bytes, dtype=np.uint8)
@@ -171,12 +177,19 @@ def bench_tp_slice(root: Path, cfg: Settings) -> dict[str, float]:
         def per_layer(i: int) -> None:
             with store.get(NS, refs[i % OBJECTS].key) as reader:
                 for layer in range(SPEC.num_layers):
-                    copy_pieces([dst_bytes[layer * share // SPEC.num_layers:
-                                           (layer + 1) * share // SPEC.num_layers]],
-                                reader.layer_pieces(layer, heads=heads))
+                    copy_pieces(
+                        [
+                            dst_bytes[
+                                layer * share // SPEC.num_layers : (layer + 1)
+                                * share
+                                // SPEC.num_layers
+                            ]
+                        ],
+                        reader.layer_pieces(layer, heads=heads),
+                    )
 
         with store.get(NS, refs[0].key) as reader:  # what is measured reads the right bytes
-            want = payload.reshape(SPEC.num_layers, 2, SPEC.num_kv_heads, -1)[:, :, :heads[1]]
+            want = payload.reshape(SPEC.num_layers, 2, SPEC.num_kv_heads, -1)[:, :, : heads[1]]
             read_payload(reader, heads=heads, out=dst)
             if not np.array_equal(dst_bytes, want.reshape(-1)):
                 raise RuntimeError("read_payload(heads=...) returned the wrong bytes")
@@ -186,20 +199,26 @@ def bench_tp_slice(root: Path, cfg: Settings) -> dict[str, float]:
         rounds = []
         for r in range(cfg.rounds + 1):
             (base_w, whole_s), (base_a, arena_s), (base_l, layer_s) = measure_pairs(
-                [(memcpy, whole), (arena_memcpy, whole), (memcpy, per_layer)], cfg.repeat,
-                flip=r % 2 == 1)
-            rounds.append({"tp_slice_read_vs_memcpy": base_w / whole_s,
-                           "tp_slice_read_vs_arena_memcpy": base_a / arena_s,
-                           "tp_slice_read_per_layer_vs_memcpy": base_l / layer_s,
-                           "tp_slice_read_gbps": share / whole_s / 1e9,
-                           "memcpy_gbps": share / base_w / 1e9,
-                           "arena_memcpy_gbps": share / base_a / 1e9})
+                [(memcpy, whole), (arena_memcpy, whole), (memcpy, per_layer)],
+                cfg.repeat,
+                flip=r % 2 == 1,
+            )
+            rounds.append(
+                {
+                    "tp_slice_read_vs_memcpy": base_w / whole_s,
+                    "tp_slice_read_vs_arena_memcpy": base_a / arena_s,
+                    "tp_slice_read_per_layer_vs_memcpy": base_l / layer_s,
+                    "tp_slice_read_gbps": share / whole_s / 1e9,
+                    "memcpy_gbps": share / base_w / 1e9,
+                    "arena_memcpy_gbps": share / base_a / 1e9,
+                }
+            )
     return ratios(rounds[1:])
 
 
 def load_layout_module() -> ModuleType:
-    """connectors/vllm/layout.py by file path: it needs torch only, not vLLM itself."""
-    path = ROOT / "connectors" / "vllm" / "layout.py"
+    """kvfabric_connectors/vllm/layout.py by file path: it needs torch only, not vLLM itself."""
+    path = ROOT / "kvfabric_connectors" / "vllm" / "layout.py"
     spec = importlib.util.spec_from_file_location("kvfabric_bench_vllm_layout", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -213,8 +232,7 @@ def bench_layout(cfg: Settings) -> dict[str, float]:
     heads, dim, num_tokens = SPEC.num_kv_heads, SPEC.head_dim, SPEC.chunk_tokens
     layout = layout_module.CpuBlockLayout.transposed_k(heads, BLOCK, dim, torch.bfloat16)
     generator = torch.Generator().manual_seed(3)
-    cache = torch.randn(CACHE_BLOCKS, heads, BLOCK, 2 * dim, generator=generator).to(
-        torch.bfloat16)
+    cache = torch.randn(CACHE_BLOCKS, heads, BLOCK, 2 * dim, generator=generator).to(torch.bfloat16)
     block_ids = torch.tensor([37, 5], dtype=torch.int64)  # out of order, far apart
     canonical = torch.empty(2, heads, num_tokens, dim, dtype=torch.bfloat16)
     src = torch.randn(2, heads, num_tokens, dim, generator=generator).to(torch.bfloat16)
@@ -237,17 +255,23 @@ def bench_layout(cfg: Settings) -> dict[str, float]:
     rounds = []
     for r in range(cfg.rounds + 1):
         (base_g, gather_s), (base_s, scatter_s) = measure_pairs(
-            [(memcpy, gather), (memcpy, scatter)], repeat, flip=r % 2 == 1)
-        rounds.append({"layout_convert_vs_memcpy": (base_g + base_s) / (gather_s + scatter_s),
-                       "layout_gather_vs_memcpy": base_g / gather_s,
-                       "layout_scatter_vs_memcpy": base_s / scatter_s})
+            [(memcpy, gather), (memcpy, scatter)], repeat, flip=r % 2 == 1
+        )
+        rounds.append(
+            {
+                "layout_convert_vs_memcpy": (base_g + base_s) / (gather_s + scatter_s),
+                "layout_gather_vs_memcpy": base_g / gather_s,
+                "layout_scatter_vs_memcpy": base_s / scatter_s,
+            }
+        )
     return {**ratios(rounds[1:]), "compiled_copy_kernel": float(native.kernel is not None)}
 
 
 def bench_fp8_speed(cfg: Settings) -> dict[str, float]:
     generator = torch.Generator().manual_seed(4)
-    layer = torch.randn(2, SPEC.num_kv_heads, SPEC.chunk_tokens, SPEC.head_dim,
-                        generator=generator).to(torch.bfloat16)
+    layer = torch.randn(
+        2, SPEC.num_kv_heads, SPEC.chunk_tokens, SPEC.head_dim, generator=generator
+    ).to(torch.bfloat16)
     quantized = fp8.quantize(layer)
     out = fp8.QuantizedLayer(torch.empty_like(quantized.data), torch.empty_like(quantized.scales))
     back = torch.empty_like(layer)
@@ -255,21 +279,33 @@ def bench_fp8_speed(cfg: Settings) -> dict[str, float]:
     quant_s, dequant_s = [], []
     for _ in range(cfg.rounds + 1):
         quant_s.append(median(measure(lambda _: fp8.quantize(layer, out=out), repeat)))
-        dequant_s.append(median(measure(
-            lambda _: fp8.dequantize(*quantized, dtype=torch.bfloat16, out=back), repeat)))
-    return {"fp8_quantize_gbps": layer.numel() * 2 / median(quant_s[1:]) / 1e9,
-            "fp8_dequantize_gbps": quantized.data.numel() / median(dequant_s[1:]) / 1e9,
-            "fp8_bytes_ratio": fp8.chunk_nbytes(SPEC) / SPEC.chunk_bytes,
-            "fp8_bytes_saved_per_chunk": float(fp8.bytes_saved(SPEC))}
+        dequant_s.append(
+            median(
+                measure(
+                    lambda _: fp8.dequantize(*quantized, dtype=torch.bfloat16, out=back), repeat
+                )
+            )
+        )
+    return {
+        "fp8_quantize_gbps": layer.numel() * 2 / median(quant_s[1:]) / 1e9,
+        "fp8_dequantize_gbps": quantized.data.numel() / median(dequant_s[1:]) / 1e9,
+        "fp8_bytes_ratio": fp8.chunk_nbytes(SPEC) / SPEC.chunk_bytes,
+        "fp8_bytes_saved_per_chunk": float(fp8.bytes_saved(SPEC)),
+    }
 
 
 def tiny_model_kv(model_dir: Path, num_tokens: int) -> list[torch.Tensor]:
     """Canonical [2, kv_heads, tokens, head_dim] bf16 K/V per layer of the tiny Llama."""
-    for name, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                        "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1"}.items():
+    for name, value in {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "DO_NOT_TRACK": "1",
+    }.items():
         os.environ.setdefault(name, value)
     spec = importlib.util.spec_from_file_location(
-        "kvfabric_bench_build_tiny_llama", ROOT / "tests" / "models" / "build_tiny_llama.py")
+        "kvfabric_bench_build_tiny_llama", ROOT / "tests" / "models" / "build_tiny_llama.py"
+    )
     assert spec is not None and spec.loader is not None
     builder = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(builder)
@@ -301,33 +337,51 @@ def bench_fp8_error(model_dir: Path, cfg: Settings) -> dict[str, float]:
         x = layer.double()
         error = (x - back).abs()
         scales = quantized.scales.double()[:, :, None, None]
-        normal = x.abs() >= scales * 2.0 ** -6
+        normal = x.abs() >= scales * 2.0**-6
         max_abs = max(max_abs, float(error.max()))
         max_rel = max(max_rel, float((error[normal] / x.abs()[normal]).max()))
         vs_bound = max(vs_bound, float((error / fp8.error_bound(layer, quantized.scales)).max()))
         amax = max(amax, float(x.abs().max()))
-    return {"fp8_max_abs_error": max_abs, "fp8_max_rel_error": max_rel,
-            "fp8_error_vs_bound": vs_bound, "fp8_kv_amax": amax}
+    return {
+        "fp8_max_abs_error": max_abs,
+        "fp8_max_rel_error": max_rel,
+        "fp8_error_vs_bound": vs_bound,
+        "fp8_kv_amax": amax,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object on stdout; the table goes to stderr")
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="where to create the scratch directory (default: system temp)")
-    parser.add_argument("--model-dir", type=Path,
-                        default=Path(tempfile.gettempdir()) / "kvfabric-bench-tiny-llama",
-                        help="where the tiny model is built once and reused")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout; the table goes to stderr",
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where to create the scratch directory (default: system temp)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "kvfabric-bench-tiny-llama",
+        help="where the tiny model is built once and reused",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     limit_torch_threads()
     cfg = QUICK if args.quick else FULL
     root = Path(tempfile.mkdtemp(prefix="kvfabric-convert-bench-", dir=args.dir))
     try:
-        figures = {**bench_tp_slice(root, cfg), **bench_layout(cfg), **bench_fp8_speed(cfg),
-                   **bench_fp8_error(args.model_dir, cfg)}
+        figures = {
+            **bench_tp_slice(root, cfg),
+            **bench_layout(cfg),
+            **bench_fp8_speed(cfg),
+            **bench_fp8_error(args.model_dir, cfg),
+        }
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)

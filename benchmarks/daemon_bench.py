@@ -38,8 +38,17 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import (daemon_process, limit_torch_threads, measure, measure_pairs, median,
-                     percentile, report, tokens, touched)
+from _common import (
+    daemon_process,
+    limit_torch_threads,
+    measure,
+    measure_pairs,
+    median,
+    percentile,
+    report,
+    tokens,
+    touched,
+)
 # isort: on
 
 import argparse
@@ -119,10 +128,22 @@ class Settings:
     small_ops_max_pairs: int
 
 
-QUICK = Settings(rounds=5, lookups=3_000, pings=3_000, http_lookups=100, small_ops_s=1.5,
-                 small_ops_max_pairs=1_536)
-FULL = Settings(rounds=15, lookups=30_000, pings=30_000, http_lookups=1_000, small_ops_s=5.0,
-                small_ops_max_pairs=4_096)
+QUICK = Settings(
+    rounds=5,
+    lookups=3_000,
+    pings=3_000,
+    http_lookups=100,
+    small_ops_s=1.5,
+    small_ops_max_pairs=1_536,
+)
+FULL = Settings(
+    rounds=15,
+    lookups=30_000,
+    pings=30_000,
+    http_lookups=1_000,
+    small_ops_s=5.0,
+    small_ops_max_pairs=4_096,
+)
 
 
 @dataclass(frozen=True)
@@ -141,8 +162,12 @@ def daemon(data_dir: Path, *settings: str) -> Iterator[DaemonInfo]:
 def dram_settings(capacity: int, page_size: int) -> list[str]:
     # Pre-faulted, so no put pays a first-touch fault; the SSD tier (which the daemon's
     # default tier list includes) stays small and, as checked, unused.
-    return [f"store.tiers.dram.capacity={capacity}", f"store.tiers.dram.page_size={page_size}",
-            "store.tiers.dram.prefault=true", "store.tiers.ssd.capacity=64MiB"]
+    return [
+        f"store.tiers.dram.capacity={capacity}",
+        f"store.tiers.dram.page_size={page_size}",
+        "store.tiers.dram.prefault=true",
+        "store.tiers.ssd.capacity=64MiB",
+    ]
 
 
 def arena_bytes(payload_bytes: int, page_size: int) -> int:
@@ -202,28 +227,38 @@ def bench_copies(client: Client, cfg: Settings) -> dict[str, float]:
     rounds = []
     for r in range(cfg.rounds + 1):
         (copy_in, put_s), (copy_out, get_s) = measure_pairs(
-            [(lambda i: np.copyto(slots[i], src), put),
-             (lambda i: np.copyto(dst, slots[i]), get)], OBJECTS, flip=r % 2 == 1)
+            [(lambda i: np.copyto(slots[i], src), put), (lambda i: np.copyto(dst, slots[i]), get)],
+            OBJECTS,
+            flip=r % 2 == 1,
+        )
         for ref in refs:  # the next round puts into the same pages (the allocator is LIFO)
             client.delete(BIG, ref.key)
         (batch_in, put_many_s), (batch_out, get_many_s) = measure_pairs(
-            [(copy_in_batch, put_batch), (copy_out_batch, get_batch)], OBJECTS // BATCH,
-            flip=r % 2 == 1)
+            [(copy_in_batch, put_batch), (copy_out_batch, get_batch)],
+            OBJECTS // BATCH,
+            flip=r % 2 == 1,
+        )
         for ref in refs:
             client.delete(BIG, ref.key)
-        rounds.append({"client_put_vs_memcpy": batch_in / put_many_s,
-                       "client_get_vs_memcpy": batch_out / get_many_s,
-                       "client_put_single_vs_memcpy": copy_in / put_s,
-                       "client_get_single_vs_memcpy": copy_out / get_s,
-                       "client_put_gb_s": gb_s(put_many_s / BATCH),
-                       "client_get_gb_s": gb_s(get_many_s / BATCH),
-                       "memcpy_gb_s": gb_s(copy_in), "memcpy_out_gb_s": gb_s(copy_out)})
+        rounds.append(
+            {
+                "client_put_vs_memcpy": batch_in / put_many_s,
+                "client_get_vs_memcpy": batch_out / get_many_s,
+                "client_put_single_vs_memcpy": copy_in / put_s,
+                "client_get_single_vs_memcpy": copy_out / get_s,
+                "client_put_gb_s": gb_s(put_many_s / BATCH),
+                "client_get_gb_s": gb_s(get_many_s / BATCH),
+                "memcpy_gb_s": gb_s(copy_in),
+                "memcpy_out_gb_s": gb_s(copy_out),
+            }
+        )
     check_nothing_moved(client)
     return medians(rounds[1:])
 
 
-def lookup_samples(lookup: Callable[[], LookupResult], keys: list[bytes],
-                   count: int) -> list[float]:
+def lookup_samples(
+    lookup: Callable[[], LookupResult], keys: list[bytes], count: int
+) -> list[float]:
     """Seconds per ``lookup()``, after checking it finds the whole chain and warming it up."""
     if lookup().matched_chunks != len(keys):
         raise RuntimeError("the chain is not fully stored")
@@ -231,8 +266,9 @@ def lookup_samples(lookup: Callable[[], LookupResult], keys: list[bytes],
     return measure(lambda _: lookup(), count)
 
 
-def bench_lookup(client: Client, refs: list[ChunkRef], root: Path,
-                 cfg: Settings) -> dict[str, float]:
+def bench_lookup(
+    client: Client, refs: list[ChunkRef], root: Path, cfg: Settings
+) -> dict[str, float]:
     keys = [ref.key for ref in refs]
     payload = np.zeros(SMALL.spec.chunk_bytes, dtype=np.uint8)
     for ref in refs:
@@ -248,16 +284,19 @@ def bench_lookup(client: Client, refs: list[ChunkRef], root: Path,
         for ref in refs:
             store.put(SMALL, ref.key, payload, parent=ref.parent)
         inproc = lookup_samples(lambda: store.lookup(SMALL, keys), keys, cfg.lookups)
-    return {"lookup_rpc_us_p50": percentile(rpc, 50) * 1e6,
-            "lookup_rpc_us_p99": percentile(rpc, 99) * 1e6,
-            "lookup_inproc_us_p50": median(inproc) * 1e6,
-            "rpc_ping_us_p50": median(ping) * 1e6}
+    return {
+        "lookup_rpc_us_p50": percentile(rpc, 50) * 1e6,
+        "lookup_rpc_us_p99": percentile(rpc, 99) * 1e6,
+        "lookup_inproc_us_p50": median(inproc) * 1e6,
+        "rpc_ping_us_p50": median(ping) * 1e6,
+    }
 
 
 def bench_http_lookup(http_port: int, refs: list[ChunkRef], cfg: Settings) -> dict[str, float]:
     """The chain ``bench_lookup`` stored, looked up as a router would: over HTTP."""
-    body = json.dumps({"namespace": encode_namespace(SMALL),
-                       "chunk_hashes": [ref.key.hex() for ref in refs]}).encode()
+    body = json.dumps(
+        {"namespace": encode_namespace(SMALL), "chunk_hashes": [ref.key.hex() for ref in refs]}
+    ).encode()
     headers = {"Content-Type": "application/json"}
     conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
 
@@ -279,8 +318,14 @@ def bench_http_lookup(http_port: int, refs: list[ChunkRef], cfg: Settings) -> di
     return {"http_lookup_ms_p50": median(samples) * 1e3}
 
 
-def small_ops_client(socket_path: str, index: int, seconds: float, max_pairs: int,
-                     start: Barrier, results: Queue[float | str]) -> None:
+def small_ops_client(
+    socket_path: str,
+    index: int,
+    seconds: float,
+    max_pairs: int,
+    start: Barrier,
+    results: Queue[float | str],
+) -> None:
     """One client process: reports its put + get pairs per second, or why it failed."""
     try:
         results.put(small_ops_rate(socket_path, index, seconds, max_pairs, start))
@@ -290,8 +335,9 @@ def small_ops_client(socket_path: str, index: int, seconds: float, max_pairs: in
         raise
 
 
-def small_ops_rate(socket_path: str, index: int, seconds: float, max_pairs: int,
-                   start: Barrier) -> float:
+def small_ops_rate(
+    socket_path: str, index: int, seconds: float, max_pairs: int, start: Barrier
+) -> float:
     src = np.random.default_rng(index).integers(0, 256, SMALL_OP_BYTES, dtype=np.uint8)
     dst = touched(SMALL_OP_BYTES)
     # Keys unique per client and pair; the store takes any 16 bytes as a key.
@@ -319,9 +365,13 @@ def bench_small_ops(socket_path: str, cfg: Settings) -> dict[str, float]:
     ctx = multiprocessing.get_context("spawn")
     start = ctx.Barrier(CLIENTS)
     results: Queue[float | str] = ctx.Queue()
-    procs = [ctx.Process(target=small_ops_client,
-                         args=(socket_path, i, cfg.small_ops_s, cfg.small_ops_max_pairs, start,
-                               results)) for i in range(CLIENTS)]
+    procs = [
+        ctx.Process(
+            target=small_ops_client,
+            args=(socket_path, i, cfg.small_ops_s, cfg.small_ops_max_pairs, start, results),
+        )
+        for i in range(CLIENTS)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -343,11 +393,16 @@ def run(root: Path, cfg: Settings) -> dict[str, float]:
     big = dram_settings(arena_bytes(OBJECTS * OBJECT_BYTES, 256 * KiB), 256 * KiB)
     chain = chunk_hashes(SMALL, tokens(CHAIN_CHUNKS * SMALL.spec.chunk_tokens, seed=2))
     with daemon(root / "node-big", *big) as info, Client(info.socket) as client:
-        figures = {**bench_copies(client, cfg), **bench_lookup(client, chain, root, cfg),
-                   **bench_http_lookup(info.http_port, chain, cfg)}
+        figures = {
+            **bench_copies(client, cfg),
+            **bench_lookup(client, chain, root, cfg),
+            **bench_http_lookup(info.http_port, chain, cfg),
+        }
     # Daemon 2: one 64 KiB page per small object, room for every pair the clients may put.
-    small = dram_settings(arena_bytes(CLIENTS * cfg.small_ops_max_pairs * SMALL_OP_BYTES,
-                                      SMALL_OP_BYTES), SMALL_OP_BYTES)
+    small = dram_settings(
+        arena_bytes(CLIENTS * cfg.small_ops_max_pairs * SMALL_OP_BYTES, SMALL_OP_BYTES),
+        SMALL_OP_BYTES,
+    )
     with daemon(root / "node-small", *small) as info:
         figures.update(bench_small_ops(info.socket, cfg))
     return figures
@@ -356,8 +411,11 @@ def run(root: Path, cfg: Settings) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds: under a minute")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object on stdout; the table goes to stderr")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout; the table goes to stderr",
+    )
     args = parser.parse_args(argv)
     limit_torch_threads()
     cfg = QUICK if args.quick else FULL

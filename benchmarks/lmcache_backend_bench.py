@@ -34,8 +34,15 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import (daemon_process, free_port, limit_torch_threads, measure, median,
-                     redis_server, report)
+from _common import (
+    daemon_process,
+    free_port,
+    limit_torch_threads,
+    measure,
+    median,
+    redis_server,
+    report,
+)
 # isort: on
 
 import argparse
@@ -57,7 +64,7 @@ from typing import Any
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-import torch  # noqa: E402
+import torch
 
 CHUNK_TOKENS = 256
 KV_SHAPE = (4, 2, CHUNK_TOKENS, 8, 128)  # vLLM's (layers, k|v, tokens, heads, head size)
@@ -91,8 +98,11 @@ def lm_server_process(workdir: Path) -> Iterator[str | None]:
     """LMCache's own remote server; None if it does not come up within 30 s."""
     port = free_port()
     log = open(workdir / "lm_server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port),
-                             "cpu"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 30
         url: str | None = None
@@ -113,20 +123,35 @@ def lm_server_process(workdir: Path) -> Iterator[str | None]:
 class Backend:
     """LMCache's RemoteBackend with its CPU buffer and event loop thread."""
 
-    def __init__(self, name: str, overrides: dict[str, Any], plugin: str | None,
-                 cpu_gib: float) -> None:
+    def __init__(
+        self, name: str, overrides: dict[str, Any], plugin: str | None, cpu_gib: float
+    ) -> None:
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
         from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
         self.name = name
-        config = LMCacheEngineConfig.from_dict({
-            "chunk_size": CHUNK_TOKENS, "local_cpu": True, "max_local_cpu_size": cpu_gib,
-            "remote_serde": "naive", "blocking_timeout_secs": 30, **overrides})
-        md = LMCacheMetadata(model_name=f"bench-{name}", world_size=1, local_world_size=1,
-                             worker_id=0, local_worker_id=0, kv_dtype=torch.bfloat16,
-                             kv_shape=KV_SHAPE, chunk_size=CHUNK_TOKENS)
+        config = LMCacheEngineConfig.from_dict(
+            {
+                "chunk_size": CHUNK_TOKENS,
+                "local_cpu": True,
+                "max_local_cpu_size": cpu_gib,
+                "remote_serde": "naive",
+                "blocking_timeout_secs": 30,
+                **overrides,
+            }
+        )
+        md = LMCacheMetadata(
+            model_name=f"bench-{name}",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.bfloat16,
+            kv_shape=KV_SHAPE,
+            chunk_size=CHUNK_TOKENS,
+        )
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -141,8 +166,10 @@ class Backend:
         from lmcache.utils import CacheEngineKey
 
         first, self.next_key = self.next_key, self.next_key + count
-        return [CacheEngineKey(self.model, 1, 0, 0xC0FFEE00 + i, torch.bfloat16)
-                for i in range(first, first + count)]
+        return [
+            CacheEngineKey(self.model, 1, 0, 0xC0FFEE00 + i, torch.bfloat16)
+            for i in range(first, first + count)
+        ]
 
     def put(self, keys: list[Any], objs: list[Any]) -> None:
         """What ``RemoteBackend.batched_submit_put_task`` (LMCache's store path) does, but
@@ -219,8 +246,7 @@ def bench_backend(backend: Backend, cfg: Config) -> dict[str, Any]:
     found = backend.backend.batched_contains(stored)
     if found != len(stored):
         raise RuntimeError(f"{backend.name}: lookup found {found} of {len(stored)} chunks")
-    return {"put_s": median(put_s), "get_s": median(get_s),
-            "lookup_ms_p50": median(lookups) * 1e3}
+    return {"put_s": median(put_s), "get_s": median(get_s), "lookup_ms_p50": median(lookups) * 1e3}
 
 
 def run_one(make: Callable[[], Backend], cfg: Config) -> dict[str, Any] | None:
@@ -239,21 +265,29 @@ def run(root: Path, cfg: Config) -> dict[str, float]:
     dram = f"store.tiers.dram.capacity={max(1, 2 * total // 2**30 + 1)}GiB"
     with daemon_process(root / "kvfabric", dram, "store.tiers.dram.page_size=2MiB") as info:
         plugin = "remote_storage_plugin.kvfabric."
-        overrides = {"remote_storage_plugins": ["kvfabric"], "extra_config": {
-            plugin + "module_path": "kvfabric_connectors.lmcache",
-            plugin + "class_name": "KVFabricConnectorAdapter",
-            plugin + "socket_path": info["socket"], plugin + "pull": False}}
-        results["kvfabric"] = run_one(lambda: Backend("kvfabric", overrides, "kvfabric",
-                                                      cpu_gib), cfg)
+        overrides = {
+            "remote_storage_plugins": ["kvfabric"],
+            "extra_config": {
+                plugin + "module_path": "kvfabric_connectors.lmcache",
+                plugin + "class_name": "KVFabricConnectorAdapter",
+                plugin + "socket_path": info["socket"],
+                plugin + "pull": False,
+            },
+        }
+        results["kvfabric"] = run_one(
+            lambda: Backend("kvfabric", overrides, "kvfabric", cpu_gib), cfg
+        )
     (root / "redis").mkdir()
     with redis_server(root / "redis") as url:
-        results["redis"] = run_one(lambda: Backend("redis", {"remote_url": url}, None,
-                                                   cpu_gib), cfg)
+        results["redis"] = run_one(
+            lambda: Backend("redis", {"remote_url": url}, None, cpu_gib), cfg
+        )
     with lm_server_process(root) as url:
         if url is not None:
             try:
-                results["lm"] = run_one(lambda: Backend("lm", {"remote_url": url}, None,
-                                                        cpu_gib), cfg)
+                results["lm"] = run_one(
+                    lambda: Backend("lm", {"remote_url": url}, None, cpu_gib), cfg
+                )
             except Exception as exc:  # a baseline that fails here is left out, said so
                 print(f"lm:// server baseline skipped: {exc!r}", file=sys.stderr)
         else:
@@ -278,8 +312,11 @@ def run(root: Path, cfg: Config) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds: under a minute")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object on stdout; the table goes to stderr")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout; the table goes to stderr",
+    )
     args = parser.parse_args(argv)
     limit_torch_threads()
     cfg = QUICK if args.quick else FULL

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-import chaos_harness  # noqa: E402  (tests/support is on the path only now)
+import chaos_harness
 
 TARGETS: dict[str, tuple[str, float]] = {
     "corrupt_reads": ("<=", 0),
@@ -106,8 +106,9 @@ FIGURES: list[tuple[str, str]] = [
 ]
 
 
-def applicable(figures: dict[str, Any], quick: bool) -> tuple[dict[str, tuple[str, float]],
-                                                               list[str]]:
+def applicable(
+    figures: dict[str, Any], quick: bool
+) -> tuple[dict[str, tuple[str, float]], list[str]]:
     """The targets this run can be held to, and why the others were dropped."""
     targets, dropped = dict(TARGETS), []
     if figures["engine_outputs_identical"] is None:
@@ -115,12 +116,15 @@ def applicable(figures: dict[str, Any], quick: bool) -> tuple[dict[str, tuple[st
         dropped.append("engine_outputs_identical: no engine in this run (not built yet)")
     if figures["enospc_rounds_total"] == 0:
         targets.pop("enospc_rounds_survived")
-        dropped.append("enospc_rounds_survived: no disk-fill round ran "
-                       "(see notes: no tmpfs without root)")
+        dropped.append(
+            "enospc_rounds_survived: no disk-fill round ran (see notes: no tmpfs without root)"
+        )
     if quick or figures["rss_growth_mb_per_hour"] is None:
         targets.pop("rss_growth_mb_per_hour")
-        dropped.append("rss_growth_mb_per_hour: reported only; a few minutes are all "
-                       "warm-up (the target holds for the full soak)")
+        dropped.append(
+            "rss_growth_mb_per_hour: reported only; a few minutes are all "
+            "warm-up (the target holds for the full soak)"
+        )
     for name, value in figures.items():
         if name in targets and value is None:
             targets.pop(name)
@@ -131,10 +135,17 @@ def applicable(figures: dict[str, Any], quick: bool) -> tuple[dict[str, tuple[st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="every fault once or twice")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object on stdout; the table goes to stderr")
-    parser.add_argument("--duration", type=float, default=None,
-                        help="seconds of random faults (without --quick; default 900)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout; the table goes to stderr",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds of random faults (without --quick; default 900)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args(argv)
@@ -152,13 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         figures = chaos_harness.run(settings, root / "run")
         figures["kills_not_survived"] = figures["kills_total"] - figures["kills_survived"]
-        figures["enospc_rounds_not_survived"] = (figures["enospc_rounds_total"]
-                                                 - figures["enospc_rounds_survived"])
+        figures["enospc_rounds_not_survived"] = (
+            figures["enospc_rounds_total"] - figures["enospc_rounds_survived"]
+        )
         targets, dropped = applicable(figures, args.quick)
         figures["targets_dropped"] = dropped
-        verdicts = {name: figures[name] is not None and (
-            figures[name] >= target if op == ">=" else figures[name] <= target)
-            for name, (op, target) in targets.items()}
+        verdicts = {
+            name: figures[name] is not None
+            and (figures[name] >= target if op == ">=" else figures[name] <= target)
+            for name, (op, target) in targets.items()
+        }
         keep = keep or not all(verdicts.values())
         report(figures, targets, FIGURES, as_json=args.json, quick=args.quick)
         for line in dropped + figures["notes"]:

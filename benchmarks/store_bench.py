@@ -37,15 +37,24 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import (Timer, limit_torch_threads, measure, measure_pairs, median, percentile,
-                     report, tokens, touched)
+from _common import (
+    Timer,
+    limit_torch_threads,
+    measure,
+    measure_pairs,
+    median,
+    percentile,
+    report,
+    tokens,
+    touched,
+)
 # isort: on
 
 import argparse
 import gc
 import hashlib
 import os
-import pickle
+import pickle  # noqa: TID251 (the baseline measured is vLLM's pickle-based hash; no wire)
 import shutil
 import sys
 import tempfile
@@ -122,15 +131,27 @@ class Settings:
     metadata_objects: int
 
 
-QUICK = Settings(rounds=7, lookups=5_000, hash_calls=5, ssd_records=48, demote_objects=64,
-                 metadata_objects=20_000)
-FULL = Settings(rounds=21, lookups=50_000, hash_calls=10, ssd_records=64, demote_objects=128,
-                metadata_objects=20_000)
+QUICK = Settings(
+    rounds=7,
+    lookups=5_000,
+    hash_calls=5,
+    ssd_records=48,
+    demote_objects=64,
+    metadata_objects=20_000,
+)
+FULL = Settings(
+    rounds=21,
+    lookups=50_000,
+    hash_calls=10,
+    ssd_records=64,
+    demote_objects=128,
+    metadata_objects=20_000,
+)
 
 
 def page_views(buf: np.ndarray) -> list[np.ndarray]:
     """Page-sized views: the pieces the store hands the SSD tier (and reads back into)."""
-    return [buf[i:i + PAGE] for i in range(0, buf.nbytes, PAGE)]
+    return [buf[i : i + PAGE] for i in range(0, buf.nbytes, PAGE)]
 
 
 def open_store(data_dir: Path, *tiers: TierConfig) -> TieredStore:
@@ -155,6 +176,7 @@ def bench_dram(root: Path, cfg: Settings) -> dict[str, float]:
     refs = chunk_hashes(BIG, tokens(n * BIG.spec.chunk_tokens, seed=1))
     tier = TierConfig(TierKind.DRAM, n * OBJECT_BYTES, prefault=True)
     with open_store(root / "dram", tier) as store:
+
         def put(i: int) -> None:
             if not store.put(BIG, refs[i].key, src, parent=refs[i].parent):
                 raise RuntimeError("key already stored: the put was not measured")
@@ -166,16 +188,27 @@ def bench_dram(root: Path, cfg: Settings) -> dict[str, float]:
         rounds = []
         for r in range(cfg.rounds + 1):
             (copy_in, put_s), (copy_out, get_s) = measure_pairs(
-                [(lambda i: np.copyto(slots[i], src), put),
-                 (lambda i: np.copyto(dst, slots[i]), get)], n, flip=r % 2 == 1)
+                [
+                    (lambda i: np.copyto(slots[i], src), put),
+                    (lambda i: np.copyto(dst, slots[i]), get),
+                ],
+                n,
+                flip=r % 2 == 1,
+            )
             hot = median(measure(lambda i: np.copyto(dst, src), n))
             for ref in refs:  # the next round puts into the same (already faulted) pages
                 store.delete(BIG, ref.key)
-            rounds.append({"dram_put_vs_memcpy": copy_in / put_s,
-                           "dram_get_vs_memcpy": copy_out / get_s,
-                           "dram_put_gb_s": gb_s(put_s), "dram_get_gb_s": gb_s(get_s),
-                           "memcpy_in_gb_s": gb_s(copy_in), "memcpy_out_gb_s": gb_s(copy_out),
-                           "memcpy_cache_hot_gb_s": gb_s(hot)})
+            rounds.append(
+                {
+                    "dram_put_vs_memcpy": copy_in / put_s,
+                    "dram_get_vs_memcpy": copy_out / get_s,
+                    "dram_put_gb_s": gb_s(put_s),
+                    "dram_get_gb_s": gb_s(get_s),
+                    "memcpy_in_gb_s": gb_s(copy_in),
+                    "memcpy_out_gb_s": gb_s(copy_out),
+                    "memcpy_cache_hot_gb_s": gb_s(hot),
+                }
+            )
         dram = store.stats().tiers[0]
         if dram.evictions or dram.demotions:
             raise RuntimeError("the DRAM tier evicted objects: the put phase did not fit")
@@ -194,8 +227,10 @@ def bench_lookup(root: Path, cfg: Settings) -> dict[str, float]:
             raise RuntimeError("the chain is not fully stored")
         measure(lambda _: store.lookup(SMALL, keys), cfg.lookups // 10)  # warm-up
         samples = measure(lambda _: store.lookup(SMALL, keys), cfg.lookups)
-    return {"lookup_512_us_p50": percentile(samples, 50) * 1e6,
-            "lookup_512_us_p99": percentile(samples, 99) * 1e6}
+    return {
+        "lookup_512_us_p50": percentile(samples, 50) * 1e6,
+        "lookup_512_us_p99": percentile(samples, 99) * 1e6,
+    }
 
 
 def sha256_pickle_chain(token_list: list[int], block: int = 16) -> list[bytes]:
@@ -203,7 +238,7 @@ def sha256_pickle_chain(token_list: list[int], block: int = 16) -> list[bytes]:
     parent = bytes(32)
     out = []
     for i in range(0, len(token_list), block):
-        block_tokens = tuple(token_list[i:i + block])
+        block_tokens = tuple(token_list[i : i + block])
         parent = hashlib.sha256(pickle.dumps((parent, block_tokens, None))).digest()
         out.append(parent)
     return out
@@ -221,17 +256,25 @@ def bench_hash(cfg: Settings) -> dict[str, float]:
     rounds = []
     for r in range(cfg.rounds + 1):
         (base_a, array_s), (base_l, list_s) = measure_pairs(
-            [(baseline, lambda _: chunk_keys(SMALL, prompt)),
-             (baseline, lambda _: chunk_keys(SMALL, as_list))], cfg.hash_calls, flip=r % 2 == 1)
-        rounds.append({"hash_speedup_vs_sha256_pickle": base_a / array_s,
-                       "hash_speedup_vs_sha256_pickle_from_list": base_l / list_s,
-                       "hash_mtokens_s": PROMPT_TOKENS / array_s / 1e6,
-                       "sha256_pickle_mtokens_s": PROMPT_TOKENS / base_a / 1e6})
+            [
+                (baseline, lambda _: chunk_keys(SMALL, prompt)),
+                (baseline, lambda _: chunk_keys(SMALL, as_list)),
+            ],
+            cfg.hash_calls,
+            flip=r % 2 == 1,
+        )
+        rounds.append(
+            {
+                "hash_speedup_vs_sha256_pickle": base_a / array_s,
+                "hash_speedup_vs_sha256_pickle_from_list": base_l / list_s,
+                "hash_mtokens_s": PROMPT_TOKENS / array_s / 1e6,
+                "sha256_pickle_mtokens_s": PROMPT_TOKENS / base_a / 1e6,
+            }
+        )
     return medians(rounds[1:])
 
 
-def ssd_round(work: Path, n: int, src: np.ndarray, dst: np.ndarray,
-              flip: bool) -> dict[str, float]:
+def ssd_round(work: Path, n: int, src: np.ndarray, dst: np.ndarray, flip: bool) -> dict[str, float]:
     """``n`` 4 MiB records through a fresh DiskTier vs ``n`` raw blocks in its directory."""
     tier = DiskTier(work, capacity_bytes=2 * n * OBJECT_BYTES)
     tier.scan()
@@ -257,17 +300,26 @@ def ssd_round(work: Path, n: int, src: np.ndarray, dst: np.ndarray,
 
     try:
         (raw_w, tier_w), (raw_r, tier_r), (raw_rc, tier_rc) = measure_pairs(
-            [(raw_write, tier_write),
-             (raw_read, lambda i: tier.read_into(extents[i], dst_pages)),
-             (raw_read_checked, lambda i: tier.read_into(extents[i], dst_pages))], n,
-            flip=flip)
+            [
+                (raw_write, tier_write),
+                (raw_read, lambda i: tier.read_into(extents[i], dst_pages)),
+                (raw_read_checked, lambda i: tier.read_into(extents[i], dst_pages)),
+            ],
+            n,
+            flip=flip,
+        )
     finally:
         os.close(fd)
         tier.close()
-    return {"ssd_write_vs_raw": raw_w / tier_w, "ssd_read_vs_raw": raw_r / tier_r,
-            "ssd_read_vs_raw_checksummed": raw_rc / tier_rc,
-            "ssd_write_gb_s": gb_s(tier_w), "ssd_read_gb_s": gb_s(tier_r),
-            "raw_write_gb_s": gb_s(raw_w), "raw_read_gb_s": gb_s(raw_r)}
+    return {
+        "ssd_write_vs_raw": raw_w / tier_w,
+        "ssd_read_vs_raw": raw_r / tier_r,
+        "ssd_read_vs_raw_checksummed": raw_rc / tier_rc,
+        "ssd_write_gb_s": gb_s(tier_w),
+        "ssd_read_gb_s": gb_s(tier_r),
+        "raw_write_gb_s": gb_s(raw_w),
+        "raw_read_gb_s": gb_s(raw_r),
+    }
 
 
 def bench_ssd(root: Path, cfg: Settings) -> dict[str, float]:
@@ -291,8 +343,10 @@ def bench_demote(root: Path, cfg: Settings) -> dict[str, float]:
     rates = []
     for r in range(cfg.rounds):
         refs = chunk_hashes(BIG, tokens(total * BIG.spec.chunk_tokens, seed=100 + r))
-        tiers = (TierConfig(TierKind.DRAM, RESIDENT_OBJECTS * OBJECT_BYTES, prefault=True),
-                 TierConfig(TierKind.SSD, 2 * total * OBJECT_BYTES))
+        tiers = (
+            TierConfig(TierKind.DRAM, RESIDENT_OBJECTS * OBJECT_BYTES, prefault=True),
+            TierConfig(TierKind.SSD, 2 * total * OBJECT_BYTES),
+        )
         with open_store(root / f"demote-{r}", *tiers) as store:
             for ref in refs[:RESIDENT_OBJECTS]:  # fill DRAM; from here on every put pushes
                 store.put(BIG, ref.key, src, parent=ref.parent)
@@ -319,7 +373,7 @@ def bench_metadata(root: Path, cfg: Settings) -> dict[str, float]:
         try:
             for start in range(0, n * SMALL.spec.chunk_tokens, step):
                 parent = ROOT
-                for key in chunk_keys(SMALL, prompts[start:start + step]):
+                for key in chunk_keys(SMALL, prompts[start : start + step]):
                     store.put(SMALL, key, payload, parent=parent)
                     parent = key
             gc.collect()
@@ -334,17 +388,30 @@ def bench_metadata(root: Path, cfg: Settings) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds: under a minute")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object on stdout; the table goes to stderr")
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="where to create the scratch directory (default: system temp)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout; the table goes to stderr",
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where to create the scratch directory (default: system temp)",
+    )
     args = parser.parse_args(argv)
     limit_torch_threads()
     cfg = QUICK if args.quick else FULL
     root = Path(tempfile.mkdtemp(prefix="kvfabric-store-bench-", dir=args.dir))
     try:
-        figures = {**bench_dram(root, cfg), **bench_lookup(root, cfg), **bench_hash(cfg),
-                   **bench_ssd(root, cfg), **bench_demote(root, cfg), **bench_metadata(root, cfg)}
+        figures = {
+            **bench_dram(root, cfg),
+            **bench_lookup(root, cfg),
+            **bench_hash(cfg),
+            **bench_ssd(root, cfg),
+            **bench_demote(root, cfg),
+            **bench_metadata(root, cfg),
+        }
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)

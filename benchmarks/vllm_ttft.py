@@ -86,8 +86,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RUNNER = REPO_ROOT / "tests" / "e2e" / "vllm" / "engine_runner.py"
 BUILDER = REPO_ROOT / "tests" / "models" / "build_tiny_llama.py"
 
-MODEL = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64,
-         "intermediate": 2816, "vocab": 2048}
+MODEL = {
+    "layers": 8,
+    "hidden": 1024,
+    "heads": 16,
+    "kv_heads": 4,
+    "head_dim": 64,
+    "intermediate": 2816,
+    "vocab": 2048,
+}
 PROMPT_TOKENS = 4096
 MAX_MODEL_LEN = PROMPT_TOKENS + 256
 BLOCK_SIZE = 128  # vLLM's CPU default
@@ -114,8 +121,10 @@ FIGURES: list[tuple[str, str]] = [
     ("ttft_hit_dram_vs_local_prefix_cache", "fabric hit from DRAM / vLLM local prefix-cache hit"),
     ("load_share_of_hit_ttft", "connector load_seconds / TTFT, DRAM-hit engine"),
     ("load_share_of_hit_ttft_ssd", "connector load_seconds / TTFT, SSD-hit engine"),
-    ("step_time_with_connector_vs_without", "engine time per request, connector saving, "
-     "nothing loaded / no connector"),
+    (
+        "step_time_with_connector_vs_without",
+        "engine time per request, connector saving, nothing loaded / no connector",
+    ),
     ("step_time_plain_vs_plain", "the same, plain engines against plain (noise floor)"),
     ("logprob_max_abs_diff_no_load", "largest |logprob difference|, connector vs none"),
     ("outputs_differing_no_load", "requests whose tokens differ, connector vs none"),
@@ -173,9 +182,20 @@ class Daemon:
     def start(self) -> None:
         ready = self.data_dir / "ready.json"
         ready.unlink(missing_ok=True)
-        args = [sys.executable, "-m", "kvfabric.cli", "serve", "--ready-file", str(ready),
-                "--set", f"store.data_dir={self.data_dir}", "--set", "http.host=127.0.0.1",
-                "--set", "http.port=0"]
+        args = [
+            sys.executable,
+            "-m",
+            "kvfabric.cli",
+            "serve",
+            "--ready-file",
+            str(ready),
+            "--set",
+            f"store.data_dir={self.data_dir}",
+            "--set",
+            "http.host=127.0.0.1",
+            "--set",
+            "http.port=0",
+        ]
         for item in self.settings:
             args += ["--set", item]
         log_path = self.data_dir / "daemon.log"
@@ -215,15 +235,26 @@ def run_job(workdir: Path, model: Path, engines: list[dict], **options: Any) -> 
     """One engine_runner job in a subprocess (own session: vLLM children die with it);
     ``options``: further job keys (``multiprocessing``, ``env``)."""
     workdir.mkdir(parents=True)
-    job = {"model": str(model), "scratch_dir": str(workdir / "scratch"), "engines": engines,
-           **options}
-    job_file, result_file, log_file = (workdir / "job.json", workdir / "result.json",
-                                       workdir / "log")
+    job = {
+        "model": str(model),
+        "scratch_dir": str(workdir / "scratch"),
+        "engines": engines,
+        **options,
+    }
+    job_file, result_file, log_file = (
+        workdir / "job.json",
+        workdir / "result.json",
+        workdir / "log",
+    )
     job_file.write_text(json.dumps(job))
     with open(log_file, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(RUNNER), str(job_file), str(result_file)],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(RUNNER), str(job_file), str(result_file)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -236,25 +267,36 @@ def run_job(workdir: Path, model: Path, engines: list[dict], **options: Any) -> 
             proc.wait()
     tail = log_file.read_text(errors="replace")[-6000:]
     if rc is None or not result_file.exists():
-        raise RuntimeError(f"engine_runner {'timed out' if rc is None else f'exited {rc}'}:\n"
-                           f"{tail}")
+        raise RuntimeError(
+            f"engine_runner {'timed out' if rc is None else f'exited {rc}'}:\n{tail}"
+        )
     result = json.loads(result_file.read_text())
     if rc != 0 or not result.get("ok"):
-        raise RuntimeError(f"engine_runner failed: {result.get('error')}\n"
-                           f"{result.get('traceback', '')}\n{tail}")
+        raise RuntimeError(
+            f"engine_runner failed: {result.get('error')}\n{result.get('traceback', '')}\n{tail}"
+        )
     return {e["name"]: e for e in result["engines"]}
 
 
 def connector(socket: str) -> dict:
-    return {"kv_connector": "KVFabricConnector",
-            "kv_connector_module_path": "kvfabric_connectors.vllm", "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket_path": socket}}
+    return {
+        "kv_connector": "KVFabricConnector",
+        "kv_connector_module_path": "kvfabric_connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket_path": socket},
+    }
 
 
 def engine(name: str, prompts: list[list[int]], kv: dict | None = None) -> dict:
-    return {"name": name, "prompts": prompts, "max_tokens": 1, "max_model_len": MAX_MODEL_LEN,
-            "block_size": BLOCK_SIZE, "kv_transfer_config": kv}
+    return {
+        "name": name,
+        "prompts": prompts,
+        "max_tokens": 1,
+        "max_model_len": MAX_MODEL_LEN,
+        "block_size": BLOCK_SIZE,
+        "kv_transfer_config": kv,
+    }
 
 
 def ttfts(record: dict, indexes: list[int]) -> list[float]:
@@ -264,8 +306,10 @@ def ttfts(record: dict, indexes: list[int]) -> list[float]:
 def check_cached(record: dict, indexes: list[int], expected: int) -> None:
     got = [record["outputs"][i]["num_cached_tokens"] for i in indexes]
     if any(g != expected for g in got):
-        raise RuntimeError(f"{record['name']}: cached tokens {got}, expected {expected} each: "
-                           "the case did not hit as intended")
+        raise RuntimeError(
+            f"{record['name']}: cached tokens {got}, expected {expected} each: "
+            "the case did not hit as intended"
+        )
 
 
 def first_tokens(record: dict, indexes: list[int]) -> list[list[int]]:
@@ -276,8 +320,10 @@ def load_share(record: dict) -> tuple[float, float]:
     """(connector load seconds / sum of TTFTs, load seconds per request) over all requests."""
     totals = record.get("connector_totals")
     if not totals or "load_seconds" not in totals:
-        raise RuntimeError(f"{record['name']}: no connector_totals.load_seconds (in-process "
-                           "engine with the kvfabric connector expected)")
+        raise RuntimeError(
+            f"{record['name']}: no connector_totals.load_seconds (in-process "
+            "engine with the kvfabric connector expected)"
+        )
     count = len(record["outputs"])
     seconds = float(totals["load_seconds"])
     return seconds / sum(ttfts(record, list(range(count)))), seconds / count
@@ -311,19 +357,33 @@ def connector_cost(root: Path, model: Path, kv: dict, n: int) -> dict[str, Any]:
         prompts = [prompt(3000 + 100 * k + j, COST_PROMPT_TOKENS) for j in range(n + 1)]
         name = f"{'saving' if kind == 'S' else 'plain'}-{k}"
         runs.append(name)
-        engines.append({"name": name, "prompts": prompts, "max_tokens": COST_MAX_TOKENS,
-                        "logprobs": 1, "kv_transfer_config": kv if kind == "S" else None})
-    job = run_job(root / "job3", model, engines, multiprocessing=True,
-                  env={"VLLM_CPU_NUM_OF_RESERVED_CPU": None})
+        engines.append(
+            {
+                "name": name,
+                "prompts": prompts,
+                "max_tokens": COST_MAX_TOKENS,
+                "logprobs": 1,
+                "kv_transfer_config": kv if kind == "S" else None,
+            }
+        )
+    job = run_job(
+        root / "job3",
+        model,
+        engines,
+        multiprocessing=True,
+        env={"VLLM_CPU_NUM_OF_RESERVED_CPU": None},
+    )
     per_engine = {name: median(engine_seconds(job[name])[1:]) for name in runs}  # [0]: warm-up
     plain = [per_engine[n] for n in runs if n.startswith("plain")]
     saving = [per_engine[n] for n in runs if n.startswith("saving")]
     diffs = [logprob_diff(job[f"plain-{k}"], job[f"saving-{k}"]) for k in range(len(saving))]
-    return {"step_time_with_connector_vs_without": median(saving) / median(plain),
-            "step_time_plain_vs_plain": median(plain[1::2]) / median(plain[0::2]),
-            "logprob_max_abs_diff_no_load": max(d for d, _ in diffs),
-            "outputs_differing_no_load": sum(c for _, c in diffs),
-            "engine_seconds_per_request": {"plain": plain, "saving": saving}}
+    return {
+        "step_time_with_connector_vs_without": median(saving) / median(plain),
+        "step_time_plain_vs_plain": median(plain[1::2]) / median(plain[0::2]),
+        "logprob_max_abs_diff_no_load": max(d for d, _ in diffs),
+        "outputs_differing_no_load": sum(c for _, c in diffs),
+        "engine_seconds_per_request": {"plain": plain, "saving": saving},
+    }
 
 
 def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
@@ -339,11 +399,15 @@ def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
     daemon.start()
     try:
         kv = connector(daemon.info["socket"])
-        job1 = run_job(root / "job1", model, [
-            engine("plain", plain_prompts),
-            engine("store", hit_prompts, kv),
-            engine("hit-dram", hit_prompts, kv),
-        ])
+        job1 = run_job(
+            root / "job1",
+            model,
+            [
+                engine("plain", plain_prompts),
+                engine("store", hit_prompts, kv),
+                engine("hit-dram", hit_prompts, kv),
+            ],
+        )
         daemon.stop()  # memory-resident chunks go to the SSD tier
         daemon.start()
         before = daemon.tier_hit_tokens()
@@ -361,14 +425,19 @@ def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
     check_cached(dram, hits, PROMPT_TOKENS - 1)
     check_cached(ssd, hits, PROMPT_TOKENS - 1)
     reference = first_tokens(plain, recompute_at)
-    mismatches = sum(a != b for record, at in ((plain, local_at), (dram, hits), (ssd, hits))
-                     for a, b in zip(first_tokens(record, at), reference))
+    mismatches = sum(
+        a != b
+        for record, at in ((plain, local_at), (dram, hits), (ssd, hits))
+        for a, b in zip(first_tokens(record, at), reference)
+    )
     ssd_hits = after.get("ssd", 0) - before.get("ssd", 0)
     dram_hits = after.get("dram", 0) - before.get("dram", 0)
     loaded = (n + 1) * (PROMPT_TOKENS - 1)
     if ssd_hits < loaded or dram_hits != 0:
-        raise RuntimeError(f"the SSD-hit job did not read from SSD: tier hit tokens {before} "
-                           f"-> {after}, {loaded} tokens loaded")
+        raise RuntimeError(
+            f"the SSD-hit job did not read from SSD: tier hit tokens {before} "
+            f"-> {after}, {loaded} tokens loaded"
+        )
 
     recompute = median(ttfts(plain, recompute_at))
     local = median(ttfts(plain, local_at))
@@ -376,8 +445,7 @@ def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
     hit_ssd = median(ttfts(ssd, hits))
     share_dram, per_req_dram = load_share(dram)
     share_ssd, per_req_ssd = load_share(ssd)
-    kv_bytes = (2 * MODEL["layers"] * MODEL["kv_heads"] * MODEL["head_dim"] * 2
-                * PROMPT_TOKENS)
+    kv_bytes = 2 * MODEL["layers"] * MODEL["kv_heads"] * MODEL["head_dim"] * 2 * PROMPT_TOKENS
     return {
         **cost,
         "ttft_hit_dram_vs_recompute": hit_dram / recompute,
@@ -399,22 +467,34 @@ def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
         "model_hidden": MODEL["hidden"],
         "kv_mib_per_prompt": kv_bytes / (1 << 20),
         "ttft_measure": "engine_ttft_s",
-        "ttfts_s": {"recompute": ttfts(plain, recompute_at),
-                    "local_prefix_cache": ttfts(plain, local_at),
-                    "hit_dram": ttfts(dram, hits), "hit_ssd": ttfts(ssd, hits)},
-        "connector_totals": {"hit_dram": dram["connector_totals"],
-                             "hit_ssd": ssd["connector_totals"]},
+        "ttfts_s": {
+            "recompute": ttfts(plain, recompute_at),
+            "local_prefix_cache": ttfts(plain, local_at),
+            "hit_dram": ttfts(dram, hits),
+            "hit_ssd": ttfts(ssd, hits),
+        },
+        "connector_totals": {
+            "hit_dram": dram["connector_totals"],
+            "hit_ssd": ssd["connector_totals"],
+        },
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK.prompts} prompts per case instead of {FULL.prompts}")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object on stdout; the table goes to stderr")
-    parser.add_argument("--model-dir", type=Path,
-                        help="build (or reuse) the model here instead of in the temp dir")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK.prompts} prompts per case instead of {FULL.prompts}",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout; the table goes to stderr",
+    )
+    parser.add_argument(
+        "--model-dir", type=Path, help="build (or reuse) the model here instead of in the temp dir"
+    )
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     root = Path(tempfile.mkdtemp(prefix="kvfabric-vllm-ttft-"))

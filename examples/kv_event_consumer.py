@@ -89,12 +89,19 @@ def _id(stream_id: str) -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Follow a kvfabric cluster's KV event stream (Redis global index): rebuild "
-                    "from a snapshot on first start, resume from the saved event id after.")
+        "from a snapshot on first start, resume from the saved event id after."
+    )
     parser.add_argument("url", help="the global index's Redis URL, e.g. redis://127.0.0.1:6379/0")
-    parser.add_argument("state_file", type=Path,
-                        help="where the id of the last applied event is kept (created)")
-    parser.add_argument("--max-events", type=int, default=None, metavar="N",
-                        help="exit once N events were applied (default: follow until Ctrl-C)")
+    parser.add_argument(
+        "state_file", type=Path, help="where the id of the last applied event is kept (created)"
+    )
+    parser.add_argument(
+        "--max-events",
+        type=int,
+        default=None,
+        metavar="N",
+        help="exit once N events were applied (default: follow until Ctrl-C)",
+    )
     return parser
 
 
@@ -106,14 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     with RedisGlobalIndex(args.url) as index:
         view = RouterView(index, args.state_file)
         view.start()
-        print(f"following {args.url}: {len(view.chunks)} chunks known, from event {view.last_id}",
-              flush=True)
+        print(
+            f"following {args.url}: {len(view.chunks)} chunks known, from event {view.last_id}",
+            flush=True,
+        )
         try:
             while args.max_events is None or applied < args.max_events:
                 for event in view.poll():
                     applied += 1
-                    print(event.stream_id, event.kind, event.node_id, event.tier,
-                          len(event.keys), flush=True)
+                    print(
+                        event.stream_id,
+                        event.kind,
+                        event.node_id,
+                        event.tier,
+                        len(event.keys),
+                        flush=True,
+                    )
         except KeyboardInterrupt:  # Ctrl-C is the normal way out: no traceback
             pass
     return 0

@@ -16,13 +16,30 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing at start
 
 __version__ = "0.1.0"
 
-_LAZY = {"ROOT": "kvfabric.hashing", "ChunkRef": "kvfabric.hashing",
-         "chunk_hashes": "kvfabric.hashing", "chunk_keys": "kvfabric.hashing",
-         "AttentionKind": "kvfabric.spec", "ChunkLayout": "kvfabric.spec",
-         "KVDtype": "kvfabric.spec", "KVSpec": "kvfabric.spec", "Namespace": "kvfabric.spec"}
+_LAZY = {
+    "ROOT": "kvfabric.hashing",
+    "ChunkRef": "kvfabric.hashing",
+    "chunk_hashes": "kvfabric.hashing",
+    "chunk_keys": "kvfabric.hashing",
+    "AttentionKind": "kvfabric.spec",
+    "ChunkLayout": "kvfabric.spec",
+    "KVDtype": "kvfabric.spec",
+    "KVSpec": "kvfabric.spec",
+    "Namespace": "kvfabric.spec",
+}
 
-__all__ = ["ROOT", "AttentionKind", "ChunkLayout", "ChunkRef", "KVDtype", "KVSpec", "Namespace",
-           "chunk_hashes", "chunk_keys", "__version__"]
+__all__ = [
+    "ROOT",
+    "AttentionKind",
+    "ChunkLayout",
+    "ChunkRef",
+    "KVDtype",
+    "KVSpec",
+    "Namespace",
+    "__version__",
+    "chunk_hashes",
+    "chunk_keys",
+]
 
 if TYPE_CHECKING:
     from typing import Any

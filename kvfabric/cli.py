@@ -28,8 +28,9 @@ first steps:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvfabric", description=DESCRIPTION,
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvfabric", description=DESCRIPTION, formatter_class=HelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
@@ -40,9 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import logging  # after parsing: --help and usage errors never pay for it
+
     # `serve` reconfigures logging from its config's log_level once that is loaded.
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     return int(args.handler(args))
 
 

@@ -44,8 +44,11 @@ class Endpoint:
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError("host must be a non-empty string")
-        if self.port is not None and (isinstance(self.port, bool) or not isinstance(self.port, int)
-                                      or not 0 <= self.port <= 65535):
+        if self.port is not None and (
+            isinstance(self.port, bool)
+            or not isinstance(self.port, int)
+            or not 0 <= self.port <= 65535
+        ):
             raise ConfigError(f"port must be an integer in [0, 65535] or null, got {self.port!r}")
 
 
@@ -63,7 +66,8 @@ class AuthConfig:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"auth.{name} must be a string")
         if not isinstance(self.tenants, Mapping) or not all(
-                isinstance(k, str) and k and isinstance(v, str) for k, v in self.tenants.items()):
+            isinstance(k, str) and k and isinstance(v, str) for k, v in self.tenants.items()
+        ):
             raise ConfigError("auth.tenants must map token strings to tenant names")
 
     @property
@@ -120,9 +124,15 @@ class Limits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"limits.{name} must be a positive integer")
-        for name in ("http_max_body_bytes", "lookup_max_tokens", "http_max_connections",
-                     "http_max_connections_per_ip", "peer_max_handshakes",
-                     "peer_max_handshakes_per_ip", "peer_max_connections"):
+        for name in (
+            "http_max_body_bytes",
+            "lookup_max_tokens",
+            "http_max_connections",
+            "http_max_connections_per_ip",
+            "peer_max_handshakes",
+            "peer_max_handshakes_per_ip",
+            "peer_max_connections",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"limits.{name} must be a positive integer")
@@ -130,31 +140,47 @@ class Limits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"limits.{name} must be a positive number of seconds")
-        if isinstance(self.http_parse_workers, bool) or \
-                not isinstance(self.http_parse_workers, int) or \
-                not 0 <= self.http_parse_workers <= 64:
+        if (
+            isinstance(self.http_parse_workers, bool)
+            or not isinstance(self.http_parse_workers, int)
+            or not 0 <= self.http_parse_workers <= 64
+        ):
             raise ConfigError("limits.http_parse_workers must be an integer in [0, 64]")
         if self.lookup_max_tokens > LOOKUP_TOKENS_CEILING:
-            raise ConfigError(f"limits.lookup_max_tokens must be at most "
-                              f"{LOOKUP_TOKENS_CEILING} (the protocol's bound)")
+            raise ConfigError(
+                f"limits.lookup_max_tokens must be at most "
+                f"{LOOKUP_TOKENS_CEILING} (the protocol's bound)"
+            )
         self._check_control()
 
     def _check_control(self) -> None:
-        for name in ("control_hello_max_bytes", "control_max_pending",
-                     "control_max_pending_per_peer", "control_max_sessions_per_peer",
-                     "control_listen_backlog"):
+        for name in (
+            "control_hello_max_bytes",
+            "control_max_pending",
+            "control_max_pending_per_peer",
+            "control_max_sessions_per_peer",
+            "control_listen_backlog",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"limits.{name} must be a positive integer")
         for name, low in (("control_hello_timeout_s", False), ("control_idle_timeout_s", True)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or \
-                    value == 0 and not low:
-                raise ConfigError(f"limits.{name} must be a "
-                                  f"{'non-negative' if low else 'positive'} number of seconds")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or value < 0
+                or (value == 0 and not low)
+            ):
+                raise ConfigError(
+                    f"limits.{name} must be a "
+                    f"{'non-negative' if low else 'positive'} number of seconds"
+                )
         if not 1024 <= self.control_hello_max_bytes <= CONTROL_FRAME_CEILING:
-            raise ConfigError(f"limits.control_hello_max_bytes must be in [1024, "
-                              f"{CONTROL_FRAME_CEILING}] (the protocol's frame bound)")
+            raise ConfigError(
+                f"limits.control_hello_max_bytes must be in [1024, "
+                f"{CONTROL_FRAME_CEILING}] (the protocol's frame bound)"
+            )
 
 
 TLS_PLANES = ("http", "tcp", "peer")
@@ -201,13 +227,19 @@ class SecurityConfig:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigError(f"security.{name} must be a path string")
         if self.tls_cert_file is None and (self.tls_key_file or self.tls_client_ca_file):
-            raise ConfigError("security.tls_key_file / tls_client_ca_file need "
-                              "security.tls_cert_file")
+            raise ConfigError(
+                "security.tls_key_file / tls_client_ca_file need security.tls_cert_file"
+            )
         if not isinstance(self.tls_planes, str) or not set(self.planes) <= set(TLS_PLANES):
-            raise ConfigError(f"security.tls_planes must be a comma-separated subset of "
-                              f"{list(TLS_PLANES)}, got {self.tls_planes!r}")
-        if isinstance(self.tls_reload_s, bool) or not isinstance(self.tls_reload_s, (int, float)) \
-                or self.tls_reload_s <= 0:
+            raise ConfigError(
+                f"security.tls_planes must be a comma-separated subset of "
+                f"{list(TLS_PLANES)}, got {self.tls_planes!r}"
+            )
+        if (
+            isinstance(self.tls_reload_s, bool)
+            or not isinstance(self.tls_reload_s, (int, float))
+            or self.tls_reload_s <= 0
+        ):
             raise ConfigError("security.tls_reload_s must be a positive number of seconds")
 
     @property
@@ -269,15 +301,18 @@ class ClusterConfig:
         if self.secret_file is not None and not isinstance(self.secret_file, str):
             raise ConfigError("cluster.secret_file must be a path string")
         if self.index not in INDEX_BACKENDS:
-            raise ConfigError(f"cluster.index must be one of {list(INDEX_BACKENDS)}, "
-                              f"got {self.index!r}")
+            raise ConfigError(
+                f"cluster.index must be one of {list(INDEX_BACKENDS)}, got {self.index!r}"
+            )
         if self.redis_url is not None and not isinstance(self.redis_url, str):
             raise ConfigError("cluster.redis_url must be a string")
         if self.index == "redis":
             if not self.redis_url or urlsplit(self.redis_url).scheme not in REDIS_SCHEMES:
                 # never echo the value: it may carry a password
-                raise ConfigError("cluster.redis_url must be a redis:// URL (redis+cluster:// "
-                                  "for a Redis Cluster) when cluster.index is redis")
+                raise ConfigError(
+                    "cluster.redis_url must be a redis:// URL (redis+cluster:// "
+                    "for a Redis Cluster) when cluster.index is redis"
+                )
             try:
                 _ = urlsplit(self.redis_url).port  # parsing it raises on a malformed port
             except ValueError:
@@ -287,14 +322,17 @@ class ClusterConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"cluster.{name} must be a positive number")
         if self.heartbeat_s >= self.lease_ttl_s:
-            raise ConfigError("cluster.heartbeat_s must be shorter than cluster.lease_ttl_s, "
-                              "or the node's lease lapses between renewals")
+            raise ConfigError(
+                "cluster.heartbeat_s must be shorter than cluster.lease_ttl_s, "
+                "or the node's lease lapses between renewals"
+            )
         for name in ("hardware_class", "advertise"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"cluster.{name} must be a string")
         if self.transport not in TRANSPORTS:
-            raise ConfigError(f"cluster.transport must be one of {list(TRANSPORTS)}, "
-                              f"got {self.transport!r}")
+            raise ConfigError(
+                f"cluster.transport must be one of {list(TRANSPORTS)}, got {self.transport!r}"
+            )
 
     @property
     def redis_url_redacted(self) -> str:
@@ -321,24 +359,31 @@ class DaemonConfig:
 
     def __post_init__(self) -> None:
         if any(t.kind is TierKind.DEVICE for t in self.store.tiers):
-            raise ConfigError("the daemon serves host tiers to local clients through shared "
-                              "memory; a device tier needs CUDA IPC export, not supported yet")
+            raise ConfigError(
+                "the daemon serves host tiers to local clients through shared "
+                "memory; a device tier needs CUDA IPC export, not supported yet"
+            )
         if not self.socket_path:
-            object.__setattr__(self, "socket_path",
-                               str(Path(self.store.data_dir) / "kvfabric.sock"))
+            object.__setattr__(
+                self, "socket_path", str(Path(self.store.data_dir) / "kvfabric.sock")
+            )
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level must be debug, info, warning or error")
         if self.security.tls_on("peer") and self.cluster.index == "redis":
             # a node's certificate is its identity toward peers: both sides must check one
             if self.security.tls_client_ca_file is None:
-                raise ConfigError("security.tls_planes includes peer (the default) with "
-                                  "cluster.index redis: TLS between nodes is mutual and needs "
-                                  "security.tls_client_ca_file (the CA of every node's "
-                                  "certificate); or leave peer out of security.tls_planes")
+                raise ConfigError(
+                    "security.tls_planes includes peer (the default) with "
+                    "cluster.index redis: TLS between nodes is mutual and needs "
+                    "security.tls_client_ca_file (the CA of every node's "
+                    "certificate); or leave peer out of security.tls_planes"
+                )
             if self.cluster.transport == "nixl":
-                raise ConfigError("cluster.transport nixl is not encrypted (UCX): leave peer "
-                                  "out of security.tls_planes, or use transport socket (or "
-                                  "auto, which picks socket when peer TLS is on)")
+                raise ConfigError(
+                    "cluster.transport nixl is not encrypted (UCX): leave peer "
+                    "out of security.tls_planes, or use transport socket (or "
+                    "auto, which picks socket when peer TLS is on)"
+                )
 
 
 def is_loopback(host: str) -> bool:
@@ -355,8 +400,9 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except OSError:
         return False
-    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback
-                               for info in infos)
+    return bool(infos) and all(
+        ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos
+    )
 
 
 def exposed_planes(config: DaemonConfig) -> list[str]:
@@ -366,15 +412,21 @@ def exposed_planes(config: DaemonConfig) -> list[str]:
     # configured, not read: an unreadable token file fails the start on its own
     auth = bool(config.auth.token or config.auth.token_file or config.auth.tenants)
     if config.http.port is not None and not is_loopback(config.http.host) and not auth:
-        out.append(f"HTTP on {config.http.host}:{config.http.port} without auth tokens: "
-                   "anyone who reaches it has admin rights (stats, evict, metrics)")
+        out.append(
+            f"HTTP on {config.http.host}:{config.http.port} without auth tokens: "
+            "anyone who reaches it has admin rights (stats, evict, metrics)"
+        )
     if config.tcp.port is not None and not is_loopback(config.tcp.host):
         if not auth:
-            out.append(f"TCP control on {config.tcp.host}:{config.tcp.port} without auth "
-                       "tokens: remote clients get admin sessions")
+            out.append(
+                f"TCP control on {config.tcp.host}:{config.tcp.port} without auth "
+                "tokens: remote clients get admin sessions"
+            )
         if config.cluster.index == "redis" and config.cluster.secret_file is None:
-            out.append(f"peer transport on {config.tcp.host} without cluster.secret_file: "
-                       "anyone who reaches it reads and writes the arenas")
+            out.append(
+                f"peer transport on {config.tcp.host} without cluster.secret_file: "
+                "anyone who reaches it reads and writes the arenas"
+            )
     return out
 
 
@@ -383,21 +435,32 @@ def check_binds(config: DaemonConfig) -> list[str]:
     ``security.allow_insecure``; then the same lines are returned, to be logged loudly."""
     exposed = exposed_planes(config)
     if exposed and not config.security.allow_insecure:
-        raise ConfigError("refusing to listen beyond loopback without authentication: "
-                          + "; ".join(exposed) + ". Configure auth.token_file / auth.tenants "
-                          "(and cluster.secret_file for peers), bind 127.0.0.1, or set "
-                          "security.allow_insecure: true (--insecure) to accept the risk")
+        raise ConfigError(
+            "refusing to listen beyond loopback without authentication: "
+            + "; ".join(exposed)
+            + ". Configure auth.token_file / auth.tenants "
+            "(and cluster.secret_file for peers), bind 127.0.0.1, or set "
+            "security.allow_insecure: true (--insecure) to accept the risk"
+        )
     return [f"INSECURE: {line}" for line in exposed]
 
 
-_SECTIONS: dict[str, type] = {"tcp": Endpoint, "http": Endpoint, "auth": AuthConfig,
-                              "limits": Limits, "cluster": ClusterConfig,
-                              "security": SecurityConfig}
+_SECTIONS: dict[str, type] = {
+    "tcp": Endpoint,
+    "http": Endpoint,
+    "auth": AuthConfig,
+    "limits": Limits,
+    "cluster": ClusterConfig,
+    "security": SecurityConfig,
+}
 
 
-def load_config(path: str | os.PathLike | None = None, *,
-                env: Mapping[str, str] | None = None,
-                overrides: Sequence[str] = ()) -> DaemonConfig:
+def load_config(
+    path: str | os.PathLike | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Sequence[str] = (),
+) -> DaemonConfig:
     """File, then environment, then ``key=value`` overrides; validated."""
     data: dict[str, Any] = {}
     if path is not None:
@@ -411,7 +474,7 @@ def load_config(path: str | os.PathLike | None = None, *,
     environ = os.environ if env is None else env
     for name, value in sorted(environ.items()):
         if name.startswith(ENV_PREFIX) and name != ENV_PREFIX and name not in CLIENT_ONLY_ENV:
-            dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
+            dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
             _set_path(data, dotted, _scalar(value), source=f"environment {name}")
     for item in overrides:
         if "=" not in item:
@@ -423,9 +486,15 @@ def load_config(path: str | os.PathLike | None = None, *,
 
 # Settings holding a path where a leading ``~`` means the daemon user's home, as in a shell
 # (configs/dev.yaml keeps everything under ~/.local/share/kvfabric).
-HOME_PATHS = (("socket_path",), ("store", "data_dir"), ("auth", "token_file"),
-              ("cluster", "secret_file"), ("security", "tls_cert_file"),
-              ("security", "tls_key_file"), ("security", "tls_client_ca_file"))
+HOME_PATHS = (
+    ("socket_path",),
+    ("store", "data_dir"),
+    ("auth", "token_file"),
+    ("cluster", "secret_file"),
+    ("security", "tls_cert_file"),
+    ("security", "tls_key_file"),
+    ("security", "tls_client_ca_file"),
+)
 
 
 def _expand_home(data: dict[str, Any]) -> dict[str, Any]:
@@ -510,7 +579,7 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any, *, source: str) -> 
     for i, part in enumerate(parts[:-1]):
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"{source}: {'.'.join(parts[:i + 1])} is not a section")
+            raise ConfigError(f"{source}: {'.'.join(parts[: i + 1])} is not a section")
     node[parts[-1]] = value
 
 
@@ -518,14 +587,15 @@ def _tier_map(store: dict[str, Any]) -> dict[str, Any]:
     """The store's tiers as name -> mapping (converted in place; defaults if absent)."""
     tiers = store.get("tiers")
     if tiers is None:
-        tiers = [{"kind": t.kind.value, "capacity": t.capacity, "name": t.name}
-                 for t in default_tiers()]
+        tiers = [
+            {"kind": t.kind.value, "capacity": t.capacity, "name": t.name} for t in default_tiers()
+        ]
     if isinstance(tiers, list):
         mapping: dict[str, Any] = {}
-        for tier in tiers:
-            if not isinstance(tier, dict):
+        for entry in tiers:
+            if not isinstance(entry, dict):
                 raise ConfigError("store.tiers entries must be mappings")
-            tier = dict(tier)
+            tier = dict(entry)
             mapping[str(tier.pop("name", tier.get("kind")))] = tier
         tiers = mapping
     if not isinstance(tiers, dict):

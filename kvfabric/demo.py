@@ -39,8 +39,10 @@ class DemoResult:
 
     @property
     def ok(self) -> bool:
-        return (self.verified_first_pass == self.chunks
-                and self.verified_after_restart == self.recovered_after_restart > 0)
+        return (
+            self.verified_first_pass == self.chunks
+            and self.verified_after_restart == self.recovered_after_restart > 0
+        )
 
 
 def demo_tiers() -> tuple[TierConfig, ...]:
@@ -48,9 +50,11 @@ def demo_tiers() -> tuple[TierConfig, ...]:
     chunk = SPEC.chunk_bytes
     nodes = numa.available_nodes()
     far_node = nodes[-1] if len(nodes) > 1 else None  # plain memory on a one-node machine
-    tiers = [TierConfig(TierKind.DRAM, 4 * chunk, page_size=64 * KiB),
-             TierConfig(TierKind.CXL, 4 * chunk, page_size=64 * KiB, numa_node=far_node),
-             TierConfig(TierKind.SSD, 64 * MiB, segment_bytes=16 * MiB)]
+    tiers = [
+        TierConfig(TierKind.DRAM, 4 * chunk, page_size=64 * KiB),
+        TierConfig(TierKind.CXL, 4 * chunk, page_size=64 * KiB, numa_node=far_node),
+        TierConfig(TierKind.SSD, 64 * MiB, segment_bytes=16 * MiB),
+    ]
     if not torch_available():
         return tuple(tiers)
     return (TierConfig(TierKind.DEVICE, 4 * chunk, page_size=64 * KiB, device="cpu"), *tiers)
@@ -65,13 +69,15 @@ def torch_available() -> bool:
     return True
 
 
-NO_TORCH_NOTE = ("device tier skipped: torch is not installed "
-                 "(pip install -e '.[device]' to include it)")
+NO_TORCH_NOTE = (
+    "device tier skipped: torch is not installed (pip install -e '.[device]' to include it)"
+)
 
 
 def _payload(key: bytes, nbytes: int) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, nbytes, dtype=np.uint8)
+        0, 256, nbytes, dtype=np.uint8
+    )
 
 
 def run_demo(data_dir: Path | None = None, *, out=print) -> DemoResult:
@@ -79,12 +85,15 @@ def run_demo(data_dir: Path | None = None, *, out=print) -> DemoResult:
     root = Path(tempfile.mkdtemp(prefix="kvfabric-demo-")) if owned else Path(data_dir)
     tiers = demo_tiers()
     config = StoreConfig(data_dir=str(root), tiers=tiers, maintenance_interval_s=0.05)
-    tokens = np.random.default_rng(7).integers(0, 32000, PROMPT_CHUNKS * SPEC.chunk_tokens,
-                                               dtype=np.int32)
+    tokens = np.random.default_rng(7).integers(
+        0, 32000, PROMPT_CHUNKS * SPEC.chunk_tokens, dtype=np.int32
+    )
     refs = chunk_hashes(NAMESPACE, tokens)
     try:
-        out(f"kvfabric demo: {len(refs)} chunks of {SPEC.chunk_tokens} tokens "
-            f"({SPEC.chunk_bytes // KiB} KiB each, {SPEC.num_layers} layers) in {root}")
+        out(
+            f"kvfabric demo: {len(refs)} chunks of {SPEC.chunk_tokens} tokens "
+            f"({SPEC.chunk_bytes // KiB} KiB each, {SPEC.num_layers} layers) in {root}"
+        )
         if all(t.kind is not TierKind.DEVICE for t in tiers):
             out(NO_TORCH_NOTE)  # said, not silent: the README promises a device tier
         with TieredStore(config) as store:
@@ -98,14 +107,18 @@ def run_demo(data_dir: Path | None = None, *, out=print) -> DemoResult:
             store.flush()
             put_s = time.perf_counter() - started
             hit = store.lookup_tokens(NAMESPACE, tokens)
-            out(f"stored in {put_s * 1e3:.1f} ms; lookup matched {hit.matched_tokens}/"
-                f"{len(tokens)} tokens: " + ", ".join(f"{t}={n}" for t, n in
-                                                        hit.tier_tokens.items()))
+            out(
+                f"stored in {put_s * 1e3:.1f} ms; lookup matched {hit.matched_tokens}/"
+                f"{len(tokens)} tokens: "
+                + ", ".join(f"{t}={n}" for t, n in hit.tier_tokens.items())
+            )
             _print_tiers(store, out)
             verified = _verify(store, refs)
             promoted = sum(t.promotions for t in store.stats().tiers)
-            out(f"read back {verified}/{len(refs)} chunks byte-exact "
-                f"({promoted} promoted on hit, SSD reads checksum-verified)")
+            out(
+                f"read back {verified}/{len(refs)} chunks byte-exact "
+                f"({promoted} promoted on hit, SSD reads checksum-verified)"
+            )
         with TieredStore(config) as store:  # restart: memory tiers are gone, SSD is not
             recovered = len(store)
             again = _verify(store, [r for r in refs if store.contains(NAMESPACE, r.key)])
@@ -127,11 +140,16 @@ def _verify(store: TieredStore, refs: list) -> int:
 
 def _print_tiers(store: TieredStore, out) -> None:
     stats = store.stats()
-    header = f"{'tier':8} {'kind':6} {'capacity':>10} {'used':>10} {'objects':>7} " \
-             f"{'hit tok':>8} {'demoted':>7} {'promoted':>8} {'evicted':>7}"
+    header = (
+        f"{'tier':8} {'kind':6} {'capacity':>10} {'used':>10} {'objects':>7} "
+        f"{'hit tok':>8} {'demoted':>7} {'promoted':>8} {'evicted':>7}"
+    )
     out(header)
     out("-" * len(header))
     for t in stats.tiers:
-        out(f"{t.name:8} {t.kind:6} {format_size(t.capacity_bytes):>10} {format_size(t.used_bytes):>10} "
+        out(
+            f"{t.name:8} {t.kind:6} {format_size(t.capacity_bytes):>10} "
+            f"{format_size(t.used_bytes):>10} "
             f"{t.objects:>7} {t.hit_tokens:>8} {t.demotions:>7} {t.promotions:>8} "
-            f"{t.evictions:>7}")
+            f"{t.evictions:>7}"
+        )

@@ -46,7 +46,7 @@ class ChunkRef(NamedTuple):
         return self.parent == ROOT
 
 
-def as_token_array(tokens: "Sequence[int] | np.ndarray") -> np.ndarray:
+def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a contiguous little-endian int32 array (no copy when already one)."""
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:
@@ -64,8 +64,13 @@ def as_token_array(tokens: "Sequence[int] | np.ndarray") -> np.ndarray:
         raise SpecError(f"token ids must be int32 integers: {exc}") from None
 
 
-def chunk_keys(namespace: Namespace, tokens: "Sequence[int] | np.ndarray", *,
-               parent: bytes = ROOT, include_partial: bool = True) -> list[bytes]:
+def chunk_keys(
+    namespace: Namespace,
+    tokens: Sequence[int] | np.ndarray,
+    *,
+    parent: bytes = ROOT,
+    include_partial: bool = True,
+) -> list[bytes]:
     """Keys of every chunk of ``tokens`` (a prompt, or its continuation after ``parent``).
 
     ``include_partial=False`` drops a trailing chunk shorter than ``chunk_tokens`` (prefix
@@ -85,16 +90,21 @@ def chunk_keys(namespace: Namespace, tokens: "Sequence[int] | np.ndarray", *,
     append = keys.append
     prev = parent
     for start in range(0, full_chunks * stride, stride):
-        prev = digest(prev + full_header + raw[start:start + stride])
+        prev = digest(prev + full_header + raw[start : start + stride])
         append(prev)
     tail = arr.shape[0] - full_chunks * step
     if tail and include_partial:
-        append(digest(prev + seed + _U32.pack(tail) + raw[full_chunks * stride:]))
+        append(digest(prev + seed + _U32.pack(tail) + raw[full_chunks * stride :]))
     return keys
 
 
-def chunk_hashes(namespace: Namespace, tokens: "Sequence[int] | np.ndarray", *,
-                 parent: bytes = ROOT, include_partial: bool = True) -> list[ChunkRef]:
+def chunk_hashes(
+    namespace: Namespace,
+    tokens: Sequence[int] | np.ndarray,
+    *,
+    parent: bytes = ROOT,
+    include_partial: bool = True,
+) -> list[ChunkRef]:
     """Like :func:`chunk_keys`, with each chunk's parent and token count."""
     arr = as_token_array(tokens)
     keys = chunk_keys(namespace, arr, parent=parent, include_partial=include_partial)

@@ -28,15 +28,23 @@ class LookupResult:
         return self.requested_tokens - self.matched_tokens - self.peer_tokens
 
     def to_dict(self) -> dict[str, Any]:
-        return {"requested_chunks": self.requested_chunks, "chunks": self.matched_chunks,
-                "tokens": self.matched_tokens, "tier_tokens": dict(self.tier_tokens),
-                "requested_tokens": self.requested_tokens}
+        return {
+            "requested_chunks": self.requested_chunks,
+            "chunks": self.matched_chunks,
+            "tokens": self.matched_tokens,
+            "tier_tokens": dict(self.tier_tokens),
+            "requested_tokens": self.requested_tokens,
+        }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "LookupResult":
+    def from_dict(cls, data: dict[str, Any]) -> LookupResult:
         nodes = data.get("nodes")
-        return cls(int(data["requested_chunks"]), int(data["chunks"]), int(data["tokens"]),
-                   {str(k): int(v) for k, v in data["tier_tokens"].items()},
-                   int(data.get("requested_tokens", 0)),
-                   None if nodes is None else max((int(n["chunks"]) for n in nodes), default=0),
-                   bool(data.get("stale", False)))
+        return cls(
+            int(data["requested_chunks"]),
+            int(data["chunks"]),
+            int(data["tokens"]),
+            {str(k): int(v) for k, v in data["tier_tokens"].items()},
+            int(data.get("requested_tokens", 0)),
+            None if nodes is None else max((int(n["chunks"]) for n in nodes), default=0),
+            bool(data.get("stale", False)),
+        )

@@ -106,15 +106,16 @@ class PayloadReader(PayloadAccess):
             raise ValueError("the object is still being written; wait for every layer first")
         return self._pieces(None, None)
 
-    def read_into(self, out: Any, layer: int | None = None,
-                  heads: HeadRange | None = None) -> None:
+    def read_into(self, out: Any, layer: int | None = None, heads: HeadRange | None = None) -> None:
         """Copy the payload, a layer, or a head range into a caller buffer of the exact size."""
         src = self.pieces() if layer is None else self.layer_pieces(layer, heads)
         dst = as_bytes_view(out)
         if nbytes_of(dst) != total_bytes(src):
-            raise PayloadSizeError(f"destination holds {nbytes_of(dst)} bytes, the "
-                                   f"{'payload' if layer is None else 'range'} is "
-                                   f"{total_bytes(src)}")
+            raise PayloadSizeError(
+                f"destination holds {nbytes_of(dst)} bytes, the "
+                f"{'payload' if layer is None else 'range'} is "
+                f"{total_bytes(src)}"
+            )
         copy_pieces([dst], src)
 
     def to_bytes(self) -> bytes:

@@ -65,26 +65,33 @@ def preflight(config: DaemonConfig, *, probe: bool = True) -> Preflight:
     problems: list[str] = []
     warnings: list[str] = []
     insecure: list[str] = []
-    lines: list[str] = [f"node id      {config.node_id}",
-                        f"socket       {Path(config.socket_path).absolute()}"]
+    lines: list[str] = [
+        f"node id      {config.node_id}",
+        f"socket       {Path(config.socket_path).absolute()}",
+    ]
     auth_on = _check_credentials(config, problems)
-    lines.append("auth         " + ("on" if auth_on else
-                                    "off (no tokens: loopback listeners only)"))
+    lines.append(
+        "auth         " + ("on" if auth_on else "off (no tokens: loopback listeners only)")
+    )
     try:
         insecure += check_binds(config)
     except ConfigError as exc:
         problems.append(str(exc))
     if config.cluster.index == "redis" and config.tcp.port is None:
-        problems.append("cluster.index redis needs the TCP control endpoint (tcp.port; 0 "
-                        "picks a free port): peers pull this node's chunks through it")
+        problems.append(
+            "cluster.index redis needs the TCP control endpoint (tcp.port; 0 "
+            "picks a free port): peers pull this node's chunks through it"
+        )
     overcommit: list[str] = []
     lines += _check_memory(config, overcommit)
     lines += _check_disk(config, overcommit)
     if config.store.allow_overcommit:
         warnings += [f"{line} (store.allow_overcommit is set)" for line in overcommit]
     else:
-        problems += [f"{line}; lower the capacity, or set store.allow_overcommit: true to start "
-                     "anyway" for line in overcommit]
+        problems += [
+            f"{line}; lower the capacity, or set store.allow_overcommit: true to start anyway"
+            for line in overcommit
+        ]
     _check_places(config, problems, probe)
     for name, endpoint in (("http", config.http), ("tcp", config.tcp)):
         if endpoint.port is not None:
@@ -100,13 +107,16 @@ def preflight(config: DaemonConfig, *, probe: bool = True) -> Preflight:
 
 # -- credentials ------------------------------------------------------------------------
 
+
 def _check_credentials(config: DaemonConfig, problems: list[str]) -> bool:
     auth_on = False
     try:
         auth_on = config.auth.enabled
         if config.auth.token_file and not config.auth.token and not config.auth.admin_token:
-            problems.append(f"auth.token_file {config.auth.token_file} is empty (authentication "
-                            "would be off); `kvfabric token new FILE` writes one")
+            problems.append(
+                f"auth.token_file {config.auth.token_file} is empty (authentication "
+                "would be off); `kvfabric token new FILE` writes one"
+            )
     except ConfigError as exc:
         problems.append(f"{exc} (`kvfabric token new FILE` writes a token file)")
     try:
@@ -126,6 +136,7 @@ def _check_credentials(config: DaemonConfig, problems: list[str]) -> bool:
 
 
 # -- capacities -------------------------------------------------------------------------
+
 
 def memory_info() -> MemoryInfo:
     """Physical memory from /proc/meminfo, lowered to the cgroup v2 limit where one is set."""
@@ -153,8 +164,9 @@ def _cgroup_memory_limit() -> int | None:
         hierarchy, _, path = entry.partition("::")
         if hierarchy == "0":  # cgroup v2: "0::/path"
             try:
-                value = (Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max") \
-                    .read_text().strip()
+                value = (
+                    (Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max").read_text().strip()
+                )
             except OSError:
                 return None
             return int(value) if value.isdigit() else None
@@ -170,15 +182,20 @@ def _check_memory(config: DaemonConfig, overcommit: list[str]) -> list[str]:
     prefaulted = sum(t.capacity for t in tiers if t.prefault)
     names = " + ".join(f"{t.name} {format_size(t.capacity)}" for t in tiers)
     if total > info.total:
-        overcommit.append(f"the memory tiers ({names}) need {format_size(total)}, more than "
-                          f"the {format_size(info.total)} of {info.source} this machine has")
+        overcommit.append(
+            f"the memory tiers ({names}) need {format_size(total)}, more than "
+            f"the {format_size(info.total)} of {info.source} this machine has"
+        )
     elif prefaulted > info.available:
-        overcommit.append(f"the prefaulted memory tiers need {format_size(prefaulted)} now, "
-                          f"{format_size(info.available)} of memory is available (prefault: "
-                          "true touches every page at start-up)")
-    return [f"memory tiers {names}: {format_size(total)} of {format_size(info.total)} "
-            f"{info.source}"
-            + (f" ({format_size(prefaulted)} prefaulted)" if prefaulted else "")]
+        overcommit.append(
+            f"the prefaulted memory tiers need {format_size(prefaulted)} now, "
+            f"{format_size(info.available)} of memory is available (prefault: "
+            "true touches every page at start-up)"
+        )
+    return [
+        f"memory tiers {names}: {format_size(total)} of {format_size(info.total)} "
+        f"{info.source}" + (f" ({format_size(prefaulted)} prefaulted)" if prefaulted else "")
+    ]
 
 
 def ssd_dir(config: DaemonConfig, tier: TierConfig) -> Path:
@@ -197,9 +214,12 @@ def _check_disk(config: DaemonConfig, overcommit: list[str]) -> list[str]:
             overcommit.append(
                 f"ssd tier {tier.name!r} asks for {format_size(tier.capacity)}, but "
                 f"{directory} has {format_size(free)} free"
-                + (f" (+ {format_size(held)} it holds already)" if held else ""))
-        lines.append(f"{tier.name:12} ssd tier {format_size(tier.capacity)} in "
-                     f"{directory.absolute()} ({format_size(free)} free)")
+                + (f" (+ {format_size(held)} it holds already)" if held else "")
+            )
+        lines.append(
+            f"{tier.name:12} ssd tier {format_size(tier.capacity)} in "
+            f"{directory.absolute()} ({format_size(free)} free)"
+        )
     return lines
 
 
@@ -223,9 +243,12 @@ def _existing_ancestor(path: Path) -> Path:
 
 # -- places -----------------------------------------------------------------------------
 
+
 def _check_places(config: DaemonConfig, problems: list[str], probe: bool) -> None:
-    for what, directory in (("store.data_dir", Path(config.store.data_dir)),
-                            ("socket_path's directory", Path(config.socket_path).parent)):
+    for what, directory in (
+        ("store.data_dir", Path(config.store.data_dir)),
+        ("socket_path's directory", Path(config.socket_path).parent),
+    ):
         problem = _unwritable(directory)
         if problem:
             problems.append(f"{what} {directory}: {problem}")

@@ -70,8 +70,9 @@ def tp_head_range(spec: KVSpec, tp_rank: int, tp_size: int) -> HeadRange:
     if tp_size % heads == 0:
         head = tp_rank // (tp_size // heads)
         return (head, head + 1)
-    raise SpecError(f"tensor parallelism {tp_size} neither divides nor is a multiple of the "
-                    f"{heads} KV heads")
+    raise SpecError(
+        f"tensor parallelism {tp_size} neither divides nor is a multiple of the {heads} KV heads"
+    )
 
 
 def tp_writes(spec: KVSpec, tp_rank: int, tp_size: int) -> bool:
@@ -94,35 +95,48 @@ class ReadSpec:
             object.__setattr__(self, "dtype", KVDtype.parse(self.dtype))
         if self.heads is not None:
             heads = tuple(self.heads)
-            if (len(heads) != 2 or any(isinstance(h, bool) or not isinstance(h, int)
-                                       for h in heads) or not 0 <= heads[0] < heads[1]):
+            if (
+                len(heads) != 2
+                or any(isinstance(h, bool) or not isinstance(h, int) for h in heads)
+                or not 0 <= heads[0] < heads[1]
+            ):
                 raise SpecError(f"heads must be a [start, end) pair of ints, got {self.heads!r}")
             object.__setattr__(self, "heads", heads)
         try:
             object.__setattr__(self, "layout", KVLayout(self.layout))
         except ValueError:
-            raise SpecError(f"unknown layout {self.layout!r}; expected one of "
-                            f"{[k.value for k in KVLayout]}") from None
+            raise SpecError(
+                f"unknown layout {self.layout!r}; expected one of {[k.value for k in KVLayout]}"
+            ) from None
 
     @classmethod
-    def for_rank(cls, spec: KVSpec, tp_rank: int, tp_size: int, *,
-                 dtype: KVDtype | str | None = None,
-                 layout: KVLayout | str = KVLayout.HND) -> ReadSpec:
+    def for_rank(
+        cls,
+        spec: KVSpec,
+        tp_rank: int,
+        tp_size: int,
+        *,
+        dtype: KVDtype | str | None = None,
+        layout: KVLayout | str = KVLayout.HND,
+    ) -> ReadSpec:
         """The spec of tensor-parallel rank ``tp_rank`` of ``tp_size`` (its KV heads)."""
         heads = tp_head_range(spec, tp_rank, tp_size)
-        return cls(dtype, None if heads == (0, spec.num_kv_heads) else heads,
-                   KVLayout(layout))
+        return cls(dtype, None if heads == (0, spec.num_kv_heads) else heads, KVLayout(layout))
 
     def check(self, spec: KVSpec) -> None:
         """Raise SpecError unless this spec can be served from objects of ``spec``."""
         if self.heads is not None and self.heads[1] > spec.num_kv_heads:
-            raise SpecError(f"heads [{self.heads[0]}, {self.heads[1]}) outside the "
-                            f"{spec.num_kv_heads} KV heads of the namespace")
+            raise SpecError(
+                f"heads [{self.heads[0]}, {self.heads[1]}) outside the "
+                f"{spec.num_kv_heads} KV heads of the namespace"
+            )
         if self.dtype is not None and not spec.dtype.reads_as(self.dtype):
             floats = ", ".join(d.value for d in KVDtype if d.is_float)
-            raise SpecError(f"no conversion from {spec.dtype.value} to {self.dtype.value} on "
-                            f"read; conversions run between {floats} and from "
-                            f"{KVDtype.FLOAT8_E4M3.value} to those")
+            raise SpecError(
+                f"no conversion from {spec.dtype.value} to {self.dtype.value} on "
+                f"read; conversions run between {floats} and from "
+                f"{KVDtype.FLOAT8_E4M3.value} to those"
+            )
 
     def conversions(self, spec: KVSpec) -> tuple[Conversion, ...]:
         """What reading an object of ``spec`` this way changes (empty: a zero-copy read)."""
@@ -158,5 +172,8 @@ class ReadSpec:
             raise SpecError("want.heads must be a [start, end] list")
         if not isinstance(layout, str):
             raise SpecError("want.layout must be a string")
-        return cls(None if dtype is None else KVDtype.parse(dtype),
-                   None if heads is None else tuple(heads), layout)
+        return cls(
+            None if dtype is None else KVDtype.parse(dtype),
+            None if heads is None else tuple(heads),
+            layout,
+        )

@@ -61,8 +61,9 @@ class KVDtype(str, enum.Enum):
     def reads_as(self, wanted: KVDtype) -> bool:
         """Whether a payload stored in this dtype can be read as ``wanted``: as itself, or
         as any float dtype from a float payload or a float8 one (dequantized)."""
-        return wanted is self or (wanted.is_float and
-                                  (self.is_float or self is KVDtype.FLOAT8_E4M3))
+        return wanted is self or (
+            wanted.is_float and (self.is_float or self is KVDtype.FLOAT8_E4M3)
+        )
 
     @property
     def scale_bytes(self) -> int:
@@ -76,7 +77,7 @@ class KVDtype(str, enum.Enum):
         return _CODES[self]
 
     @classmethod
-    def parse(cls, value: "str | KVDtype") -> "KVDtype":
+    def parse(cls, value: str | KVDtype) -> KVDtype:
         if isinstance(value, KVDtype):
             return value
         name = str(value).removeprefix("torch.").lower()
@@ -88,14 +89,31 @@ class KVDtype(str, enum.Enum):
             raise SpecError(f"unknown KV dtype {value!r}; expected one of: {known}") from None
 
 
-_ITEMSIZE = {KVDtype.BFLOAT16: 2, KVDtype.FLOAT16: 2, KVDtype.FLOAT32: 4, KVDtype.FLOAT8_E4M3: 1,
-             KVDtype.UINT8: 1}
+_ITEMSIZE = {
+    KVDtype.BFLOAT16: 2,
+    KVDtype.FLOAT16: 2,
+    KVDtype.FLOAT32: 4,
+    KVDtype.FLOAT8_E4M3: 1,
+    KVDtype.UINT8: 1,
+}
 _SCALE_BYTES = {KVDtype.FLOAT8_E4M3: 4}
 _FLOATS = frozenset({KVDtype.BFLOAT16, KVDtype.FLOAT16, KVDtype.FLOAT32})
-_CODES = {KVDtype.BFLOAT16: 1, KVDtype.FLOAT16: 2, KVDtype.FLOAT32: 3, KVDtype.FLOAT8_E4M3: 4,
-          KVDtype.UINT8: 5}
-_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-            "float": "float32", "fp8": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn"}
+_CODES = {
+    KVDtype.BFLOAT16: 1,
+    KVDtype.FLOAT16: 2,
+    KVDtype.FLOAT32: 3,
+    KVDtype.FLOAT8_E4M3: 4,
+    KVDtype.UINT8: 5,
+}
+_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp8": "float8_e4m3fn",
+    "float8_e4m3": "float8_e4m3fn",
+}
 
 # Upper bounds that keep a hostile or mistyped spec from asking for absurd allocations.
 MAX_LAYERS = 1024
@@ -128,24 +146,30 @@ class KVSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_layers", _positive("num_layers", self.num_layers, MAX_LAYERS))
         object.__setattr__(
-            self, "num_kv_heads", _positive("num_kv_heads", self.num_kv_heads, MAX_KV_HEADS))
+            self, "num_kv_heads", _positive("num_kv_heads", self.num_kv_heads, MAX_KV_HEADS)
+        )
         object.__setattr__(self, "head_dim", _positive("head_dim", self.head_dim, MAX_HEAD_DIM))
         object.__setattr__(
-            self, "chunk_tokens", _positive("chunk_tokens", self.chunk_tokens, MAX_CHUNK_TOKENS))
+            self, "chunk_tokens", _positive("chunk_tokens", self.chunk_tokens, MAX_CHUNK_TOKENS)
+        )
         object.__setattr__(self, "dtype", KVDtype.parse(self.dtype))
         try:
             object.__setattr__(self, "kind", AttentionKind(self.kind))
         except ValueError:
-            raise SpecError(f"unknown attention kind {self.kind!r}; expected 'mha' or 'mla'") from None
+            raise SpecError(
+                f"unknown attention kind {self.kind!r}; expected 'mha' or 'mla'"
+            ) from None
         if self.kind is AttentionKind.MLA and self.num_kv_heads != 1:
-            raise SpecError(f"an MLA spec has one latent 'head', got num_kv_heads={self.num_kv_heads}")
+            raise SpecError(
+                f"an MLA spec has one latent 'head', got num_kv_heads={self.num_kv_heads}"
+            )
 
     @property
     def kv_planes(self) -> int:
         """2 (K and V) for MHA/GQA, 1 (the latent) for MLA."""
         return 1 if self.kind is AttentionKind.MLA else 2
 
-    def layout(self, num_tokens: int | None = None) -> "ChunkLayout":
+    def layout(self, num_tokens: int | None = None) -> ChunkLayout:
         """The byte layout of a chunk of ``num_tokens`` tokens (a full chunk by default)."""
         return _layout(self, self.chunk_tokens if num_tokens is None else num_tokens)
 
@@ -159,22 +183,36 @@ class KVSpec:
         if self.chunk_tokens % block_size:
             raise SpecError(
                 f"chunk_tokens={self.chunk_tokens} is not a multiple of the engine block size "
-                f"{block_size}; pick chunk_tokens as a multiple of every engine's block size")
+                f"{block_size}; pick chunk_tokens as a multiple of every engine's block size"
+            )
 
     @cached_property
     def fingerprint(self) -> bytes:
         """16 bytes identifying this spec; identical on every machine and process."""
-        packed = struct.pack("<8sIIIBBI", b"KVSPEC01", self.num_layers, self.num_kv_heads,
-                             self.head_dim, self.dtype.code, self.kv_planes, self.chunk_tokens)
+        packed = struct.pack(
+            "<8sIIIBBI",
+            b"KVSPEC01",
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype.code,
+            self.kv_planes,
+            self.chunk_tokens,
+        )
         return xxhash.xxh3_128_digest(packed)
 
     def to_dict(self) -> dict[str, object]:
-        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "dtype": self.dtype.value, "kind": self.kind.value,
-                "chunk_tokens": self.chunk_tokens}
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype.value,
+            "kind": self.kind.value,
+            "chunk_tokens": self.chunk_tokens,
+        }
 
     @classmethod
-    def from_dict(cls, data: dict[str, object]) -> "KVSpec":
+    def from_dict(cls, data: dict[str, object]) -> KVSpec:
         allowed = {"num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "chunk_tokens"}
         unknown = set(data) - allowed
         if unknown:
@@ -222,8 +260,9 @@ class ChunkLayout:
         """
         self._check_layer(layer)
         if not 0 <= head_start < head_end <= self.spec.num_kv_heads:
-            raise SpecError(f"head range [{head_start}, {head_end}) outside "
-                            f"[0, {self.spec.num_kv_heads})")
+            raise SpecError(
+                f"head range [{head_start}, {head_end}) outside [0, {self.spec.num_kv_heads})"
+            )
         base = layer * self.layer_bytes + head_start * self.head_bytes
         length = (head_end - head_start) * self.head_bytes
         return [(base + p * self.plane_bytes, length) for p in range(self.spec.kv_planes)]

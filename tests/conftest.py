@@ -27,8 +27,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.e2e)
 
 
-for _var, _value in {"LMCACHE_TRACK_USAGE": "false", "VLLM_NO_USAGE_STATS": "1",
-                     "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}.items():
+for _var, _value in {
+    "LMCACHE_TRACK_USAGE": "false",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+}.items():
     os.environ.setdefault(_var, _value)
 
 
@@ -49,12 +53,23 @@ class DaemonProcess:
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.info['http_port']}"
 
-    def start(self, timeout: float = 60.0) -> "DaemonProcess":
+    def start(self, timeout: float = 60.0) -> DaemonProcess:
         ready = self.data_dir / "ready.json"
         ready.unlink(missing_ok=True)
-        args = [sys.executable, "-m", "kvfabric.cli", "serve", "--ready-file", str(ready),
-                "--set", f"store.data_dir={self.data_dir}", "--set", "http.port=0",
-                "--set", "http.host=127.0.0.1"]
+        args = [
+            sys.executable,
+            "-m",
+            "kvfabric.cli",
+            "serve",
+            "--ready-file",
+            str(ready),
+            "--set",
+            f"store.data_dir={self.data_dir}",
+            "--set",
+            "http.port=0",
+            "--set",
+            "http.host=127.0.0.1",
+        ]
         for item in self.settings:
             args += ["--set", item]
         self.log = open(self.data_dir / "daemon.log", "ab")

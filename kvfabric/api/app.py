@@ -62,14 +62,29 @@ from kvfabric.api.body_limit import BodyLimit
 from kvfabric.api.lookup_body import BodyInvalid, BodyTooLarge
 from kvfabric.api.lookup_workers import LookupParsers
 from kvfabric.api.metrics import Metrics, error_kind
+from kvfabric.cluster.index import GlobalLookup
 from kvfabric.config import DaemonConfig
-from kvfabric.errors import (AuthError, ConfigError, DeadlineExceededError, ForbiddenError,
-                             KVFabricError, NotFoundError, ProtocolError, UnavailableError)
+from kvfabric.errors import (
+    AuthError,
+    ConfigError,
+    DeadlineExceededError,
+    ForbiddenError,
+    KVFabricError,
+    NotFoundError,
+    ProtocolError,
+    UnavailableError,
+)
 from kvfabric.hashing import KEY_BYTES, chunk_keys
 from kvfabric.protocol.messages import MAX_KEYS, MAX_STRING, MAX_TOKENS, decode_namespace
-from kvfabric.cluster.index import GlobalLookup
-from kvfabric.spec import (DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS, MAX_HEAD_DIM, MAX_KV_HEADS,
-                           MAX_LAYERS, KVDtype, Namespace)
+from kvfabric.spec import (
+    DEFAULT_CHUNK_TOKENS,
+    MAX_CHUNK_TOKENS,
+    MAX_HEAD_DIM,
+    MAX_KV_HEADS,
+    MAX_LAYERS,
+    KVDtype,
+    Namespace,
+)
 
 # The largest valid body: MAX_TOKENS ids of up to 11 characters ("-2147483648") with a
 # separator and some whitespace each, plus the namespace.
@@ -118,8 +133,11 @@ class SpecBody(BaseModel):
     num_layers: int = Field(gt=0, le=MAX_LAYERS)
     num_kv_heads: int = Field(gt=0, le=MAX_KV_HEADS)
     head_dim: int = Field(gt=0, le=MAX_HEAD_DIM)
-    dtype: str = Field(KVDtype.BFLOAT16.value, max_length=32,
-                       description=f"one of {[d.value for d in KVDtype]} (or an alias)")
+    dtype: str = Field(
+        KVDtype.BFLOAT16.value,
+        max_length=32,
+        description=f"one of {[d.value for d in KVDtype]} (or an alias)",
+    )
     kind: Literal["mha", "mla"] = "mha"
     chunk_tokens: int = Field(DEFAULT_CHUNK_TOKENS, gt=0, le=MAX_CHUNK_TOKENS)
 
@@ -150,11 +168,14 @@ class LookupRequest(BaseModel):
     model_config = _STRICT
     namespace: NamespaceBody
     token_ids: list[TokenId] | None = Field(
-        None, max_length=MAX_TOKENS, description="a prompt; only its full chunks are looked up")
+        None, max_length=MAX_TOKENS, description="a prompt; only its full chunks are looked up"
+    )
     chunk_hashes: list[ChunkHash] | None = Field(
-        None, max_length=MAX_KEYS, description="a chain of chunk keys, hex, root first")
+        None, max_length=MAX_KEYS, description="a chain of chunk keys, hex, root first"
+    )
     scope: Literal["local", "cluster"] = Field(
-        "local", description="cluster: also which nodes hold the prefix (global index)")
+        "local", description="cluster: also which nodes hold the prefix (global index)"
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Self:
@@ -166,11 +187,13 @@ class LookupRequest(BaseModel):
 class EvictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     tier: str | None = Field(None, max_length=64, description="one tier; null: from the last up")
-    nbytes: int | None = Field(None, alias="bytes", gt=0,
-                               description="stop once this many bytes are freed; null: all")
+    nbytes: int | None = Field(
+        None, alias="bytes", gt=0, description="stop once this many bytes are freed; null: all"
+    )
 
 
 # ---------------------------------------------------------------------- responses
+
 
 class ErrorBody(BaseModel):
     kind: str
@@ -188,8 +211,10 @@ class ErrorResponse(BaseModel):
     detail: list[Issue] | None = None
 
 
-_DEGRADED = ("tiers a disk fault (full disk, quota, I/O error) degraded: they serve what "
-             "they hold but take no new objects until the fault clears")
+_DEGRADED = (
+    "tiers a disk fault (full disk, quota, I/O error) degraded: they serve what "
+    "they hold but take no new objects until the fault clears"
+)
 
 
 class HealthResponse(BaseModel):
@@ -197,8 +222,11 @@ class HealthResponse(BaseModel):
     node_id: str
     uptime_s: float
     degraded: list[str] = Field(default_factory=list, description=_DEGRADED)
-    warnings: list[str] = Field(default_factory=list, description="planes listening beyond "
-                                "loopback without authentication (security.allow_insecure)")
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="planes listening beyond "
+        "loopback without authentication (security.allow_insecure)",
+    )
 
 
 class ReadyResponse(BaseModel):
@@ -213,8 +241,9 @@ class NodePrefixBody(BaseModel):
     epoch: int
     chunks: int = Field(description="leading chunks of the chain this node holds")
     tier_chunks: dict[str, int] = Field(description="of those, how many per tier")
-    hardware_class: str = Field(description="the node's declared hardware class "
-                                "(cluster.hardware_class), for routing")
+    hardware_class: str = Field(
+        description="the node's declared hardware class (cluster.hardware_class), for routing"
+    )
 
 
 class LookupResponse(BaseModel):
@@ -225,10 +254,13 @@ class LookupResponse(BaseModel):
     chunk_tokens: int
     tiers: dict[str, int] = Field(description="matched tokens per tier")
     nodes: list[NodePrefixBody] | None = Field(
-        None, description="scope cluster: live nodes holding a prefix of the chain")
+        None, description="scope cluster: live nodes holding a prefix of the chain"
+    )
     stale: bool | None = Field(
-        None, description="scope cluster: the global view may lag (index unreachable or "
-                          "not yet republished)")
+        None,
+        description="scope cluster: the global view may lag (index unreachable or "
+        "not yet republished)",
+    )
 
 
 class TierStatsBody(BaseModel):
@@ -249,16 +281,26 @@ class TierStatsBody(BaseModel):
     corrupt_records: int
     torn_records: int
     degraded: bool = Field(False, description="SSD tier: a disk fault stopped new objects")
-    disk_errors: dict[str, int] = Field(default_factory=dict,
-                                        description="SSD tier: I/O errors by errno name")
-    refused_demotions: int = Field(0, description="SSD tier: objects evicted from memory "
-                                   "instead of demoted while it was degraded")
-    quota_refused_demotions: int = Field(0, description="SSD tier: objects evicted from "
-                                         "memory instead of demoted because their tenant's "
-                                         "own SSD records could not make room in its quota")
-    tenant_bytes: dict[str, int] = Field(default_factory=dict, description="configured "
-                                         "tenants' bytes in the tier (memory: their arena's "
-                                         "pages in use; SSD: their records)")
+    disk_errors: dict[str, int] = Field(
+        default_factory=dict, description="SSD tier: I/O errors by errno name"
+    )
+    refused_demotions: int = Field(
+        0,
+        description="SSD tier: objects evicted from memory "
+        "instead of demoted while it was degraded",
+    )
+    quota_refused_demotions: int = Field(
+        0,
+        description="SSD tier: objects evicted from "
+        "memory instead of demoted because their tenant's "
+        "own SSD records could not make room in its quota",
+    )
+    tenant_bytes: dict[str, int] = Field(
+        default_factory=dict,
+        description="configured "
+        "tenants' bytes in the tier (memory: their arena's "
+        "pages in use; SSD: their records)",
+    )
 
 
 class TotalsBody(BaseModel):
@@ -267,8 +309,11 @@ class TotalsBody(BaseModel):
     lookup_tokens: int
     hit_tokens: int
     miss_tokens: int
-    peer_hit_tokens: int = Field(0, description="of hit_tokens: tokens past this node's prefix "
-                                 "that another node held (cluster-scope lookups)")
+    peer_hit_tokens: int = Field(
+        0,
+        description="of hit_tokens: tokens past this node's prefix "
+        "that another node held (cluster-scope lookups)",
+    )
     hit_rate: float
     puts: int
     gets: int
@@ -294,8 +339,11 @@ class StatsResponse(BaseModel):
     tiers: list[TierStatsBody]
     totals: TotalsBody
     namespaces: list[NamespaceStatsBody]
-    warnings: list[str] = Field(default_factory=list, description="planes listening beyond "
-                                "loopback without authentication (security.allow_insecure)")
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="planes listening beyond "
+        "loopback without authentication (security.allow_insecure)",
+    )
     degraded: list[str] = Field(default_factory=list, description=_DEGRADED)
 
 
@@ -316,6 +364,7 @@ def _from_attributes(model: type[_Model], source: object) -> _Model:
 
 
 # ---------------------------------------------------------------------- auth
+
 
 @dataclass(frozen=True)
 class Principal:
@@ -343,8 +392,9 @@ async def _daemon(request: Request) -> DaemonView:
 Daemon = Annotated[DaemonView, Depends(_daemon)]
 
 
-def _caller(daemon: Daemon, credentials: Annotated[
-        HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+def _caller(
+    daemon: Daemon, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> Principal:
     # Plain def: reading auth.token_file (re-read per request, so it can be rotated) is I/O.
     auth = daemon.config.auth
     admin = auth.admin_token
@@ -385,8 +435,13 @@ Admin = Annotated[Principal, Depends(_admin)]
 # ---------------------------------------------------------------------- errors
 
 _STATUS: dict[type[KVFabricError], int] = {
-    AuthError: 401, ForbiddenError: 403, NotFoundError: 404, UnavailableError: 503,
-    DeadlineExceededError: 504, ConfigError: 500}
+    AuthError: 401,
+    ForbiddenError: 403,
+    NotFoundError: 404,
+    UnavailableError: 503,
+    DeadlineExceededError: 504,
+    ConfigError: 500,
+}
 
 
 def _status_of(exc: KVFabricError) -> int:
@@ -398,8 +453,9 @@ def _status_of(exc: KVFabricError) -> int:
 
 def _error_json(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse({"error": {"kind": kind, "message": message}, **extra}, status,
-                        headers=headers)
+    return JSONResponse(
+        {"error": {"kind": kind, "message": message}, **extra}, status, headers=headers
+    )
 
 
 async def _on_kvfabric_error(_: Request, exc: Exception) -> Response:
@@ -415,8 +471,10 @@ async def _on_validation_error(_: Request, exc: Exception) -> Response:
         errors = exc.errors()
         total = len(errors)
     # Never echo the input back: it may be millions of token ids.
-    issues = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
-              for e in errors[:MAX_REPORTED_ISSUES]]
+    issues = [
+        {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+        for e in errors[:MAX_REPORTED_ISSUES]
+    ]
     message = "; ".join(f"{'.'.join(map(str, i['loc']))}: {i['msg']}" for i in issues)
     if total > MAX_REPORTED_ISSUES:
         message += f"; and {total - MAX_REPORTED_ISSUES} more"
@@ -457,7 +515,8 @@ class _ObservedRoute(APIRoute):
                 raise
             finally:
                 request.app.state.daemon.metrics.observe_request(
-                    op, time.perf_counter() - started, kind, plane="http")
+                    op, time.perf_counter() - started, kind, plane="http"
+                )
 
         return observed
 
@@ -465,10 +524,15 @@ class _ObservedRoute(APIRoute):
 # ---------------------------------------------------------------------- endpoints
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": what} for status, what in (
-        (400, "a kvfabric error"), (401, "missing or unknown token"),
-        (403, "token not allowed here"), (413, "body or list over its limit"),
-        (422, "invalid body"))}
+    status: {"model": ErrorResponse, "description": what}
+    for status, what in (
+        (400, "a kvfabric error"),
+        (401, "missing or unknown token"),
+        (403, "token not allowed here"),
+        (413, "body or list over its limit"),
+        (422, "invalid body"),
+    )
+}
 
 _probes = APIRouter(tags=["probes"])
 _scrape = APIRouter(tags=["metrics"])
@@ -486,13 +550,20 @@ def _warnings(daemon: DaemonView) -> list[str]:
 @_probes.get("/healthz")
 async def healthz(daemon: Daemon) -> HealthResponse:
     degraded = daemon.store.degraded_tiers  # lock-free: fine on the event loop
-    return HealthResponse(status="degraded" if degraded else "ok", node_id=daemon.node_id,
-                          uptime_s=_uptime(daemon), warnings=_warnings(daemon),
-                          degraded=degraded)
+    return HealthResponse(
+        status="degraded" if degraded else "ok",
+        node_id=daemon.node_id,
+        uptime_s=_uptime(daemon),
+        warnings=_warnings(daemon),
+        degraded=degraded,
+    )
 
 
-@_probes.get("/readyz", response_model_exclude_none=True,
-             responses={503: {"model": ReadyResponse, "description": "not ready"}})
+@_probes.get(
+    "/readyz",
+    response_model_exclude_none=True,
+    responses={503: {"model": ReadyResponse, "description": "not ready"}},
+)
 async def readyz(daemon: Daemon, response: Response) -> ReadyResponse:
     ready = daemon.ready
     if not ready:  # starting, draining before shutdown, or a plane stopped accepting
@@ -500,12 +571,20 @@ async def readyz(daemon: Daemon, response: Response) -> ReadyResponse:
     # a degraded SSD tier still serves (memory, and reads of what it holds): ready, but said
     degraded = daemon.store.degraded_tiers or None
     status = "not_ready" if not ready else "degraded" if degraded else "ready"
-    return ReadyResponse(status=status, node_id=daemon.node_id, degraded=degraded,
-                         reason=None if ready else getattr(daemon, "not_ready_reason", None))
+    return ReadyResponse(
+        status=status,
+        node_id=daemon.node_id,
+        degraded=degraded,
+        reason=None if ready else getattr(daemon, "not_ready_reason", None),
+    )
 
 
-@_scrape.get("/metrics", response_class=Response, responses=_ERRORS | {
-    200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
+@_scrape.get(
+    "/metrics",
+    response_class=Response,
+    responses=_ERRORS
+    | {200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}},
+)
 def metrics(daemon: Daemon, _: Admin) -> Response:
     body, content_type = daemon.metrics.render()  # reads store.stats(): takes the store lock
     return Response(body, media_type=content_type)
@@ -529,25 +608,29 @@ def _lookup(body: LookupRequest, daemon: DaemonView, caller: Principal) -> Looku
     if body.scope == "cluster":  # first: the store counts what other nodes hold as peer hits
         if daemon.cluster is None:
             raise UnavailableError("this server has no global index")
-        keys = (chunk_keys(ns, body.token_ids, include_partial=False)
-                if body.token_ids is not None else
-                [bytes.fromhex(h) for h in body.chunk_hashes or ()])
+        keys = (
+            chunk_keys(ns, body.token_ids, include_partial=False)
+            if body.token_ids is not None
+            else [bytes.fromhex(h) for h in body.chunk_hashes or ()]
+        )
         nodes, stale = daemon.cluster.node_prefixes(ns, keys)
-        peer_chunks = max((n["chunks"] for n in nodes if n["node_id"] != daemon.node_id),
-                          default=0)
+        peer_chunks = max((n["chunks"] for n in nodes if n["node_id"] != daemon.node_id), default=0)
     peer = {"peer_chunks": peer_chunks} if peer_chunks else {}
     if body.token_ids is not None:
         result = daemon.store.lookup_tokens(ns, body.token_ids, **peer)
         requested_tokens: int | None = len(body.token_ids)
     else:
         assert body.chunk_hashes is not None
-        result = daemon.store.lookup(ns, [bytes.fromhex(h) for h in body.chunk_hashes],
-                                     **peer)
+        result = daemon.store.lookup(ns, [bytes.fromhex(h) for h in body.chunk_hashes], **peer)
         requested_tokens = None
     response = LookupResponse(
-        matched_tokens=result.matched_tokens, matched_chunks=result.matched_chunks,
-        requested_chunks=result.requested_chunks, requested_tokens=requested_tokens,
-        chunk_tokens=ns.spec.chunk_tokens, tiers=result.tier_tokens)
+        matched_tokens=result.matched_tokens,
+        matched_chunks=result.matched_chunks,
+        requested_chunks=result.requested_chunks,
+        requested_tokens=requested_tokens,
+        chunk_tokens=ns.spec.chunk_tokens,
+        tiers=result.tier_tokens,
+    )
     if nodes is not None:
         response.stale = stale
         response.nodes = [NodePrefixBody(**node) for node in nodes]
@@ -558,14 +641,25 @@ def _lookup(body: LookupRequest, daemon: DaemonView, caller: Principal) -> Looku
 def stats(daemon: Daemon, _: Admin) -> StatsResponse:
     snapshot = daemon.store.stats()
     return StatsResponse(
-        node_id=daemon.node_id, uptime_s=_uptime(daemon), ready=daemon.ready,
+        node_id=daemon.node_id,
+        uptime_s=_uptime(daemon),
+        ready=daemon.ready,
         sessions=daemon.session_count,
         tiers=[_from_attributes(TierStatsBody, tier) for tier in snapshot.tiers],
         totals=_from_attributes(TotalsBody, snapshot),
-        namespaces=[NamespaceStatsBody(model=n.model_id, tenant=n.tenant, lookups=n.lookups,
-                                       lookup_tokens=n.lookup_tokens, hit_tokens=n.hit_tokens)
-                    for n in snapshot.namespaces],
-        warnings=_warnings(daemon), degraded=list(snapshot.degraded_tiers))
+        namespaces=[
+            NamespaceStatsBody(
+                model=n.model_id,
+                tenant=n.tenant,
+                lookups=n.lookups,
+                lookup_tokens=n.lookup_tokens,
+                hit_tokens=n.hit_tokens,
+            )
+            for n in snapshot.namespaces
+        ],
+        warnings=_warnings(daemon),
+        degraded=list(snapshot.degraded_tiers),
+    )
 
 
 @_api.post("/admin/evict", name="evict")
@@ -573,26 +667,35 @@ def admin_evict(body: EvictRequest, daemon: Daemon, _: Admin) -> EvictResponse:
     return EvictResponse(evicted=daemon.store.evict(body.tier, body.nbytes))
 
 
-@_api.post("/admin/flush", name="flush",
-          responses={504: {"model": ErrorResponse, "description": "SSD writes still pending"}})
+@_api.post(
+    "/admin/flush",
+    name="flush",
+    responses={504: {"model": ErrorResponse, "description": "SSD writes still pending"}},
+)
 def admin_flush(daemon: Daemon, _: Admin) -> FlushResponse:
     daemon.store.flush()
     return FlushResponse(flushed=True)
 
 
-def create_app(daemon: DaemonView, *, max_body_bytes: int = MAX_BODY_BYTES,
-               parse_workers: int = 0) -> FastAPI:
+def create_app(
+    daemon: DaemonView, *, max_body_bytes: int = MAX_BODY_BYTES, parse_workers: int = 0
+) -> FastAPI:
     """The HTTP API of ``daemon`` (see the module docstring). ``parse_workers``: processes
     that parse large lookup bodies (0: threads of this process); whoever serves the app ends
     them with ``app.state.lookup_parsers.close()``."""
-    app = FastAPI(title="kvfabric", version=__version__,
-                  description="KV-hit lookups, stats, admin and Prometheus metrics of one "
-                              "kvfabric node.")
+    app = FastAPI(
+        title="kvfabric",
+        version=__version__,
+        description="KV-hit lookups, stats, admin and Prometheus metrics of one kvfabric node.",
+    )
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.state.daemon = daemon
     app.state.lookup_parsers = LookupParsers(
-        parse_workers, max_tokens=daemon.config.limits.lookup_max_tokens, max_hashes=MAX_KEYS,
-        hash_chars=2 * KEY_BYTES)
+        parse_workers,
+        max_tokens=daemon.config.limits.lookup_max_tokens,
+        max_hashes=MAX_KEYS,
+        hash_chars=2 * KEY_BYTES,
+    )
     for router in (_probes, _scrape, _api):
         app.include_router(router)
     app.add_exception_handler(KVFabricError, _on_kvfabric_error)
@@ -606,14 +709,18 @@ def create_app(daemon: DaemonView, *, max_body_bytes: int = MAX_BODY_BYTES,
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema plus the lookup body, which the route reads raw (see lookup)."""
     if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version,
-                             description=app.description, routes=app.routes)
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
         body = LookupRequest.model_json_schema(ref_template="#/components/schemas/{model}")
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components.update(body.pop("$defs", {}))
         components["LookupRequest"] = body
         schema["paths"]["/v1/lookup"]["post"]["requestBody"] = {
-            "required": True, "content": {"application/json": {
-                "schema": {"$ref": "#/components/schemas/LookupRequest"}}}}
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/LookupRequest"}}
+            },
+        }
         app.openapi_schema = schema
     return app.openapi_schema

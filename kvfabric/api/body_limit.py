@@ -53,12 +53,25 @@ class BodyLimit:
                 return b"".join(parts)
 
     async def _refuse(self, send: Send) -> None:
-        body = json.dumps({"error": {"kind": "too_large", "message":
-                                     f"request body over {self.max_bytes} bytes "
-                                     "(limits.http_max_body_bytes)"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+        body = json.dumps(
+            {
+                "error": {
+                    "kind": "too_large",
+                    "message": f"request body over {self.max_bytes} bytes "
+                    "(limits.http_max_body_bytes)",
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 

@@ -43,9 +43,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger(__name__)
 
 _TIMEOUT_BODY = b'{"error": {"kind": "deadline", "message": "request not received in time"}}'
-_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
-                     % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))
+_TIMEOUT_RESPONSE = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_TIMEOUT_BODY), _TIMEOUT_BODY)
+)
 _RECEIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
 LOG_EVERY_S = 10.0
 
@@ -72,12 +73,22 @@ class _PerIpGate:
         self._on_refused = on_refused
         self._unlogged = 0
         self._last_log = 0.0
-        body = json.dumps({"error": {"kind": "unavailable", "message": (
-            f"more than {limit} open HTTP connections from this address "
-            "(limits.http_max_connections_per_ip)")}}).encode()
-        self._headers = [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode()),
-                         (b"connection", b"close")]
+        body = json.dumps(
+            {
+                "error": {
+                    "kind": "unavailable",
+                    "message": (
+                        f"more than {limit} open HTTP connections from this address "
+                        "(limits.http_max_connections_per_ip)"
+                    ),
+                }
+            }
+        ).encode()
+        self._headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         self._body = body
 
     def admit(self, ip: str) -> bool:
@@ -97,9 +108,13 @@ class _PerIpGate:
         self._unlogged += 1
         now = time.monotonic()
         if now - self._last_log >= LOG_EVERY_S:
-            log.warning("HTTP connections refused over limits.http_max_connections_per_ip=%d "
-                        "(since the last such line): %d; the last from %s", self.limit,
-                        self._unlogged, ip)
+            log.warning(
+                "HTTP connections refused over limits.http_max_connections_per_ip=%d "
+                "(since the last such line): %d; the last from %s",
+                self.limit,
+                self._unlogged,
+                ip,
+            )
             self._unlogged = 0
             self._last_log = now
 
@@ -164,8 +179,11 @@ class DeadlineH11Protocol(H11Protocol):
         self._read_deadline = None
         if self.transport.is_closing() or self.conn.their_state in _RECEIVED:
             return
-        if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0] \
-                and self.cycle is not None:
+        if (
+            self.conn.their_state is h11.IDLE
+            and not self.conn.trailing_data[0]
+            and self.cycle is not None
+        ):
             return  # between requests: the keep-alive timer is in charge
         if self.cycle is None or not self.cycle.response_started:
             self.transport.write(_TIMEOUT_RESPONSE)
@@ -176,8 +194,11 @@ class DeadlineH11Protocol(H11Protocol):
 
 
 def _protocol_class(request_timeout_s: float, gate: _PerIpGate) -> type[DeadlineH11Protocol]:
-    return type("DeadlineH11Protocol", (DeadlineH11Protocol,),
-                {"request_timeout_s": request_timeout_s, "gate": gate})
+    return type(
+        "DeadlineH11Protocol",
+        (DeadlineH11Protocol,),
+        {"request_timeout_s": request_timeout_s, "gate": gate},
+    )
 
 
 class _ThreadedUvicorn(uvicorn.Server):
@@ -201,19 +222,29 @@ class HttpServer:
     """``start()`` serves ``app`` on ``listener`` until ``stop()``; ``on_refused(reason)``
     is called on the HTTP loop for each connection refused over a per-address bound."""
 
-    def __init__(self, app: Any, listener: Any, limits: HttpLimits, *,
-                 ssl_context: ssl.SSLContext | None = None,
-                 loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
-                 on_refused: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        listener: Any,
+        limits: HttpLimits,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
         factory = None if ssl_context is None else (lambda _config, _default: ssl_context)
         gate = _PerIpGate(limits.max_connections_per_ip, on_refused)
         config = uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="off",
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
             http=_protocol_class(limits.request_timeout_s, gate),  # type: ignore[arg-type]
             timeout_keep_alive=limits.keepalive_s,  # type: ignore[arg-type]
             limit_concurrency=limits.max_connections,
             timeout_graceful_shutdown=max(1, round(limits.shutdown_grace_s)),
-            ssl_context_factory=factory)
+            ssl_context_factory=factory,
+        )
         self._server = _ThreadedUvicorn(config, gate)
         self._listener = listener
         self._loop_factory = loop_factory or asyncio.new_event_loop
@@ -242,6 +273,6 @@ class HttpServer:
         try:
             with asyncio.Runner(loop_factory=self._loop_factory) as runner:
                 runner.run(self._server.serve(sockets=[self._listener]))
-        except BaseException as exc:  # noqa: BLE001 - reported through alive / error
+        except BaseException as exc:
             self.error = exc
             log.exception("the HTTP server stopped")

@@ -33,8 +33,8 @@ from __future__ import annotations
 import json
 import re
 import time
-from json.decoder import scanstring
 from collections.abc import Callable
+from json.decoder import scanstring
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # pydantic is imported where a model is built: parser processes skip it
@@ -64,25 +64,31 @@ class BodyInvalid(Exception):
         self.issues, self.total = issues, total
 
 
-def parse_lookup(raw: bytes, model: type[Model], *, max_tokens: int, max_hashes: int,
-                 hash_chars: int) -> Model:
-    data, lists = parse_body(raw, max_tokens=max_tokens, max_hashes=max_hashes,
-                             hash_chars=hash_chars)
+def parse_lookup(
+    raw: bytes, model: type[Model], *, max_tokens: int, max_hashes: int, hash_chars: int
+) -> Model:
+    data, lists = parse_body(
+        raw, max_tokens=max_tokens, max_hashes=max_hashes, hash_chars=hash_chars
+    )
     return build(model, data, lists)
 
 
-def parse_body(raw: bytes, *, max_tokens: int, max_hashes: int, hash_chars: int
-               ) -> tuple[Any, dict[str, list[Any]]]:
+def parse_body(
+    raw: bytes, *, max_tokens: int, max_hashes: int, hash_chars: int
+) -> tuple[Any, dict[str, list[Any]]]:
     """Steps 1-3: the body without its checked long lists (each replaced by ``[]``), and
     those lists by name. Raises BodyInvalid / BodyTooLarge."""
     try:
         data = _loads(raw.decode("utf-8"), {"token_ids": max_tokens, "chunk_hashes": max_hashes})
     except _TooMany as many:
         if many.name == "token_ids":
-            raise BodyTooLarge(f"{many.count} token ids in one lookup; at most {max_tokens} "
-                               "(limits.lookup_max_tokens)") from None
-        raise BodyInvalid([_issue([many.name], f"List should have at most {max_hashes} items",
-                                  "too_long")], 1) from None
+            raise BodyTooLarge(
+                f"{many.count} token ids in one lookup; at most {max_tokens} "
+                "(limits.lookup_max_tokens)"
+            ) from None
+        raise BodyInvalid(
+            [_issue([many.name], f"List should have at most {max_hashes} items", "too_long")], 1
+        ) from None
     except (ValueError, UnicodeDecodeError, IndexError, RecursionError) as exc:
         raise BodyInvalid([_issue([], f"JSON decode error: {exc}", "json_invalid")], 1) from None
     lists: dict[str, list[Any]] = {}
@@ -93,8 +99,12 @@ def parse_body(raw: bytes, *, max_tokens: int, max_hashes: int, hash_chars: int
         _check_items("token_ids", tokens, _bad_tokens, "an integer in int32")
         lists["token_ids"] = tokens
     if isinstance(hashes, list):
-        _check_items("chunk_hashes", hashes, _bad_hashes(hash_chars),
-                     f"a hex string of {hash_chars} characters")
+        _check_items(
+            "chunk_hashes",
+            hashes,
+            _bad_hashes(hash_chars),
+            f"a hex string of {hash_chars} characters",
+        )
         lists["chunk_hashes"] = hashes
     return {**data, **{name: [] for name in lists}}, lists
 
@@ -156,7 +166,7 @@ def _end(text: str, i: int, value: Any) -> Any:
 
 
 def _small_value(text: str, i: int, key: str, *, whole: bool = False) -> tuple[Any, int]:
-    window = text[i:i + VALUE_CHARS] if not whole else text[i:]
+    window = text[i : i + VALUE_CHARS] if not whole else text[i:]
     truncated = len(window) < len(text) - i
     value, end = _DECODER.raw_decode(window)
     if truncated and end >= len(window) - 1:  # it may go on past the window
@@ -198,21 +208,25 @@ def _validate(model: type[Model], data: Any) -> Model:
         return model.model_validate(data)
     except ValidationError as exc:  # few: the long lists are not in it
         errors = exc.errors(include_url=False, include_input=False, include_context=False)
-        raise BodyInvalid([_issue(list(e["loc"]), e["msg"], e["type"])
-                           for e in errors[:MAX_ISSUES]], len(errors)) from None
+        raise BodyInvalid(
+            [_issue(list(e["loc"]), e["msg"], e["type"]) for e in errors[:MAX_ISSUES]], len(errors)
+        ) from None
 
 
-def _check_items(name: str, items: list[Any], find_bad: Callable[[list[Any], int], list[int]],
-                 want: str) -> None:
+def _check_items(
+    name: str, items: list[Any], find_bad: Callable[[list[Any], int], list[int]], want: str
+) -> None:
     """``find_bad(part, start)``: the positions of the bad items of ``part`` (which starts at
     ``start``)."""
     issues: list[dict[str, Any]] = []
     total = 0
     for start in range(0, len(items), SLICE):
-        found = find_bad(items[start:start + SLICE], start)
+        found = find_bad(items[start : start + SLICE], start)
         total += len(found)
-        issues.extend(_issue([name, i], f"must be {want}", "invalid_item")
-                      for i in found[:MAX_ISSUES - len(issues)])
+        issues.extend(
+            _issue([name, i], f"must be {want}", "invalid_item")
+            for i in found[: MAX_ISSUES - len(issues)]
+        )
         time.sleep(0)  # let other threads have the GIL between slices
     if total:
         raise BodyInvalid(issues, total)
@@ -223,7 +237,7 @@ def _bad_tokens(part: list[Any], start: int) -> list[int]:
     calls (its set of types, min and max); only a slice that fails is walked item by item."""
     lo, hi = INT32
     if set(map(type, part)) <= {int}:
-        if not part or lo <= min(part) and max(part) <= hi:
+        if not part or (lo <= min(part) and max(part) <= hi):
             return []
         return [i for i, item in enumerate(part, start) if not lo <= item <= hi]
     return [i for i, item in enumerate(part, start) if _bad_token(item)]

@@ -75,12 +75,23 @@ Model = TypeVar("Model", bound="BaseModel")
 class LookupParsers:
     """Parses lookup bodies; see the module docstring. Thread-safe."""
 
-    def __init__(self, workers: int, *, max_tokens: int, max_hashes: int,
-                 hash_chars: int, answer_s: float = ANSWER_S, idle_s: float = IDLE_S) -> None:
+    def __init__(
+        self,
+        workers: int,
+        *,
+        max_tokens: int,
+        max_hashes: int,
+        hash_chars: int,
+        answer_s: float = ANSWER_S,
+        idle_s: float = IDLE_S,
+    ) -> None:
         self.workers = workers
         self.answer_s, self.idle_s = answer_s, idle_s
-        self._limits = {"max_tokens": max_tokens, "max_hashes": max_hashes,
-                        "hash_chars": hash_chars}
+        self._limits = {
+            "max_tokens": max_tokens,
+            "max_hashes": max_hashes,
+            "hash_chars": hash_chars,
+        }
         self._idle: list[_Worker] = []
         self._live: set[_Worker] = set()
         self._started = 0  # workers alive or being started
@@ -96,20 +107,19 @@ class LookupParsers:
         import anyio.to_thread  # starlette's own dependency; here only where it is used
 
         if self.workers <= 0 or len(raw) <= IN_PROCESS_BYTES:
-            return await anyio.to_thread.run_sync(lambda: parse_lookup(raw, model,
-                                                                       **self._limits))
+            return await anyio.to_thread.run_sync(lambda: parse_lookup(raw, model, **self._limits))
         if self._limiter is None:
             import anyio
 
             self._limiter = anyio.CapacityLimiter(self.workers)
         # as many threads as workers: the other requests wait here, holding no thread
         try:
-            data, lists = await anyio.to_thread.run_sync(self._in_worker, raw,
-                                                         limiter=self._limiter)
+            data, lists = await anyio.to_thread.run_sync(
+                self._in_worker, raw, limiter=self._limiter
+            )
         finally:
             if self._retire is None:
-                self._retire = asyncio.get_running_loop().call_later(self.idle_s,
-                                                                     self._retire_idle)
+                self._retire = asyncio.get_running_loop().call_later(self.idle_s, self._retire_idle)
         return build(model, data, lists)
 
     def _retire_idle(self) -> None:
@@ -128,8 +138,7 @@ class LookupParsers:
         for worker in old:
             loop.run_in_executor(None, worker.stop)  # it exits at EOF; stop() reaps it
         if left is not None:
-            self._retire = loop.call_later(max(0.1, left + self.idle_s - now),
-                                           self._retire_idle)
+            self._retire = loop.call_later(max(0.1, left + self.idle_s - now), self._retire_idle)
 
     def parse_blocking(self, raw: bytes) -> tuple[Any, dict[str, Any]]:
         """What :meth:`parse` does with a large body, minus the model, on the calling thread
@@ -231,7 +240,10 @@ class _Worker:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvfabric.api.lookup_workers", json.dumps(limits)],
-                stdin=theirs, stdout=theirs, close_fds=True)
+                stdin=theirs,
+                stdout=theirs,
+                close_fds=True,
+            )
         except OSError as exc:
             mine.close()
             raise UnavailableError(f"cannot start a lookup parser process: {exc}") from None
@@ -291,6 +303,7 @@ class _Worker:
 
 # ---------------------------------------------------------------------- the worker process
 
+
 def _serve(limits: dict[str, int]) -> None:
     """The worker loop: bodies in on stdin, replies out on stdout, until EOF."""
     with contextlib.suppress(OSError):
@@ -311,8 +324,11 @@ def _serve(limits: dict[str, int]) -> None:
         try:
             data, lists = parse_body(body, **limits)
             ids = lists.get("token_ids")
-            header: dict[str, Any] = {"ok": data, "tokens": None if ids is None else len(ids),
-                                      "chunk_hashes": lists.get("chunk_hashes")}
+            header: dict[str, Any] = {
+                "ok": data,
+                "tokens": None if ids is None else len(ids),
+                "chunk_hashes": lists.get("chunk_hashes"),
+            }
             if ids is not None:
                 tokens = array("i", ids).tobytes()  # checked int32 above
                 if sys.byteorder != "little":

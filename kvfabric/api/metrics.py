@@ -45,8 +45,28 @@ DEFAULT_MAX_TENANTS = 256
 OTHER_TENANT = "__other__"
 # Store operations range from ~10 us (an in-memory lookup) to seconds (an SSD read-back
 # under load, a layer wait); requests add the socket round trip.
-LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
-                   0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LATENCY_BUCKETS = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 
 M = TypeVar("M", bound=MetricWrapperBase)
 
@@ -63,80 +83,168 @@ class StatsSource(Protocol):
 class Metrics:
     """All metrics of one daemon, in a registry of its own."""
 
-    def __init__(self, store: StatsSource | None = None, *,
-                 max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
+    def __init__(
+        self, store: StatsSource | None = None, *, max_tenants: int = DEFAULT_MAX_TENANTS
+    ) -> None:
         if max_tenants < 1:
             raise ValueError("max_tenants must be at least 1")
         self.registry = CollectorRegistry(auto_describe=True)  # catches duplicate names
         reg = self.registry
-        self._sessions = Gauge(
-            f"{PREFIX}sessions", "Open control-plane sessions.", registry=reg)
-        self._lookups = _Children(Counter(
-            f"{PREFIX}lookups", "Prefix lookups served by the store.", ["tenant"], registry=reg))
-        self._lookup_tokens = _Children(Counter(
-            f"{PREFIX}lookup_tokens", "Tokens asked for by prefix lookups (a partial last "
-            "chunk by its real tokens when the caller gave them, else full chunks).",
-            ["tenant"], registry=reg))
-        self._hit_tokens = _Children(Counter(
-            f"{PREFIX}hit_tokens", "Looked-up tokens found, by the tier that held them "
-            "(peer: past this node's prefix, held by another node; cluster-scope lookups).",
-            ["tier", "tenant"], registry=reg))
-        self._miss_tokens = _Children(Counter(
-            f"{PREFIX}miss_tokens", "Looked-up tokens found neither here nor (cluster-scope "
-            "lookups) on another node.", ["tenant"], registry=reg))
-        self._store_seconds = _Children(Histogram(
-            f"{PREFIX}store_operation_duration_seconds", "Latency of store operations.",
-            ["op"], buckets=LATENCY_BUCKETS, registry=reg))
-        self._store_errors = _Children(Counter(
-            f"{PREFIX}store_errors", "Store operations that raised, by error kind.",
-            ["op", "kind"], registry=reg))
-        self._request_seconds = _Children(Histogram(
-            f"{PREFIX}request_duration_seconds",
-            "Latency of control (socket) and HTTP API requests, errors included.",
-            ["plane", "op"], buckets=LATENCY_BUCKETS, registry=reg))
-        self._request_errors = _Children(Counter(
-            f"{PREFIX}request_errors", "Requests answered with an error, by error kind.",
-            ["plane", "op", "kind"], registry=reg))
-        self._engine_lookup_tokens = _Children(Counter(
-            f"{PREFIX}engine_lookup_tokens", "Tokens looked up, by the engine that asked.",
-            ["engine"], registry=reg))
-        self._engine_hit_tokens = _Children(Counter(
-            f"{PREFIX}engine_hit_tokens", "Looked-up tokens found, by the engine that asked.",
-            ["engine"], registry=reg))
-        self._engine_bytes = _Children(Counter(
-            f"{PREFIX}engine_bytes", "KV payload bytes pinned for reading (read) or reserved "
-            "for writing (written), by engine.", ["engine", "direction"], registry=reg))
-        self._conversions = _Children(Counter(
-            f"{PREFIX}read_conversions", "Chunks pinned for a read that converts them, by "
-            "engine and conversion (dtype, heads, layout).", ["engine", "conversion"],
-            registry=reg))
-        self._node_info = _Children(Gauge(
-            f"{PREFIX}node_info", "This node's id and declared hardware class (always 1).",
-            ["node_id", "hardware_class"], registry=reg))
-        self._push_chunks = _Children(Counter(
-            f"{PREFIX}push_chunks", "Chunks this node pushed, by the target's hardware class "
-            "and outcome (pushed, already_there, failed).", ["target_class", "outcome"],
-            registry=reg))
-        self._pull_chunks = _Children(Counter(
-            f"{PREFIX}pull_chunks", "Chunks this node was asked to pull (prefetch), by outcome "
-            "(pulled, already_local, missing).", ["outcome"], registry=reg))
+        self._sessions = Gauge(f"{PREFIX}sessions", "Open control-plane sessions.", registry=reg)
+        self._lookups = _Children(
+            Counter(
+                f"{PREFIX}lookups", "Prefix lookups served by the store.", ["tenant"], registry=reg
+            )
+        )
+        self._lookup_tokens = _Children(
+            Counter(
+                f"{PREFIX}lookup_tokens",
+                "Tokens asked for by prefix lookups (a partial last "
+                "chunk by its real tokens when the caller gave them, else full chunks).",
+                ["tenant"],
+                registry=reg,
+            )
+        )
+        self._hit_tokens = _Children(
+            Counter(
+                f"{PREFIX}hit_tokens",
+                "Looked-up tokens found, by the tier that held them "
+                "(peer: past this node's prefix, held by another node; cluster-scope lookups).",
+                ["tier", "tenant"],
+                registry=reg,
+            )
+        )
+        self._miss_tokens = _Children(
+            Counter(
+                f"{PREFIX}miss_tokens",
+                "Looked-up tokens found neither here nor (cluster-scope lookups) on another node.",
+                ["tenant"],
+                registry=reg,
+            )
+        )
+        self._store_seconds = _Children(
+            Histogram(
+                f"{PREFIX}store_operation_duration_seconds",
+                "Latency of store operations.",
+                ["op"],
+                buckets=LATENCY_BUCKETS,
+                registry=reg,
+            )
+        )
+        self._store_errors = _Children(
+            Counter(
+                f"{PREFIX}store_errors",
+                "Store operations that raised, by error kind.",
+                ["op", "kind"],
+                registry=reg,
+            )
+        )
+        self._request_seconds = _Children(
+            Histogram(
+                f"{PREFIX}request_duration_seconds",
+                "Latency of control (socket) and HTTP API requests, errors included.",
+                ["plane", "op"],
+                buckets=LATENCY_BUCKETS,
+                registry=reg,
+            )
+        )
+        self._request_errors = _Children(
+            Counter(
+                f"{PREFIX}request_errors",
+                "Requests answered with an error, by error kind.",
+                ["plane", "op", "kind"],
+                registry=reg,
+            )
+        )
+        self._engine_lookup_tokens = _Children(
+            Counter(
+                f"{PREFIX}engine_lookup_tokens",
+                "Tokens looked up, by the engine that asked.",
+                ["engine"],
+                registry=reg,
+            )
+        )
+        self._engine_hit_tokens = _Children(
+            Counter(
+                f"{PREFIX}engine_hit_tokens",
+                "Looked-up tokens found, by the engine that asked.",
+                ["engine"],
+                registry=reg,
+            )
+        )
+        self._engine_bytes = _Children(
+            Counter(
+                f"{PREFIX}engine_bytes",
+                "KV payload bytes pinned for reading (read) or reserved "
+                "for writing (written), by engine.",
+                ["engine", "direction"],
+                registry=reg,
+            )
+        )
+        self._conversions = _Children(
+            Counter(
+                f"{PREFIX}read_conversions",
+                "Chunks pinned for a read that converts them, by "
+                "engine and conversion (dtype, heads, layout).",
+                ["engine", "conversion"],
+                registry=reg,
+            )
+        )
+        self._node_info = _Children(
+            Gauge(
+                f"{PREFIX}node_info",
+                "This node's id and declared hardware class (always 1).",
+                ["node_id", "hardware_class"],
+                registry=reg,
+            )
+        )
+        self._push_chunks = _Children(
+            Counter(
+                f"{PREFIX}push_chunks",
+                "Chunks this node pushed, by the target's hardware class "
+                "and outcome (pushed, already_there, failed).",
+                ["target_class", "outcome"],
+                registry=reg,
+            )
+        )
+        self._pull_chunks = _Children(
+            Counter(
+                f"{PREFIX}pull_chunks",
+                "Chunks this node was asked to pull (prefetch), by outcome "
+                "(pulled, already_local, missing).",
+                ["outcome"],
+                registry=reg,
+            )
+        )
         self._pull_tokens = Counter(
-            f"{PREFIX}pull_tokens", "Tokens of the chunks this node pulled from other nodes.",
-            registry=reg)
+            f"{PREFIX}pull_tokens",
+            "Tokens of the chunks this node pulled from other nodes.",
+            registry=reg,
+        )
         self._served_chunks = Counter(
-            f"{PREFIX}peer_served_chunks", "Chunks this node pinned for other nodes to pull "
-            "(peer_pin).", registry=reg)
+            f"{PREFIX}peer_served_chunks",
+            "Chunks this node pinned for other nodes to pull (peer_pin).",
+            registry=reg,
+        )
         self._served_tokens = Counter(
-            f"{PREFIX}peer_served_tokens", "Tokens of the chunks this node pinned for other "
-            "nodes to pull.", registry=reg)
-        self._control_closed = _Children(Counter(
-            f"{PREFIX}control_connections_closed", "Control and HTTP connections refused or "
-            "closed by the daemon, by listener (unix, tcp, http) and reason.",
-            ["listener", "reason"],
-            registry=reg))
+            f"{PREFIX}peer_served_tokens",
+            "Tokens of the chunks this node pinned for other nodes to pull.",
+            registry=reg,
+        )
+        self._control_closed = _Children(
+            Counter(
+                f"{PREFIX}control_connections_closed",
+                "Control and HTTP connections refused or "
+                "closed by the daemon, by listener (unix, tcp, http) and reason.",
+                ["listener", "reason"],
+                registry=reg,
+            )
+        )
         self._control_pending = Gauge(
-            f"{PREFIX}control_pending_connections", "Control connections that have not "
-            "completed hello yet.", registry=reg)
+            f"{PREFIX}control_pending_connections",
+            "Control connections that have not completed hello yet.",
+            registry=reg,
+        )
         self._tenants = _CappedLabel(max_tenants)
         self._engines = _CappedLabel(max_tenants)
         self._classes = _CappedLabel(max_tenants)
@@ -160,8 +268,9 @@ class Metrics:
     def control_pending(self, count: int) -> None:
         self._control_pending.set(count)
 
-    def observe_request(self, op: str, seconds: float, error_kind: str | None, *,
-                        plane: str = "control") -> None:
+    def observe_request(
+        self, op: str, seconds: float, error_kind: str | None, *, plane: str = "control"
+    ) -> None:
         """One request finished (``error_kind`` None: it succeeded)."""
         self._request_seconds(plane, op).observe(seconds)
         if error_kind is not None:
@@ -174,8 +283,7 @@ class Metrics:
         if error_kind is not None:
             self._store_errors(op, error_kind).inc()
 
-    def count_lookup(self, tenant: str, lookup_tokens: int,
-                     tier_tokens: Mapping[str, int]) -> None:
+    def count_lookup(self, tenant: str, lookup_tokens: int, tier_tokens: Mapping[str, int]) -> None:
         """One lookup of ``lookup_tokens`` tokens, of which ``tier_tokens`` were found."""
         label = self.tenant_label(tenant)
         self._lookups(label).inc()
@@ -188,10 +296,17 @@ class Metrics:
         """``tenant`` itself while fewer than ``max_tenants`` were seen, else OTHER_TENANT."""
         return self._tenants.label(tenant)
 
-    def count_engine_traffic(self, engine: str, lookup_tokens: int = 0, hit_tokens: int = 0,
-                             bytes_read: int = 0, bytes_written: int = 0,
-                             conversions: tuple[tuple[str, int], ...] = (),
-                             served_chunks: int = 0, served_tokens: int = 0) -> None:
+    def count_engine_traffic(
+        self,
+        engine: str,
+        lookup_tokens: int = 0,
+        hit_tokens: int = 0,
+        bytes_read: int = 0,
+        bytes_written: int = 0,
+        conversions: tuple[tuple[str, int], ...] = (),
+        served_chunks: int = 0,
+        served_tokens: int = 0,
+    ) -> None:
         """Traffic of one request of a session that said it serves ``engine`` (its hello's
         ``client``: "vllm", "sglang", "lmcache", ...); ``served_*``: chunks another node's
         puller had pinned here (a peer_pin), counted without the engine label."""
@@ -213,19 +328,23 @@ class Metrics:
     def describe_node(self, node_id: str, hardware_class: str) -> None:
         self._node_info(node_id, hardware_class).set(1)
 
-    def count_push(self, target_class: str, pushed: int, already_there: int,
-                   failed: int) -> None:
+    def count_push(self, target_class: str, pushed: int, already_there: int, failed: int) -> None:
         label = self._classes.label(target_class or "unknown")
-        for outcome, chunks in (("pushed", pushed), ("already_there", already_there),
-                                ("failed", failed)):
+        for outcome, chunks in (
+            ("pushed", pushed),
+            ("already_there", already_there),
+            ("failed", failed),
+        ):
             if chunks:
                 self._push_chunks(label, outcome).inc(chunks)
 
-    def count_pull(self, pulled: int, already_local: int, missing: int,
-                   pulled_tokens: int) -> None:
+    def count_pull(self, pulled: int, already_local: int, missing: int, pulled_tokens: int) -> None:
         """One prefetch's chunks by outcome, and the tokens it copied here."""
-        for outcome, chunks in (("pulled", pulled), ("already_local", already_local),
-                                ("missing", missing)):
+        for outcome, chunks in (
+            ("pulled", pulled),
+            ("already_local", already_local),
+            ("missing", missing),
+        ):
             if chunks:
                 self._pull_chunks(outcome).inc(chunks)
         if pulled_tokens:
@@ -250,25 +369,45 @@ _TIER_COUNTERS = (
     ("tier_demotions", "demotions", "Objects moved down out of the tier under pressure."),
     ("tier_in_bytes", "bytes_in", "Bytes written into the tier (commits, demotions to SSD)."),
     ("tier_out_bytes", "bytes_out", "Bytes read out of the tier (pinned reads, SSD read-backs)."),
-    ("tier_saved_bytes", "bytes_saved",
-     "Bytes an fp8 SSD tier saved: the chunks' native size minus what it wrote."),
-    ("tier_corrupt_records", "corrupt_records",
-     "SSD records that failed their checks; skipped or dropped, never served."),
+    (
+        "tier_saved_bytes",
+        "bytes_saved",
+        "Bytes an fp8 SSD tier saved: the chunks' native size minus what it wrote.",
+    ),
+    (
+        "tier_corrupt_records",
+        "corrupt_records",
+        "SSD records that failed their checks; skipped or dropped, never served.",
+    ),
     ("tier_torn_records", "torn_records", "Torn (partially written) SSD records skipped."),
-    ("tier_refused_demotions", "refused_demotions",
-     "Objects evicted from memory instead of demoted because the SSD tier was degraded."),
-    ("tier_quota_refused_demotions", "quota_refused_demotions",
-     "Objects evicted from memory instead of demoted because their tenant's own SSD records "
-     "could not make room in its SSD quota."),
+    (
+        "tier_refused_demotions",
+        "refused_demotions",
+        "Objects evicted from memory instead of demoted because the SSD tier was degraded.",
+    ),
+    (
+        "tier_quota_refused_demotions",
+        "quota_refused_demotions",
+        (
+            "Objects evicted from memory instead of demoted because their tenant's own SSD records "
+            "could not make room in its SSD quota."
+        ),
+    ),
 )
 _STORE_COUNTERS = (
     ("store_commits", "puts", "Objects committed (every layer written)."),
     ("store_pins", "gets", "Objects pinned for reading."),
     ("store_deletes", "deletes", "Objects deleted on request."),
-    ("store_leases_expired", "expired_leases",
-     "Reservations and pins reclaimed by the store after their deadline passed."),
-    ("store_aborted_writes", "aborted_writes",
-     "Reservations that ended without a complete object (aborted, expired or deleted)."),
+    (
+        "store_leases_expired",
+        "expired_leases",
+        "Reservations and pins reclaimed by the store after their deadline passed.",
+    ),
+    (
+        "store_aborted_writes",
+        "aborted_writes",
+        "Reservations that ended without a complete object (aborted, expired or deleted).",
+    ),
 )
 
 
@@ -330,23 +469,37 @@ class StoreCollector(Collector):
 
 def _families(stats: StoreStats | None) -> list[Metric]:
     """The store's metric families, with samples from ``stats`` (empty when None)."""
-    info = GaugeMetricFamily(f"{PREFIX}tier_info", "Tier kind by tier name (always 1).",
-                             labels=["tier", "kind"])
-    tier_families = [(attr, GaugeMetricFamily(PREFIX + name, doc, labels=["tier"]))
-                     for name, attr, doc in _TIER_GAUGES]
-    tier_families += [(attr, CounterMetricFamily(PREFIX + name, doc, labels=["tier"]))
-                      for name, attr, doc in _TIER_COUNTERS]
-    store_families = [(attr, CounterMetricFamily(PREFIX + name, doc))
-                      for name, attr, doc in _STORE_COUNTERS]
+    info = GaugeMetricFamily(
+        f"{PREFIX}tier_info", "Tier kind by tier name (always 1).", labels=["tier", "kind"]
+    )
+    tier_families = [
+        (attr, GaugeMetricFamily(PREFIX + name, doc, labels=["tier"]))
+        for name, attr, doc in _TIER_GAUGES
+    ]
+    tier_families += [
+        (attr, CounterMetricFamily(PREFIX + name, doc, labels=["tier"]))
+        for name, attr, doc in _TIER_COUNTERS
+    ]
+    store_families = [
+        (attr, CounterMetricFamily(PREFIX + name, doc)) for name, attr, doc in _STORE_COUNTERS
+    ]
     degraded = GaugeMetricFamily(
-        f"{PREFIX}tier_degraded", "1 while a disk fault (full disk, quota, I/O error) keeps "
-        "new objects out of the tier; what it holds stays readable.", labels=["tier"])
+        f"{PREFIX}tier_degraded",
+        "1 while a disk fault (full disk, quota, I/O error) keeps "
+        "new objects out of the tier; what it holds stays readable.",
+        labels=["tier"],
+    )
     disk_errors = CounterMetricFamily(
-        f"{PREFIX}tier_disk_errors", "I/O errors of the SSD tier, by errno name (ENOSPC, "
-        "EDQUOT, EIO, ...).", labels=["tier", "errno"])
+        f"{PREFIX}tier_disk_errors",
+        "I/O errors of the SSD tier, by errno name (ENOSPC, EDQUOT, EIO, ...).",
+        labels=["tier", "errno"],
+    )
     tenant_used = GaugeMetricFamily(
-        f"{PREFIX}tier_tenant_used_bytes", "A configured tenant's bytes in the tier (memory: "
-        "its arena's pages in use; SSD: its records).", labels=["tier", "tenant"])
+        f"{PREFIX}tier_tenant_used_bytes",
+        "A configured tenant's bytes in the tier (memory: "
+        "its arena's pages in use; SSD: its records).",
+        labels=["tier", "tenant"],
+    )
     if stats is not None:
         for tier in stats.tiers:
             info.add_metric([tier.name, tier.kind], 1)
@@ -359,5 +512,11 @@ def _families(stats: StoreStats | None) -> list[Metric]:
                 tenant_used.add_metric([tier.name, tenant], used)
         for attr, family in store_families:
             family.add_metric([], getattr(stats, attr))
-    return [info, *(f for _, f in tier_families), degraded, disk_errors, tenant_used,
-            *(f for _, f in store_families)]
+    return [
+        info,
+        *(f for _, f in tier_families),
+        degraded,
+        disk_errors,
+        tenant_used,
+        *(f for _, f in store_families),
+    ]

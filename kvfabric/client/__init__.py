@@ -2,9 +2,15 @@
 
 from kvfabric.client.async_client import AsyncClient
 from kvfabric.client.client import Client
-from kvfabric.client.objects import (AsyncRemoteReader, AsyncRemoteWriter, RemoteReader,
-                                     RemoteWriter)
+from kvfabric.client.objects import AsyncRemoteReader, AsyncRemoteWriter, RemoteReader, RemoteWriter
 from kvfabric.client.tls import ClientTLS
 
-__all__ = ["AsyncClient", "AsyncRemoteReader", "AsyncRemoteWriter", "Client", "ClientTLS",
-           "RemoteReader", "RemoteWriter"]
+__all__ = [
+    "AsyncClient",
+    "AsyncRemoteReader",
+    "AsyncRemoteWriter",
+    "Client",
+    "ClientTLS",
+    "RemoteReader",
+    "RemoteWriter",
+]

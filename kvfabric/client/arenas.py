@@ -31,8 +31,9 @@ class ArenaSet:
         if len(announced) != len(fds):
             for fd in fds:
                 _close_quietly(fd)
-            raise ProtocolError(f"daemon announced {len(announced)} arenas but passed "
-                                f"{len(fds)} descriptors")
+            raise ProtocolError(
+                f"daemon announced {len(announced)} arenas but passed {len(fds)} descriptors"
+            )
         self._arenas: dict[int, SharedArena] = {}  # PROT_READ; each owns its descriptor
         self._writable: dict[int, SharedArena] = {}  # made on a writer's first use
         self._may_write: dict[int, bool] = {}
@@ -41,18 +42,18 @@ class ArenaSet:
                 arena_id = int(info.get("arena", info["index"]))
                 self._may_write[arena_id] = bool(info.get("writable", True))
                 self._arenas[arena_id] = SharedArena.attach(
-                    fd, int(info["size"]), int(info["page_size"]), writable=False)
+                    fd, int(info["size"]), int(info["page_size"]), writable=False
+                )
         except BaseException:
             self.close()
             raise
 
-    def viewer(self, arena_id: int, pages: array, *, write: bool = False) -> "PageViewer":
+    def viewer(self, arena_id: int, pages: array, *, write: bool = False) -> PageViewer:
         """A checked accessor for one object's pages (validated once, used per read);
         ``write``: through the writable mapping (a reservation's pages)."""
         arena = self._arenas.get(arena_id)
         if arena is None:
-            raise ProtocolError(f"object lives in arena {arena_id}, which this client cannot "
-                                f"map")
+            raise ProtocolError(f"object lives in arena {arena_id}, which this client cannot map")
         if pages and max(pages) >= arena.num_pages:
             raise ProtocolError("daemon named a page outside its arena")
         if write:
@@ -105,6 +106,7 @@ class PageViewer:
     def pieces(self, offset: int, length: int) -> list[np.ndarray]:
         flat, ps, start = self._flat, self._page_size, self._run_start
         if start is None or offset < 0 or length <= 0 or offset + length > len(self._pages) * ps:
-            return slice_pages(lambda p, s, e: flat[p * ps + s:p * ps + e], self._pages, ps,
-                               offset, length)  # and its errors for ranges outside the object
-        return [flat[start + offset:start + offset + length]]
+            return slice_pages(
+                lambda p, s, e: flat[p * ps + s : p * ps + e], self._pages, ps, offset, length
+            )  # and its errors for ranges outside the object
+        return [flat[start + offset : start + offset + length]]

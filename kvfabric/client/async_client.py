@@ -20,16 +20,32 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvfabric.client import requests
-from kvfabric.client.client import (DEFAULT_PREFETCH_S, DEFAULT_PUSH_S, PREFETCH_REPLY_MARGIN_S,
-                                    default_address)
 from kvfabric.client import tls as client_tls
-from kvfabric.client.connection import (CLIENT_NAME, Address, map_arenas, open_session,
-                                        open_socket, result_of)
+from kvfabric.client.client import (
+    DEFAULT_PREFETCH_S,
+    DEFAULT_PUSH_S,
+    PREFETCH_REPLY_MARGIN_S,
+    default_address,
+)
+from kvfabric.client.connection import (
+    CLIENT_NAME,
+    Address,
+    map_arenas,
+    open_session,
+    open_socket,
+    result_of,
+)
 from kvfabric.client.objects import AsyncRemoteReader, AsyncRemoteWriter
 from kvfabric.client.retry import Backoff, ExponentialBackoff
 from kvfabric.client.tls import TLSOption
-from kvfabric.errors import (AlreadyExistsError, DeadlineExceededError, KVFabricError,
-                             NotFoundError, ProtocolError, UnavailableError)
+from kvfabric.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    KVFabricError,
+    NotFoundError,
+    ProtocolError,
+    UnavailableError,
+)
 from kvfabric.hashing import ROOT, ChunkRef
 from kvfabric.lookup import LookupResult
 from kvfabric.payload import HeadRange
@@ -47,13 +63,15 @@ class AsyncConnection:
         self._ids = itertools.count(1)
 
     @classmethod
-    async def open(cls, address: Address, token: str | None, timeout: float,
-                   tls: TLSOption = None) -> "AsyncConnection":
+    async def open(
+        cls, address: Address, token: str | None, timeout: float, tls: TLSOption = None
+    ) -> AsyncConnection:
         self = cls()
         self.timeout = timeout
         if tls is not None and isinstance(address, tuple):
             self._reader, self._writer, decoder, self.hello = await _tls_session(
-                address, token, tls, time.monotonic() + timeout)
+                address, token, tls, time.monotonic() + timeout
+            )
             self.arenas = map_arenas(self.hello, [])  # TCP: no descriptors, nothing mapped
             self.closed = False
             self._pump = asyncio.create_task(self._read_replies(decoder))
@@ -62,8 +80,7 @@ class AsyncConnection:
 
         def connect() -> tuple[Any, FrameDecoder, dict[str, Any], list[int]]:
             # a thread: a busy daemon is retried with backoff (see open_session)
-            sock, decoder, hello, fds = open_session(address, token,
-                                                     time.monotonic() + timeout)
+            sock, decoder, hello, fds = open_session(address, token, time.monotonic() + timeout)
             sock.setblocking(False)
             return sock, decoder, hello, fds
 
@@ -96,7 +113,7 @@ class AsyncConnection:
             self._writer.write(encode_frame(request(request_id, op, args)))
             await self._writer.drain()
             reply = await asyncio.wait_for(future, self.timeout if timeout is None else timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise DeadlineExceededError(f"{op.value}: no reply before the deadline") from None
         except ConnectionError as exc:
             self.close()
@@ -131,56 +148,114 @@ class AsyncConnection:
 class AsyncClient:
     """``await AsyncClient.connect(...)``; every request method is a coroutine."""
 
-    def __init__(self, address: Address, token: str | None, timeout: float, reconnect: bool,
-                 reconnect_timeout: float, backoff: Backoff, tls: TLSOption = None) -> None:
+    def __init__(
+        self,
+        address: Address,
+        token: str | None,
+        timeout: float,
+        reconnect: bool,
+        reconnect_timeout: float,
+        backoff: Backoff,
+        tls: TLSOption = None,
+    ) -> None:
         self.address, self._token, self.timeout, self._tls = address, token, timeout, tls
-        self.reconnect, self.reconnect_timeout, self._backoff = reconnect, reconnect_timeout, \
-            backoff
+        self.reconnect, self.reconnect_timeout, self._backoff = (
+            reconnect,
+            reconnect_timeout,
+            backoff,
+        )
         self._connection: AsyncConnection | None = None
         self._connecting = asyncio.Lock()
 
     @classmethod
-    async def connect(cls, address: Address | None = None, *, token: str | None = None,
-                      timeout: float = 30.0, reconnect: bool = True,
-                      reconnect_timeout: float = 30.0,
-                      backoff: Backoff | None = None, tls: TLSOption = None) -> "AsyncClient":
+    async def connect(
+        cls,
+        address: Address | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        reconnect: bool = True,
+        reconnect_timeout: float = 30.0,
+        backoff: Backoff | None = None,
+        tls: TLSOption = None,
+    ) -> AsyncClient:
         """``tls``: as for :class:`~kvfabric.client.Client` (a TCP address over TLS)."""
-        client = cls(address if address is not None else default_address(),
-                     token if token is not None else os.environ.get("KVFABRIC_TOKEN"),
-                     timeout, reconnect, reconnect_timeout, backoff or ExponentialBackoff(),
-                     tls)
+        client = cls(
+            address if address is not None else default_address(),
+            token if token is not None else os.environ.get("KVFABRIC_TOKEN"),
+            timeout,
+            reconnect,
+            reconnect_timeout,
+            backoff or ExponentialBackoff(),
+            tls,
+        )
         await client._session()
         return client
 
-    async def lookup(self, ns: Any, tokens: Any = None, *,
-                     keys: Sequence[bytes] | None = None,
-                     num_tokens: int | None = None) -> LookupResult:
+    async def lookup(
+        self,
+        ns: Any,
+        tokens: Any = None,
+        *,
+        keys: Sequence[bytes] | None = None,
+        num_tokens: int | None = None,
+    ) -> LookupResult:
         """See :meth:`kvfabric.client.Client.lookup` (local scope)."""
-        return requests.lookup_result(await self._call(Op.LOOKUP, requests.lookup_args(
-            ns, tokens, keys, packed=await self._packs_keys(), num_tokens=num_tokens)))
+        return requests.lookup_result(
+            await self._call(
+                Op.LOOKUP,
+                requests.lookup_args(
+                    ns, tokens, keys, packed=await self._packs_keys(), num_tokens=num_tokens
+                ),
+            )
+        )
 
-    async def prefetch(self, ns: Any, keys: Sequence[bytes] | None = None, tokens: Any = None,
-                       *, timeout: float = DEFAULT_PREFETCH_S) -> dict[str, Any]:
+    async def prefetch(
+        self,
+        ns: Any,
+        keys: Sequence[bytes] | None = None,
+        tokens: Any = None,
+        *,
+        timeout: float = DEFAULT_PREFETCH_S,
+    ) -> dict[str, Any]:
         """See :meth:`kvfabric.client.Client.prefetch`."""
-        return dict(await self._call(Op.PREFETCH, requests.prefetch_args(
-            ns, tokens, keys, timeout, packed=await self._packs_keys()),
-            timeout + PREFETCH_REPLY_MARGIN_S))
+        return dict(
+            await self._call(
+                Op.PREFETCH,
+                requests.prefetch_args(ns, tokens, keys, timeout, packed=await self._packs_keys()),
+                timeout + PREFETCH_REPLY_MARGIN_S,
+            )
+        )
 
-    async def push(self, ns: Any, keys: Sequence[bytes], target: str, *,
-                   timeout: float = DEFAULT_PUSH_S) -> dict[str, Any]:
+    async def push(
+        self, ns: Any, keys: Sequence[bytes], target: str, *, timeout: float = DEFAULT_PUSH_S
+    ) -> dict[str, Any]:
         """See :meth:`kvfabric.client.Client.push`."""
-        return dict(await self._call(Op.PUSH, requests.push_args(ns, keys, target, timeout),
-                                     timeout + PREFETCH_REPLY_MARGIN_S))
+        return dict(
+            await self._call(
+                Op.PUSH,
+                requests.push_args(ns, keys, target, timeout),
+                timeout + PREFETCH_REPLY_MARGIN_S,
+            )
+        )
 
-    async def reserve(self, ns: Any, key: bytes, *, parent: bytes = ROOT,
-                      num_tokens: int | None = None, heads: HeadRange | None = None
-                      ) -> AsyncRemoteWriter:
+    async def reserve(
+        self,
+        ns: Any,
+        key: bytes,
+        *,
+        parent: bytes = ROOT,
+        num_tokens: int | None = None,
+        heads: HeadRange | None = None,
+    ) -> AsyncRemoteWriter:
         session, reply = await self._call_on_session(
-            Op.RESERVE, requests.reserve_args(ns, key, parent, num_tokens, heads))
+            Op.RESERVE, requests.reserve_args(ns, key, parent, num_tokens, heads)
+        )
         return AsyncRemoteWriter(session, ns, key, reply, heads=heads)
 
-    async def put(self, ns: Any, key: bytes, data: Any, *, parent: bytes = ROOT,
-                  num_tokens: int | None = None) -> bool:
+    async def put(
+        self, ns: Any, key: bytes, data: Any, *, parent: bytes = ROOT, num_tokens: int | None = None
+    ) -> bool:
         try:
             writer = await self.reserve(ns, key, parent=parent, num_tokens=num_tokens)
         except AlreadyExistsError:
@@ -190,14 +265,18 @@ class AsyncClient:
             await writer.commit()
         return True
 
-    async def reserve_many(self, ns: Any, chunks: Sequence[ChunkRef], *,
-                           heads: HeadRange | None = None
-                           ) -> list[AsyncRemoteWriter | KVFabricError]:
+    async def reserve_many(
+        self, ns: Any, chunks: Sequence[ChunkRef], *, heads: HeadRange | None = None
+    ) -> list[AsyncRemoteWriter | KVFabricError]:
         session, items = await self._call_on_session(
-            Op.RESERVE_BATCH, requests.reserve_batch_args(ns, chunks, heads))
-        return [r if isinstance(r, KVFabricError) else
-                AsyncRemoteWriter(session, ns, c.key, r, heads=heads)
-                for c, r in zip(chunks, requests.item_results(items))]
+            Op.RESERVE_BATCH, requests.reserve_batch_args(ns, chunks, heads)
+        )
+        return [
+            r
+            if isinstance(r, KVFabricError)
+            else AsyncRemoteWriter(session, ns, c.key, r, heads=heads)
+            for c, r in zip(chunks, requests.item_results(items))
+        ]
 
     async def commit_many(self, writers: Sequence[AsyncRemoteWriter]) -> None:
         if writers:
@@ -205,16 +284,18 @@ class AsyncClient:
             items = await session.call(Op.COMMIT_BATCH, requests.leases_args(writers))
             requests.raise_first(requests.item_results(items))
 
-    async def put_many(self, ns: Any, chunks: Sequence[ChunkRef],
-                       payloads: Sequence[Any]) -> list[bool]:
+    async def put_many(
+        self, ns: Any, chunks: Sequence[ChunkRef], payloads: Sequence[Any]
+    ) -> list[bool]:
         """As :meth:`kvfabric.client.Client.put_many`: two round trips for all chunks."""
         if len(chunks) != len(payloads):
             raise ValueError("one payload per chunk")
         results = await self.reserve_many(ns, chunks)
         writers = [r for r in results if isinstance(r, AsyncRemoteWriter)]
         try:
-            requests.raise_first([r for r in results
-                                  if not isinstance(r, (AsyncRemoteWriter, AlreadyExistsError))])
+            requests.raise_first(
+                [r for r in results if not isinstance(r, (AsyncRemoteWriter, AlreadyExistsError))]
+            )
             for result, data in zip(results, payloads):
                 if isinstance(result, AsyncRemoteWriter):
                     result.write(data)
@@ -225,15 +306,27 @@ class AsyncClient:
         await self.commit_many(writers)
         return [isinstance(r, AsyncRemoteWriter) for r in results]
 
-    async def get_many(self, ns: Any, keys: Sequence[bytes], *, timeout: float | None = None,
-                       want: ReadSpec | None = None) -> list[AsyncRemoteReader | None]:
+    async def get_many(
+        self,
+        ns: Any,
+        keys: Sequence[bytes],
+        *,
+        timeout: float | None = None,
+        want: ReadSpec | None = None,
+    ) -> list[AsyncRemoteReader | None]:
         session, items = await self._call_on_session(
-            Op.GET_BATCH, requests.get_batch_args(ns, keys, timeout, want))
+            Op.GET_BATCH, requests.get_batch_args(ns, keys, timeout, want)
+        )
         results = requests.item_results(items)
-        readers = [None if isinstance(r, KVFabricError) else
-                   AsyncRemoteReader(session, ns, k, r, want=want) for k, r in zip(keys, results)]
-        failures = [r for r in results
-                    if isinstance(r, KVFabricError) and not isinstance(r, NotFoundError)]
+        readers = [
+            None
+            if isinstance(r, KVFabricError)
+            else AsyncRemoteReader(session, ns, k, r, want=want)
+            for k, r in zip(keys, results)
+        ]
+        failures = [
+            r for r in results if isinstance(r, KVFabricError) and not isinstance(r, NotFoundError)
+        ]
         if failures:
             await self.release_many(readers)
             raise failures[0]
@@ -246,15 +339,20 @@ class AsyncClient:
             items = await session.call(Op.RELEASE_BATCH, requests.leases_args(live))
             requests.raise_first(requests.item_results(items))
 
-    async def get(self, ns: Any, key: bytes, *, timeout: float | None = None,
-                  want: ReadSpec | None = None) -> AsyncRemoteReader:
+    async def get(
+        self, ns: Any, key: bytes, *, timeout: float | None = None, want: ReadSpec | None = None
+    ) -> AsyncRemoteReader:
         session, reply = await self._call_on_session(
-            Op.GET, requests.get_args(ns, key, timeout, want))
+            Op.GET, requests.get_args(ns, key, timeout, want)
+        )
         return AsyncRemoteReader(session, ns, key, reply, want=want)
 
     async def contains(self, ns: Any, keys: Sequence[bytes]) -> list[bool]:
-        return list(await self._call(Op.CONTAINS, requests.keys_args(
-            ns, keys, packed=await self._packs_keys())))
+        return list(
+            await self._call(
+                Op.CONTAINS, requests.keys_args(ns, keys, packed=await self._packs_keys())
+            )
+        )
 
     async def delete(self, ns: Any, key: bytes) -> bool:
         return bool(await self._call(Op.DELETE, requests.key_args(ns, key)))
@@ -268,8 +366,9 @@ class AsyncClient:
     async def _call(self, op: Op, args: dict[str, Any], timeout: float | None = None) -> Any:
         return (await self._call_on_session(op, args, timeout))[1]
 
-    async def _call_on_session(self, op: Op, args: dict[str, Any],
-                               timeout: float | None = None) -> tuple[AsyncConnection, Any]:
+    async def _call_on_session(
+        self, op: Op, args: dict[str, Any], timeout: float | None = None
+    ) -> tuple[AsyncConnection, Any]:
         """``timeout``: for the reply (default: the client's)."""
         give_up = time.monotonic() + self.reconnect_timeout
         attempt = 0
@@ -292,8 +391,9 @@ class AsyncClient:
     async def _session(self) -> AsyncConnection:
         async with self._connecting:
             if self._connection is None or self._connection.closed:
-                self._connection = await AsyncConnection.open(self.address, self._token,
-                                                              self.timeout, self._tls)
+                self._connection = await AsyncConnection.open(
+                    self.address, self._token, self.timeout, self._tls
+                )
             return self._connection
 
     async def close(self) -> None:
@@ -301,16 +401,16 @@ class AsyncClient:
             self._connection.close()
             self._connection = None
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
 
-async def _tls_session(address: tuple[str, int], token: str | None, tls: Any,
-                       deadline: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
-                                                 FrameDecoder, dict[str, Any]]:
+async def _tls_session(
+    address: tuple[str, int], token: str | None, tls: Any, deadline: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, FrameDecoder, dict[str, Any]]:
     """Connect, TLS and hello before ``deadline`` (monotonic), on asyncio streams; a busy
     daemon (closed during the handshake, or ``unavailable``) is asked again with backoff, a
     certificate problem (AuthError) is not."""
@@ -320,7 +420,7 @@ async def _tls_session(address: tuple[str, int], token: str | None, tls: Any,
     while True:
         left = _left(deadline, "connect")
 
-        def connect() -> tuple[Any, ssl.SSLContext, str]:
+        def connect(left: float = left) -> tuple[Any, ssl.SSLContext, str]:
             context, name = client_tls.resolve(tls, address[0])  # reads files: off the loop
             return open_socket(address, left, backoff), context, name
 
@@ -335,20 +435,23 @@ async def _tls_session(address: tuple[str, int], token: str | None, tls: Any,
             attempt += 1
 
 
-async def _tls_hello(sock: Any, context: ssl.SSLContext, name: str, token: str | None,
-                     deadline: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
-                                               FrameDecoder, dict[str, Any]]:
+async def _tls_hello(
+    sock: Any, context: ssl.SSLContext, name: str, token: str | None, deadline: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, FrameDecoder, dict[str, Any]]:
     sock.setblocking(False)
     try:
         left = _left(deadline, "TLS handshake")
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(
-            sock=sock, ssl=context, server_hostname=name, ssl_handshake_timeout=left), left)
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(
+                sock=sock, ssl=context, server_hostname=name, ssl_handshake_timeout=left
+            ),
+            left,
+        )
     except BaseException as exc:
         sock.close()
         raise _typed(exc, "TLS handshake") from None
     try:
-        writer.write(encode_frame(request(0, Op.HELLO, {"token": token,
-                                                        "client": CLIENT_NAME})))
+        writer.write(encode_frame(request(0, Op.HELLO, {"token": token, "client": CLIENT_NAME})))
         decoder = FrameDecoder()
         while True:
             data = await asyncio.wait_for(reader.read(1 << 16), _left(deadline, "hello"))

@@ -28,12 +28,17 @@ import time
 from array import array
 from typing import Any
 
-from kvfabric.client.arenas import ArenaSet
 from kvfabric.client import tls as client_tls
+from kvfabric.client.arenas import ArenaSet
 from kvfabric.client.retry import Backoff, ExponentialBackoff
 from kvfabric.client.tls import TLSOption
-from kvfabric.errors import (DeadlineExceededError, KVFabricError, ProtocolError,
-                             UnavailableError, error_for_kind)
+from kvfabric.errors import (
+    DeadlineExceededError,
+    KVFabricError,
+    ProtocolError,
+    UnavailableError,
+    error_for_kind,
+)
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
 from kvfabric.protocol.messages import Op, request
 
@@ -45,8 +50,7 @@ _BUSY = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR})
 Address = str | tuple[str, int]
 
 
-def open_socket(address: Address, timeout: float,
-                backoff: Backoff | None = None) -> socket.socket:
+def open_socket(address: Address, timeout: float, backoff: Backoff | None = None) -> socket.socket:
     """A connected socket, within ``timeout`` seconds; busy listeners are retried."""
     now = time.monotonic()
     deadline, refused_until = now + timeout, now + min(timeout, REFUSED_RETRY_S)
@@ -57,10 +61,11 @@ def open_socket(address: Address, timeout: float,
             return _connect(address, deadline)
         except OSError as exc:
             now = time.monotonic()
-            busy = exc.errno in _BUSY or exc.errno == errno.ECONNREFUSED and now < refused_until
+            busy = exc.errno in _BUSY or (exc.errno == errno.ECONNREFUSED and now < refused_until)
             if not busy or now >= deadline:
                 raise UnavailableError(
-                    f"cannot reach the kvfabric daemon at {address}: {exc}") from None
+                    f"cannot reach the kvfabric daemon at {address}: {exc}"
+                ) from None
         time.sleep(min(backoff.delay(attempt), max(0.0, deadline - now)))
         attempt += 1
 
@@ -81,38 +86,47 @@ def _connect(address: Address, deadline: float) -> socket.socket:
     return sock
 
 
-def handshake(sock: socket.socket, token: str | None, deadline: float,
-              decoder: FrameDecoder, client: str | None = None
-              ) -> tuple[dict[str, Any], list[int]]:
+def handshake(
+    sock: socket.socket,
+    token: str | None,
+    deadline: float,
+    decoder: FrameDecoder,
+    client: str | None = None,
+) -> tuple[dict[str, Any], list[int]]:
     """Send hello (``client``: the engine or tool this session serves, a metrics label),
     read its reply and any passed descriptors. Socket errors come out typed."""
     try:
         return _handshake(sock, token, deadline, decoder, client)
     except KVFabricError:
         raise
-    except socket.timeout:
-        raise DeadlineExceededError("hello: no reply from the daemon before the deadline") \
-            from None
+    except TimeoutError:
+        raise DeadlineExceededError("hello: no reply from the daemon before the deadline") from None
     except ssl.SSLError as exc:  # TLS 1.3: a refused client certificate shows up here
         raise client_tls.failure(exc, "the daemon") from None
     except OSError as exc:
         raise UnavailableError(f"lost the daemon during hello: {exc}") from None
 
 
-def _handshake(sock: socket.socket, token: str | None, deadline: float,
-               decoder: FrameDecoder, client: str | None) -> tuple[dict[str, Any], list[int]]:
+def _handshake(
+    sock: socket.socket,
+    token: str | None,
+    deadline: float,
+    decoder: FrameDecoder,
+    client: str | None,
+) -> tuple[dict[str, Any], list[int]]:
     sock.settimeout(_remaining(deadline, "hello"))
-    sock.sendall(encode_frame(request(0, Op.HELLO, {"token": token,
-                                                    "client": client or CLIENT_NAME})))
+    sock.sendall(
+        encode_frame(request(0, Op.HELLO, {"token": token, "client": client or CLIENT_NAME}))
+    )
     fds: list[int] = []
     local = sock.family == socket.AF_UNIX
     while True:
         sock.settimeout(_remaining(deadline, "hello"))
         if local:
-            data, ancdata, flags, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(MAX_FDS * 4))
+            data, ancdata, _flags, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(MAX_FDS * 4))
             for level, kind, cdata in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds.extend(array("i", cdata[:len(cdata) - len(cdata) % 4]))
+                    fds.extend(array("i", cdata[: len(cdata) - len(cdata) % 4]))
         else:
             data = sock.recv(1 << 16)
         if not data:
@@ -121,10 +135,14 @@ def _handshake(sock: socket.socket, token: str | None, deadline: float,
             return result_of(message), fds
 
 
-def open_session(address: Address, token: str | None, deadline: float,
-                 backoff: Backoff | None = None, client: str | None = None,
-                 tls: TLSOption = None
-                 ) -> tuple[socket.socket, FrameDecoder, dict[str, Any], list[int]]:
+def open_session(
+    address: Address,
+    token: str | None,
+    deadline: float,
+    backoff: Backoff | None = None,
+    client: str | None = None,
+    tls: TLSOption = None,
+) -> tuple[socket.socket, FrameDecoder, dict[str, Any], list[int]]:
     """Connect (over TLS to a TCP ``address`` when ``tls`` is given) and hello before
     ``deadline`` (monotonic): the socket, its decoder, the hello reply and the passed
     descriptors. A daemon that is reachable but busy (it closed the connection before
@@ -170,9 +188,16 @@ def map_arenas(hello: dict[str, Any], fds: list[int]) -> ArenaSet:
 class Connection:
     """One authenticated session; thread-safe (requests are serialised)."""
 
-    def __init__(self, address: Address, *, token: str | None = None,
-                 timeout: float = 30.0, client: str | None = None,
-                 backoff: Backoff | None = None, tls: TLSOption = None) -> None:
+    def __init__(
+        self,
+        address: Address,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        client: str | None = None,
+        backoff: Backoff | None = None,
+        tls: TLSOption = None,
+    ) -> None:
         """Connect and hello within ``timeout`` seconds (retrying a busy daemon); ``tls``:
         see :mod:`kvfabric.client.tls`."""
         self.address = address
@@ -180,7 +205,8 @@ class Connection:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._sock, self._decoder, self.hello, fds = open_session(
-            address, token, time.monotonic() + timeout, backoff, client, tls)
+            address, token, time.monotonic() + timeout, backoff, client, tls
+        )
         try:
             self.arenas = map_arenas(self.hello, fds)
         except BaseException:
@@ -229,15 +255,16 @@ class Connection:
     def _await_reply(self, request_id: int, deadline: float, what: str) -> dict[str, Any]:
         while True:
             for message in self._read(deadline, what):
-                if message.get("id") == request_id or message.get("id") == 0 and \
-                        message.get("ok") is False:
+                if message.get("id") == request_id or (
+                    message.get("id") == 0 and message.get("ok") is False
+                ):
                     return message  # id 0: the daemon is rejecting the whole stream
 
     def _read(self, deadline: float, what: str) -> list[dict[str, Any]]:
         self._sock.settimeout(_remaining(deadline, what))
         try:
             data = self._sock.recv(1 << 16)
-        except socket.timeout:
+        except TimeoutError:
             raise DeadlineExceededError(f"{what}: no reply before the deadline") from None
         if not data:
             raise UnavailableError("the daemon closed the connection")

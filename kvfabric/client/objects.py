@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import time
 from array import array
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvfabric.client.arenas import PageViewer
 from kvfabric.errors import LeaseExpiredError, UnavailableError
@@ -57,8 +58,10 @@ class _RemoteLease(PayloadAccess):
         if self.closed:
             raise ValueError("lease already given back")
         if time.monotonic() >= self.deadline:
-            raise LeaseExpiredError(f"the lease on {self.key.hex()} has run out; its pages "
-                                    f"may belong to another object now")
+            raise LeaseExpiredError(
+                f"the lease on {self.key.hex()} has run out; its pages "
+                f"may belong to another object now"
+            )
         return self._viewer.pieces(offset, length)
 
     def _call(self) -> Callable[..., Any]:
@@ -72,8 +75,16 @@ class _RemoteLease(PayloadAccess):
 
 class _WriterBase(_RemoteLease, PayloadWriter):
     WRITES = True
-    def __init__(self, session: Any, ns: Namespace, key: bytes, reply: dict[str, Any], *,
-                 heads: HeadRange | None = None) -> None:
+
+    def __init__(
+        self,
+        session: Any,
+        ns: Namespace,
+        key: bytes,
+        reply: dict[str, Any],
+        *,
+        heads: HeadRange | None = None,
+    ) -> None:
         super().__init__(session, ns, key, reply)
         self.heads = heads
 
@@ -103,7 +114,7 @@ class RemoteWriter(_WriterBase):
             if not self._session.closed:
                 self._session.call(Op.ABORT, {"lease": self.lease})
 
-    def __enter__(self) -> "RemoteWriter":
+    def __enter__(self) -> RemoteWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -127,7 +138,7 @@ class AsyncRemoteWriter(_WriterBase):
             if not self._session.closed:
                 await self._session.call(Op.ABORT, {"lease": self.lease})
 
-    async def __aenter__(self) -> "AsyncRemoteWriter":
+    async def __aenter__(self) -> AsyncRemoteWriter:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -135,8 +146,15 @@ class AsyncRemoteWriter(_WriterBase):
 
 
 class _ReaderBase(_RemoteLease, PayloadReader):
-    def __init__(self, session: Any, ns: Namespace, key: bytes, reply: dict[str, Any], *,
-                 want: ReadSpec | None = None) -> None:
+    def __init__(
+        self,
+        session: Any,
+        ns: Namespace,
+        key: bytes,
+        reply: dict[str, Any],
+        *,
+        want: ReadSpec | None = None,
+    ) -> None:
         super().__init__(session, ns, key, reply)
         self.ready_mask = int(reply["ready"])
         # how the consumer asked to read it (kvfabric.convert.request reads it that way)
@@ -158,8 +176,9 @@ class RemoteReader(_ReaderBase):
     def wait_layer(self, layer: int, timeout: float = 30.0) -> None:
         """Block until ``layer`` is committed (the writer may be on another process)."""
         if not self.ready(layer):
-            reply = self._call()(Op.WAIT_LAYER, self._wait_args(layer, timeout),
-                                 timeout + REPLY_MARGIN_S)
+            reply = self._call()(
+                Op.WAIT_LAYER, self._wait_args(layer, timeout), timeout + REPLY_MARGIN_S
+            )
             self.ready_mask = int(reply["ready"])
 
     def wait_complete(self, timeout: float = 30.0) -> None:
@@ -173,7 +192,7 @@ class RemoteReader(_ReaderBase):
             if not self._session.closed:
                 self._session.call(Op.RELEASE, {"lease": self.lease})
 
-    def __enter__(self) -> "RemoteReader":
+    def __enter__(self) -> RemoteReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -183,8 +202,9 @@ class RemoteReader(_ReaderBase):
 class AsyncRemoteReader(_ReaderBase):
     async def wait_layer(self, layer: int, timeout: float = 30.0) -> None:
         if not self.ready(layer):
-            reply = await self._call()(Op.WAIT_LAYER, self._wait_args(layer, timeout),
-                                       timeout + REPLY_MARGIN_S)
+            reply = await self._call()(
+                Op.WAIT_LAYER, self._wait_args(layer, timeout), timeout + REPLY_MARGIN_S
+            )
             self.ready_mask = int(reply["ready"])
 
     async def wait_complete(self, timeout: float = 30.0) -> None:
@@ -197,7 +217,7 @@ class AsyncRemoteReader(_ReaderBase):
             if not self._session.closed:
                 await self._session.call(Op.RELEASE, {"lease": self.lease})
 
-    async def __aenter__(self) -> "AsyncRemoteReader":
+    async def __aenter__(self) -> AsyncRemoteReader:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -14,9 +14,15 @@ from kvfabric.readspec import ReadSpec
 from kvfabric.spec import Namespace
 
 
-def lookup_args(ns: Namespace, tokens: Any = None, keys: Sequence[bytes] | None = None,
-                scope: str = "local", *, packed: bool = False,
-                num_tokens: int | None = None) -> dict[str, Any]:
+def lookup_args(
+    ns: Namespace,
+    tokens: Any = None,
+    keys: Sequence[bytes] | None = None,
+    scope: str = "local",
+    *,
+    packed: bool = False,
+    num_tokens: int | None = None,
+) -> dict[str, Any]:
     """Either token ids (hashed by the daemon, full chunks only) or chunk keys (one packed
     bin when the daemon announced "packed_keys", else a list); ``num_tokens`` (keys only):
     the tokens the chain covers, its last chunk may be partial."""
@@ -36,8 +42,14 @@ def lookup_args(ns: Namespace, tokens: Any = None, keys: Sequence[bytes] | None 
     return args
 
 
-def prefetch_args(ns: Namespace, tokens: Any, keys: Sequence[bytes] | None, timeout: float,
-                  *, packed: bool = False) -> dict[str, Any]:
+def prefetch_args(
+    ns: Namespace,
+    tokens: Any,
+    keys: Sequence[bytes] | None,
+    timeout: float,
+    *,
+    packed: bool = False,
+) -> dict[str, Any]:
     return {**lookup_args(ns, tokens, keys, packed=packed), "timeout": timeout}
 
 
@@ -46,8 +58,7 @@ def packs_keys(hello: dict[str, Any]) -> bool:
     return "packed_keys" in (hello.get("features") or ())
 
 
-def push_args(ns: Namespace, keys: Sequence[bytes], target: str, timeout: float
-              ) -> dict[str, Any]:
+def push_args(ns: Namespace, keys: Sequence[bytes], target: str, timeout: float) -> dict[str, Any]:
     return {**keys_args(ns, keys), "target": target, "timeout": timeout}
 
 
@@ -55,20 +66,28 @@ def lookup_result(result: dict[str, Any]) -> LookupResult:
     return LookupResult.from_dict(result)
 
 
-def reserve_args(ns: Namespace, key: bytes, parent: bytes = ROOT,
-                 num_tokens: int | None = None, heads: HeadRange | None = None
-                 ) -> dict[str, Any]:
+def reserve_args(
+    ns: Namespace,
+    key: bytes,
+    parent: bytes = ROOT,
+    num_tokens: int | None = None,
+    heads: HeadRange | None = None,
+) -> dict[str, Any]:
     return {"ns": encode_namespace(ns), **_reserve_item(key, parent, num_tokens, heads)}
 
 
-def reserve_batch_args(ns: Namespace, chunks: Sequence[ChunkRef],
-                       heads: HeadRange | None = None) -> dict[str, Any]:
-    return {"ns": encode_namespace(ns),
-            "items": [_reserve_item(c.key, c.parent, c.num_tokens, heads) for c in chunks]}
+def reserve_batch_args(
+    ns: Namespace, chunks: Sequence[ChunkRef], heads: HeadRange | None = None
+) -> dict[str, Any]:
+    return {
+        "ns": encode_namespace(ns),
+        "items": [_reserve_item(c.key, c.parent, c.num_tokens, heads) for c in chunks],
+    }
 
 
-def _reserve_item(key: bytes, parent: bytes, num_tokens: int | None,
-                  heads: HeadRange | None) -> dict[str, Any]:
+def _reserve_item(
+    key: bytes, parent: bytes, num_tokens: int | None, heads: HeadRange | None
+) -> dict[str, Any]:
     item: dict[str, Any] = {"key": key, "parent": parent}
     if num_tokens is not None:
         item["num_tokens"] = num_tokens
@@ -77,8 +96,9 @@ def _reserve_item(key: bytes, parent: bytes, num_tokens: int | None,
     return item
 
 
-def get_batch_args(ns: Namespace, keys: Sequence[bytes], timeout: float | None,
-                   want: ReadSpec | None = None) -> dict[str, Any]:
+def get_batch_args(
+    ns: Namespace, keys: Sequence[bytes], timeout: float | None, want: ReadSpec | None = None
+) -> dict[str, Any]:
     args: dict[str, Any] = {"ns": encode_namespace(ns), "keys": list(keys)}
     return _read_options(args, ns, timeout, want)
 
@@ -95,13 +115,15 @@ def item_results(items: list[dict[str, Any]]) -> list[Any]:
     return out
 
 
-def get_args(ns: Namespace, key: bytes, timeout: float | None,
-             want: ReadSpec | None = None) -> dict[str, Any]:
+def get_args(
+    ns: Namespace, key: bytes, timeout: float | None, want: ReadSpec | None = None
+) -> dict[str, Any]:
     return _read_options({"ns": encode_namespace(ns), "key": key}, ns, timeout, want)
 
 
-def _read_options(args: dict[str, Any], ns: Namespace, timeout: float | None,
-                  want: ReadSpec | None) -> dict[str, Any]:
+def _read_options(
+    args: dict[str, Any], ns: Namespace, timeout: float | None, want: ReadSpec | None
+) -> dict[str, Any]:
     if timeout is not None:
         args["timeout"] = timeout
     if want is not None:  # checked here too: a bad spec never costs a round trip
@@ -112,8 +134,7 @@ def _read_options(args: dict[str, Any], ns: Namespace, timeout: float | None,
     return args
 
 
-def keys_args(ns: Namespace, keys: Sequence[bytes], *, packed: bool = False
-              ) -> dict[str, Any]:
+def keys_args(ns: Namespace, keys: Sequence[bytes], *, packed: bool = False) -> dict[str, Any]:
     """``packed``: one bin of keys (a daemon that announced "packed_keys" decodes it in
     well under a millisecond; a list of 65,536 keys costs it ~8 ms)."""
     return {"ns": encode_namespace(ns), "keys": pack_keys(keys) if packed else list(keys)}

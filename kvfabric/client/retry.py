@@ -19,7 +19,7 @@ class ExponentialBackoff(Backoff):
         self.base, self.cap = base, cap
 
     def delay(self, attempt: int) -> float:
-        return random.uniform(0, min(self.cap, self.base * (2 ** attempt)))
+        return random.uniform(0, min(self.cap, self.base * (2**attempt)))
 
 
 class NoBackoff(Backoff):

@@ -29,8 +29,13 @@ import ssl
 import time
 from dataclasses import dataclass
 
-from kvfabric.errors import (AuthError, ConfigError, DeadlineExceededError, KVFabricError,
-                             UnavailableError)
+from kvfabric.errors import (
+    AuthError,
+    ConfigError,
+    DeadlineExceededError,
+    KVFabricError,
+    UnavailableError,
+)
 
 
 @dataclass(frozen=True)
@@ -74,16 +79,17 @@ def resolve(tls: ClientTLS | ssl.SSLContext, host: str) -> tuple[ssl.SSLContext,
     raise ConfigError(f"tls must be a ClientTLS or an ssl.SSLContext, got {type(tls).__name__}")
 
 
-def wrap(sock: socket.socket, tls: ClientTLS | ssl.SSLContext, host: str,
-         deadline: float) -> ssl.SSLSocket:
+def wrap(
+    sock: socket.socket, tls: ClientTLS | ssl.SSLContext, host: str, deadline: float
+) -> ssl.SSLSocket:
     """TLS over the connected ``sock``, handshake done before ``deadline`` (monotonic).
     ``sock`` is consumed: closed on failure."""
     try:
         context, name = resolve(tls, host)
         # ragged EOFs raise: they tell a refused certificate from a close (see above)
-        secured = context.wrap_socket(sock, server_hostname=name,
-                                      do_handshake_on_connect=False,
-                                      suppress_ragged_eofs=False)
+        secured = context.wrap_socket(
+            sock, server_hostname=name, do_handshake_on_connect=False, suppress_ragged_eofs=False
+        )
     except BaseException:
         sock.close()
         raise
@@ -99,8 +105,9 @@ def wrap(sock: socket.socket, tls: ClientTLS | ssl.SSLContext, host: str,
         if isinstance(exc, KVFabricError):
             raise
         if isinstance(exc, socket.timeout):
-            raise DeadlineExceededError(f"TLS handshake with {host}: no answer before the "
-                                        "deadline") from None
+            raise DeadlineExceededError(
+                f"TLS handshake with {host}: no answer before the deadline"
+            ) from None
         if isinstance(exc, ssl.SSLError):
             raise failure(exc, host) from None
         if isinstance(exc, OSError):
@@ -113,12 +120,15 @@ def failure(exc: ssl.SSLError, where: str) -> KVFabricError:
     if isinstance(exc, ssl.SSLZeroReturnError):
         return UnavailableError(f"{where} closed the TLS connection")
     if isinstance(exc, ssl.SSLEOFError):
-        return AuthError(f"{where} dropped the TLS connection without a word: it refuses this "
-                         "client's certificate (none given, or not signed by its "
-                         "security.tls_client_ca_file), or it stopped")
+        return AuthError(
+            f"{where} dropped the TLS connection without a word: it refuses this "
+            "client's certificate (none given, or not signed by its "
+            "security.tls_client_ca_file), or it stopped"
+        )
     if isinstance(exc, ssl.SSLCertVerificationError):
-        return AuthError(f"the TLS certificate of {where} is not trusted: "
-                         f"{exc.verify_message or exc}")
+        return AuthError(
+            f"the TLS certificate of {where} is not trusted: {exc.verify_message or exc}"
+        )
     # an alert from the server (our certificate refused, no common protocol) or a listener
     # that does not speak TLS ("wrong version number")
     return AuthError(f"TLS with {where} failed: {exc.reason or exc}")

@@ -6,15 +6,25 @@ imported lazily (``kvfabric.cluster.redis_index``) so that redis-py stays option
 
 from kvfabric.cluster.embedded import EmbeddedIndex, EmbeddedState
 from kvfabric.cluster.index import (
-                                    ChunkRecord,
-                                    GlobalIndex,
-                                    GlobalLookup,
-                                    IndexSnapshot,
-                                    KVEvent,
-                                    Location,
-                                    NodeInfo,
-                                    NodePrefix,
+    ChunkRecord,
+    GlobalIndex,
+    GlobalLookup,
+    IndexSnapshot,
+    KVEvent,
+    Location,
+    NodeInfo,
+    NodePrefix,
 )
 
-__all__ = ["ChunkRecord", "EmbeddedIndex", "EmbeddedState", "GlobalIndex", "GlobalLookup",
-           "IndexSnapshot", "KVEvent", "Location", "NodeInfo", "NodePrefix"]
+__all__ = [
+    "ChunkRecord",
+    "EmbeddedIndex",
+    "EmbeddedState",
+    "GlobalIndex",
+    "GlobalLookup",
+    "IndexSnapshot",
+    "KVEvent",
+    "Location",
+    "NodeInfo",
+    "NodePrefix",
+]

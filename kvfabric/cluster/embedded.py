@@ -71,8 +71,13 @@ class EmbeddedState:
 class EmbeddedIndex(BatchingIndex):
     """One node's handle on an :class:`EmbeddedState` (a private one by default)."""
 
-    def __init__(self, state: EmbeddedState | None = None, *, flush_interval: float = 0.005,
-                 max_batch: int = 4096) -> None:
+    def __init__(
+        self,
+        state: EmbeddedState | None = None,
+        *,
+        flush_interval: float = 0.005,
+        max_batch: int = 4096,
+    ) -> None:
         self._state = state or EmbeddedState()
         self._info: NodeInfo | None = None
         super().__init__(flush_interval=flush_interval, max_batch=max_batch)
@@ -84,8 +89,7 @@ class EmbeddedIndex(BatchingIndex):
     def register(self, info: NodeInfo, *, takeover_after_s: float = 0.0) -> NodeInfo:
         st = self._state
         if self._info is None or self._info.node_id != info.node_id:  # not a re-register
-            refuse_duplicate(info, lambda: self._live_registration(info.node_id),
-                             takeover_after_s)
+            refuse_duplicate(info, lambda: self._live_registration(info.node_id), takeover_after_s)
         with st.cond:
             epoch = st.epochs.get(info.node_id, 0) + 1
             st.epochs[info.node_id] = epoch
@@ -144,8 +148,7 @@ class EmbeddedIndex(BatchingIndex):
                 owners.append(tuple(row))
         return GlobalLookup(len(keys), tuple(owners))
 
-    def events(self, after_id: str = "0-0", block_ms: int = 0,
-               count: int = 1000) -> list[KVEvent]:
+    def events(self, after_id: str = "0-0", block_ms: int = 0, count: int = 1000) -> list[KVEvent]:
         after = parse_stream_id(after_id)
         st = self._state
         deadline = time.monotonic() + block_ms / 1000
@@ -166,8 +169,9 @@ class EmbeddedIndex(BatchingIndex):
                 parent, tokens = st.meta[(seed, key)]
                 for node, epoch, tier in holders:
                     if st.live_epoch(node, now) == epoch:
-                        out.append(KVEvent("stored", (key,), tier, node, epoch, seed.hex(),
-                                           parent, tokens))
+                        out.append(
+                            KVEvent("stored", (key,), tier, node, epoch, seed.hex(), parent, tokens)
+                        )
             return IndexSnapshot(st.last_id, tuple(out))
 
     def close(self) -> None:
@@ -202,4 +206,3 @@ class EmbeddedIndex(BatchingIndex):
         if self._info is None:
             raise SpecError("call register() first")
         return self._info
-

@@ -53,8 +53,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Self
 
-from kvfabric.errors import (DeadlineExceededError, DuplicateNodeError, KVFabricError,
-                             SpecError, UnavailableError)
+from kvfabric.errors import (
+    DeadlineExceededError,
+    DuplicateNodeError,
+    KVFabricError,
+    SpecError,
+    UnavailableError,
+)
 from kvfabric.hashing import KEY_BYTES, ROOT
 
 EventKind = Literal["stored", "removed"]
@@ -214,8 +219,9 @@ class LiveRegistration:
 DUPLICATE_POLL_S = 0.05
 
 
-def refuse_duplicate(info: NodeInfo, current: Callable[[], LiveRegistration | None],
-                     takeover_after_s: float) -> None:
+def refuse_duplicate(
+    info: NodeInfo, current: Callable[[], LiveRegistration | None], takeover_after_s: float
+) -> None:
     """Raise DuplicateNodeError if a live daemon already holds ``info.node_id``.
 
     ``current()`` reads the node id's live registration (None: none, or its lease lapsed).
@@ -244,7 +250,8 @@ def refuse_duplicate(info: NodeInfo, current: Callable[[], LiveRegistration | No
         f"node id {info.node_id!r} is already registered by a live daemon at {first.address} "
         f"(epoch {first.epoch}); this daemon would be at {info.address}. Give each daemon its "
         f"own node_id (--node-id, or node_id in the config; two daemons on one host need "
-        f"two ids, so not just the host name), or stop the other one first")
+        f"two ids, so not just the host name), or stop the other one first"
+    )
 
 
 @dataclass(frozen=True)
@@ -277,8 +284,9 @@ class GlobalIndex(abc.ABC):
         """Every node whose lease is live, with its current epoch."""
 
     @abc.abstractmethod
-    def publish(self, stored: Sequence[ChunkRecord] = (),
-                removed: Sequence[ChunkRecord] = ()) -> None:
+    def publish(
+        self, stored: Sequence[ChunkRecord] = (), removed: Sequence[ChunkRecord] = ()
+    ) -> None:
         """Queue updates of this node's inventory (stored first, then removed); never blocks."""
 
     @abc.abstractmethod
@@ -294,8 +302,7 @@ class GlobalIndex(abc.ABC):
         """Longest prefix of the chain ``keys`` (namespace ``seed``) held by live nodes."""
 
     @abc.abstractmethod
-    def events(self, after_id: str = "0-0", block_ms: int = 0,
-               count: int = 1000) -> list[KVEvent]:
+    def events(self, after_id: str = "0-0", block_ms: int = 0, count: int = 1000) -> list[KVEvent]:
         """Up to ``count`` events after ``after_id``, waiting up to ``block_ms`` for the first."""
 
     @abc.abstractmethod
@@ -324,8 +331,12 @@ def chain_runs(records: Sequence[ChunkRecord]) -> list[list[ChunkRecord]]:
     runs: list[list[ChunkRecord]] = []
     for rec in records:
         last = runs[-1][-1] if runs else None
-        if (last is not None and last.seed == rec.seed and last.tier == rec.tier
-                and rec.parent == last.key):
+        if (
+            last is not None
+            and last.seed == rec.seed
+            and last.tier == rec.tier
+            and rec.parent == last.key
+        ):
             runs[-1].append(rec)
         else:
             runs.append([rec])
@@ -362,8 +373,9 @@ class BatchingIndex(GlobalIndex):
     ``max_pending``; beyond it the oldest updates are dropped for the same reason.
     """
 
-    def __init__(self, *, flush_interval: float = 0.005, max_batch: int = 4096,
-                 max_pending: int = 1 << 20) -> None:
+    def __init__(
+        self, *, flush_interval: float = 0.005, max_batch: int = 4096, max_pending: int = 1 << 20
+    ) -> None:
         if flush_interval <= 0 or max_batch <= 0 or max_pending <= 0:
             raise SpecError("flush_interval, max_batch and max_pending must be positive")
         self._interval = flush_interval
@@ -374,8 +386,9 @@ class BatchingIndex(GlobalIndex):
         self._done = 0  # updates ever sent or dropped
         self._failures = 0
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"{type(self).__name__}-flusher",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"{type(self).__name__}-flusher", daemon=True
+        )
         self._thread.start()
 
     @abc.abstractmethod
@@ -385,8 +398,9 @@ class BatchingIndex(GlobalIndex):
     def _tick(self) -> None:
         """Periodic work of the flusher thread (lease-loss recovery); default none."""
 
-    def publish(self, stored: Sequence[ChunkRecord] = (),
-                removed: Sequence[ChunkRecord] = ()) -> None:
+    def publish(
+        self, stored: Sequence[ChunkRecord] = (), removed: Sequence[ChunkRecord] = ()
+    ) -> None:
         updates: list[Update] = [("stored", r) for r in stored]
         updates += [("removed", r) for r in removed]
         for _, rec in updates:
@@ -434,8 +448,9 @@ class BatchingIndex(GlobalIndex):
                     self._cond.wait(self._interval)
                 if self._closed and not self._pending:
                     return
-                batch = [self._pending.popleft()
-                         for _ in range(min(self._max_batch, len(self._pending)))]
+                batch = [
+                    self._pending.popleft() for _ in range(min(self._max_batch, len(self._pending)))
+                ]
             failed = False
             if batch:
                 try:

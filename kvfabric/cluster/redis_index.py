@@ -196,10 +196,19 @@ class RedisGlobalIndex(BatchingIndex):
     lease lapsed). Without it the owner calls :meth:`republish` when :attr:`stale` is set.
     """
 
-    def __init__(self, url: str, *, prefix: str = "kvf", lease_ttl: float = 10.0,
-                 socket_timeout: float = 0.5, max_events: int = 1_000_000,
-                 flush_interval: float = 0.005, max_batch: int = 4096,
-                 inventory: Inventory | None = None, retry_interval: float = 0.5) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "kvf",
+        lease_ttl: float = 10.0,
+        socket_timeout: float = 0.5,
+        max_events: int = 1_000_000,
+        flush_interval: float = 0.005,
+        max_batch: int = 4096,
+        inventory: Inventory | None = None,
+        retry_interval: float = 0.5,
+    ) -> None:
         if lease_ttl <= 0 or socket_timeout <= 0 or max_events <= 0 or retry_interval <= 0:
             raise SpecError("lease_ttl, socket_timeout, max_events, retry_interval must be > 0")
         self._p = prefix
@@ -208,8 +217,10 @@ class RedisGlobalIndex(BatchingIndex):
         self._inventory = inventory
         self._retry_interval = retry_interval
         self._next_retry = 0.0
-        common: dict[str, Any] = {"socket_connect_timeout": socket_timeout,
-                                  "retry": Retry(NoBackoff(), 0)}
+        common: dict[str, Any] = {
+            "socket_connect_timeout": socket_timeout,
+            "retry": Retry(NoBackoff(), 0),
+        }
         scheme, sep, rest = url.partition("://")
         self._cluster = sep != "" and scheme.lower() == CLUSTER_SCHEME
         if self._cluster:
@@ -221,7 +232,8 @@ class RedisGlobalIndex(BatchingIndex):
             self._r = client.from_url(url, socket_timeout=socket_timeout, **common)
             # Blocking XREADs need a read timeout longer than the longest block.
             self._blocking = client.from_url(
-                url, socket_timeout=socket_timeout + MAX_BLOCK_MS / 1000, **common)
+                url, socket_timeout=socket_timeout + MAX_BLOCK_MS / 1000, **common
+            )
         except _ERRORS as exc:
             raise UnavailableError(f"global index (Redis) unavailable: {exc}") from None
         self._hb = self._r.register_script(_HEARTBEAT)
@@ -262,15 +274,15 @@ class RedisGlobalIndex(BatchingIndex):
     # -- registry -----------------------------------------------------------------------
     def register(self, info: NodeInfo, *, takeover_after_s: float = 0.0) -> NodeInfo:
         if self._info is None or self._info.node_id != info.node_id:  # not a re-register
-            refuse_duplicate(info, lambda: self._live_registration(info.node_id),
-                             takeover_after_s)
+            refuse_duplicate(info, lambda: self._live_registration(info.node_id), takeover_after_s)
         with self._send_lock:
             return self._register(info)
 
     def _live_registration(self, node_id: str) -> LiveRegistration | None:
         def run() -> list[Any]:
-            return self._registration(keys=[self._live_key(None), self._reg("node", node_id)],
-                                      args=[node_id])
+            return self._registration(
+                keys=[self._live_key(None), self._reg("node", node_id)], args=[node_id]
+            )
 
         live, now_ms, address = self._call(run)
         if not live:
@@ -285,15 +297,22 @@ class RedisGlobalIndex(BatchingIndex):
         node = info.node_id
 
         def run() -> NodeInfo:
-            reply = self._new_epoch(keys=[self._reg("epoch", node), self._reg("seeds", node)],
-                                    args=[min_epoch])
+            reply = self._new_epoch(
+                keys=[self._reg("epoch", node), self._reg("seeds", node)], args=[min_epoch]
+            )
             new = replace(info, epoch=int(reply[0]))
             seeds = {bytes.fromhex(s.decode()) for s in reply[1:]}
             pipe = self._r.pipeline(transaction=False)
-            pipe.hset(self._reg("node", node), mapping={
-                "address": new.address, "tiers": ",".join(new.tiers),
-                "hardware_class": new.hardware_class,
-                "transports": json.dumps(new.transports, sort_keys=True), "epoch": new.epoch})
+            pipe.hset(
+                self._reg("node", node),
+                mapping={
+                    "address": new.address,
+                    "tiers": ",".join(new.tiers),
+                    "hardware_class": new.hardware_class,
+                    "transports": json.dumps(new.transports, sort_keys=True),
+                    "epoch": new.epoch,
+                },
+            )
             self._renew(pipe, new, [None, *seeds])
             pipe.execute()
             return new
@@ -304,8 +323,9 @@ class RedisGlobalIndex(BatchingIndex):
 
     def _renew(self, pipe: Any, info: NodeInfo, seeds: Iterable[bytes | None]) -> None:
         for seed in seeds:
-            self._script(self._hb, [self._live_key(seed)],
-                         [info.node_id, info.epoch, self._ttl_ms], pipe)
+            self._script(
+                self._hb, [self._live_key(seed)], [info.node_id, info.epoch, self._ttl_ms], pipe
+            )
 
     def heartbeat(self) -> None:
         info = self._require_info()
@@ -333,9 +353,16 @@ class RedisGlobalIndex(BatchingIndex):
                 raw = {k.decode(): v.decode() for k, v in fields.items()}
                 if int(raw.get("epoch", -1)) != epoch:
                     continue  # registered a newer epoch that has not taken its lease yet
-                out.append(NodeInfo(node, raw["address"],
-                                    tuple(t for t in raw["tiers"].split(",") if t),
-                                    raw["hardware_class"], json.loads(raw["transports"]), epoch))
+                out.append(
+                    NodeInfo(
+                        node,
+                        raw["address"],
+                        tuple(t for t in raw["tiers"].split(",") if t),
+                        raw["hardware_class"],
+                        json.loads(raw["transports"]),
+                        epoch,
+                    )
+                )
             return out
 
         return self._call(run)
@@ -364,25 +391,29 @@ class RedisGlobalIndex(BatchingIndex):
             per_seed: dict[bytes, list[bytes | str]] = {}
             for kind, rec in batch:
                 per_seed.setdefault(rec.seed, []).extend(
-                    ("S", rec.key, owner_prefix + rec.tier,
-                     rec.parent + _META.pack(rec.num_tokens)) if kind == "stored" else
-                    ("R", rec.key, owner_prefix + rec.tier, b""))
+                    ("S", rec.key, owner_prefix + rec.tier, rec.parent + _META.pack(rec.num_tokens))
+                    if kind == "stored"
+                    else ("R", rec.key, owner_prefix + rec.tier, b"")
+                )
             for seed, args in per_seed.items():
                 self._update_owners(seed, args, pipe)
             for event in codec.batch_events(batch, info.node_id, info.epoch):
-                pipe.xadd(self._stream, codec.encode(event), maxlen=self._max_events,
-                          approximate=True)
+                pipe.xadd(
+                    self._stream, codec.encode(event), maxlen=self._max_events, approximate=True
+                )
             pipe.execute()
 
         self._call(run)
         self._seeds |= new_seeds
 
     def _update_owners(self, seed: bytes, args: Sequence[bytes | str], client: Any) -> None:
-        self._script(self._update, [self._ns_key(seed, "owners"), self._ns_key(seed, "meta")],
-                  args, client)
+        self._script(
+            self._update, [self._ns_key(seed, "owners"), self._ns_key(seed, "meta")], args, client
+        )
 
-    def _script(self, script: Any, keys: Sequence[str], args: Sequence[Any],
-             pipe: Any | None) -> Any:
+    def _script(
+        self, script: Any, keys: Sequence[str], args: Sequence[Any], pipe: Any | None
+    ) -> Any:
         """Run (or queue in ``pipe``) a script on keys of one slot."""
         if pipe is not None and self._cluster:
             return pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
@@ -423,10 +454,12 @@ class RedisGlobalIndex(BatchingIndex):
             check_key("chunk key", key)
         if not keys:
             return GlobalLookup(0, (), self._stale)
-        now_s, now_us, live, lists = self._call(lambda: self._lookup(
-            keys=[self._ns_key(seed, "owners"), self._live_key(seed)], args=[b"".join(keys)]))
-        view = _LiveView(dict(zip(live[::2], live[1::2])),
-                         int(now_s) * 1000 + int(now_us) // 1000)
+        now_s, now_us, live, lists = self._call(
+            lambda: self._lookup(
+                keys=[self._ns_key(seed, "owners"), self._live_key(seed)], args=[b"".join(keys)]
+            )
+        )
+        view = _LiveView(dict(zip(live[::2], live[1::2])), int(now_s) * 1000 + int(now_us) // 1000)
         owners: list[tuple[Location, ...]] = []
         superseded: list[bytes | str] = []
         for key, raw in zip(keys, lists.split(b"\n") if lists else ()):
@@ -448,14 +481,14 @@ class RedisGlobalIndex(BatchingIndex):
         except _ERRORS as exc:
             log.info("could not delete superseded index entries: %s", exc)
 
-    def events(self, after_id: str = "0-0", block_ms: int = 0,
-               count: int = 1000) -> list[KVEvent]:
+    def events(self, after_id: str = "0-0", block_ms: int = 0, count: int = 1000) -> list[KVEvent]:
         parse_stream_id(after_id)
         if not 0 <= block_ms <= MAX_BLOCK_MS or count <= 0:
             raise SpecError(f"block_ms must be in [0, {MAX_BLOCK_MS}] and count positive")
         client = self._blocking if block_ms else self._r
-        reply = self._call(lambda: client.xread({self._stream: after_id}, count=count,
-                                                block=block_ms or None))
+        reply = self._call(
+            lambda: client.xread({self._stream: after_id}, count=count, block=block_ms or None)
+        )
         out: list[KVEvent] = []
         for _, entries in reply or ():
             out += [codec.decode(ident.decode(), fields) for ident, fields in entries]
@@ -483,15 +516,26 @@ class RedisGlobalIndex(BatchingIndex):
                     for field in raw.split(b","):
                         loc = _location(field)
                         if live.get(loc.node_id) == loc.epoch:
-                            out.append(KVEvent("stored", (key,), loc.tier, loc.node_id,
-                                               loc.epoch, seed.hex(), parent, tokens))
+                            out.append(
+                                KVEvent(
+                                    "stored",
+                                    (key,),
+                                    loc.tier,
+                                    loc.node_id,
+                                    loc.epoch,
+                                    seed.hex(),
+                                    parent,
+                                    tokens,
+                                )
+                            )
         return IndexSnapshot(stream_id, tuple(out))
 
     def _live_epochs(self, seed: bytes | None) -> dict[str, int]:
         """Live nodes' epochs of a namespace (None: the registry), by its node's clock."""
         now_s, now_us, flat = self._live(keys=[self._live_key(seed)])
-        return _live_epochs(dict(zip(flat[::2], flat[1::2])),
-                            int(now_s) * 1000 + int(now_us) // 1000)
+        return _live_epochs(
+            dict(zip(flat[::2], flat[1::2])), int(now_s) * 1000 + int(now_us) // 1000
+        )
 
     def close(self) -> None:
         self._stop_flusher()

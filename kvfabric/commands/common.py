@@ -27,11 +27,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Descriptions keep their line breaks (example blocks); option help is wrapped."""
 
 
-def add_command(commands: argparse._SubParsersAction, name: str, *, help: str,
-                description: str) -> argparse.ArgumentParser:
+def add_command(
+    commands: argparse._SubParsersAction, name: str, *, help: str, description: str
+) -> argparse.ArgumentParser:
     """A subcommand whose ``--help`` shows ``description`` as written (plain text)."""
-    return commands.add_parser(name, help=help, description=description,
-                               formatter_class=HelpFormatter)
+    return commands.add_parser(
+        name, help=help, description=description, formatter_class=HelpFormatter
+    )
 
 
 def fail(command: str, message: str, code: int) -> int:
@@ -48,14 +50,19 @@ def daemon_error(command: str, exc: KVFabricError) -> int:
 
 def add_token_arg(parser: argparse.ArgumentParser) -> None:
     # No default shown in --help: it would print the token from the environment.
-    parser.add_argument("--token", default=None,
-                        help=f"bearer token of the daemon (default: ${TOKEN_ENV})")
+    parser.add_argument(
+        "--token", default=None, help=f"bearer token of the daemon (default: ${TOKEN_ENV})"
+    )
 
 
 def add_socket_arg(parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
-    parser.add_argument("--socket", default=None, metavar="PATH",
-                        help="the daemon's Unix socket (default: $KVFABRIC_SOCKET_PATH or "
-                             "./kvfabric-data/kvfabric.sock)")
+    parser.add_argument(
+        "--socket",
+        default=None,
+        metavar="PATH",
+        help="the daemon's Unix socket (default: $KVFABRIC_SOCKET_PATH or "
+        "./kvfabric-data/kvfabric.sock)",
+    )
 
 
 def token_of(args: argparse.Namespace) -> str | None:
@@ -67,5 +74,9 @@ def connect(args: argparse.Namespace) -> Client:
     from kvfabric.client import Client
     from kvfabric.client.client import default_address
 
-    return Client(args.socket or default_address(), token=token_of(args),
-                  timeout=CONNECT_TIMEOUT_S, reconnect=False)
+    return Client(
+        args.socket or default_address(),
+        token=token_of(args),
+        timeout=CONNECT_TIMEOUT_S,
+        reconnect=False,
+    )

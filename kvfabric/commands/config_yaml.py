@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from kvfabric.config import AuthConfig, DaemonConfig
-from kvfabric.store.config import GiB, KiB, MiB, TiB, Quota, StoreConfig, TierConfig
+from kvfabric.store.config import GiB, KiB, MiB, Quota, StoreConfig, TiB, TierConfig
 
 REDACTED = "<redacted>"
 _SIZE_KEYS = ("capacity", "page_size", "segment_bytes")
@@ -24,31 +24,42 @@ def config_yaml(config: DaemonConfig) -> str:
 
 
 def config_dict(config: DaemonConfig) -> dict[str, Any]:
-    return {"node_id": config.node_id, "socket_path": config.socket_path,
-            "log_level": config.log_level, "http": asdict(config.http),
-            "tcp": asdict(config.tcp), "auth": _auth(config.auth),
-            "limits": asdict(config.limits), "store": _store(config.store),
-            "security": asdict(config.security)}
+    return {
+        "node_id": config.node_id,
+        "socket_path": config.socket_path,
+        "log_level": config.log_level,
+        "http": asdict(config.http),
+        "tcp": asdict(config.tcp),
+        "auth": _auth(config.auth),
+        "limits": asdict(config.limits),
+        "store": _store(config.store),
+        "security": asdict(config.security),
+    }
 
 
 def _auth(auth: AuthConfig) -> dict[str, Any]:
-    return {"token": REDACTED if auth.token else None, "token_file": auth.token_file,
-            # Keys are tokens: each gets its own placeholder so the tenants stay countable.
-            "tenants": {f"{REDACTED}-{i}": tenant
-                        for i, tenant in enumerate(auth.tenants.values(), 1)}}
+    return {
+        "token": REDACTED if auth.token else None,
+        "token_file": auth.token_file,
+        # Keys are tokens: each gets its own placeholder so the tenants stay countable.
+        "tenants": {f"{REDACTED}-{i}": tenant for i, tenant in enumerate(auth.tenants.values(), 1)},
+    }
 
 
 def _store(store: StoreConfig) -> dict[str, Any]:
-    out = {f.name: getattr(store, f.name) for f in fields(store)
-           if f.name not in ("tiers", "quotas")}
+    out = {
+        f.name: getattr(store, f.name) for f in fields(store) if f.name not in ("tiers", "quotas")
+    }
     out["tiers"] = [_tier(t) for t in store.tiers]
     out["quotas"] = {tenant: _quota(quota) for tenant, quota in store.quotas.items()}
     return out
 
 
 def _quota(quota: Quota) -> dict[str, Any]:
-    out: dict[str, Any] = {tier: f"{limit * 100:g}%" if isinstance(limit, float)
-                           else _size(limit) for tier, limit in quota.tiers.items()}
+    out: dict[str, Any] = {
+        tier: f"{limit * 100:g}%" if isinstance(limit, float) else _size(limit)
+        for tier, limit in quota.tiers.items()
+    }
     for key in ("reservations", "namespaces"):
         if getattr(quota, key) is not None:
             out[key] = getattr(quota, key)

@@ -16,10 +16,18 @@ restart the store to show the SSD part survives. The device tier needs torch
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(commands, "demo", help="store KV through every tier and read it back",
-                         description=DESCRIPTION)
-    parser.add_argument("--data-dir", type=Path, default=None,
-                        help="keep the store here (default: a temporary directory, removed)")
+    parser = add_command(
+        commands,
+        "demo",
+        help="store KV through every tier and read it back",
+        description=DESCRIPTION,
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="keep the store here (default: a temporary directory, removed)",
+    )
     parser.set_defaults(handler=run)
 
 

@@ -10,8 +10,15 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from kvfabric.commands.common import (EXIT_USAGE, add_command, add_socket_arg, add_token_arg,
-                                      connect, daemon_error, fail)
+from kvfabric.commands.common import (
+    EXIT_USAGE,
+    add_command,
+    add_socket_arg,
+    add_token_arg,
+    connect,
+    daemon_error,
+    fail,
+)
 from kvfabric.errors import KVFabricError
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing at start-up
@@ -26,9 +33,9 @@ if TYPE_CHECKING:
 ATTENTION_KINDS = ("mha", "mla")
 DEFAULT_CHUNK_TOKENS = 256
 
-DESCRIPTION = """Ask the daemon how much of a prompt's KV it holds: the longest stored prefix, in tokens and
-whole chunks, and which tiers hold it. The namespace flags must match what the engine's
-connector uses (model id, layers, KV heads, head dim, dtype), or nothing matches.
+DESCRIPTION = """Ask the daemon how much of a prompt's KV it holds: the longest stored prefix,
+in tokens and whole chunks, and which tiers hold it. The namespace flags must match what the
+engine's connector uses (model id, layers, KV heads, head dim, dtype), or nothing matches.
 
 example:
   echo "[1, 2, 3, 4]" > prompt.json
@@ -36,12 +43,18 @@ example:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    add_prompt_command(commands, "lookup", "how much of a prompt the daemon holds",
-                       DESCRIPTION, run)
+    add_prompt_command(
+        commands, "lookup", "how much of a prompt the daemon holds", DESCRIPTION, run
+    )
 
 
-def add_prompt_command(commands: argparse._SubParsersAction, name: str, help: str,
-                       description: str, handler: Callable[[argparse.Namespace], int]) -> None:
+def add_prompt_command(
+    commands: argparse._SubParsersAction,
+    name: str,
+    help: str,
+    description: str,
+    handler: Callable[[argparse.Namespace], int],
+) -> None:
     """A subcommand about one prompt of one namespace at the node's daemon."""
     parser = add_command(commands, name, help=help, description=description)
     add_namespace_args(parser)
@@ -67,8 +80,12 @@ def add_namespace_args(parser: argparse.ArgumentParser) -> None:
 
 def add_prompt_args(parser: argparse.ArgumentParser) -> None:
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--tokens-file", type=Path, metavar="FILE",
-                        help="JSON list, .npy array, or whitespace / comma separated ints")
+    prompt.add_argument(
+        "--tokens-file",
+        type=Path,
+        metavar="FILE",
+        help="JSON list, .npy array, or whitespace / comma separated ints",
+    )
     prompt.add_argument("--tokens", metavar='"1 2 3 ..."', help="the token ids inline")
 
 
@@ -76,8 +93,7 @@ def prompt_of(args: argparse.Namespace) -> tuple[Namespace, np.ndarray]:
     """The namespace and token ids the flags name; ValueError (SpecError) when invalid."""
     from kvfabric.commands.tokens import parse_tokens, read_tokens_file
 
-    tokens = read_tokens_file(args.tokens_file) if args.tokens_file else \
-        parse_tokens(args.tokens)
+    tokens = read_tokens_file(args.tokens_file) if args.tokens_file else parse_tokens(args.tokens)
     return namespace_of(args), tokens
 
 
@@ -103,22 +119,36 @@ def run(args: argparse.Namespace) -> int:
 def namespace_of(args: argparse.Namespace) -> Namespace:
     from kvfabric.spec import KVSpec, Namespace
 
-    spec = KVSpec(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                  dtype=args.dtype, kind=args.kind, chunk_tokens=args.chunk_tokens)
+    spec = KVSpec(
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        kind=args.kind,
+        chunk_tokens=args.chunk_tokens,
+    )
     return Namespace(args.model, spec, tenant_salt=args.tenant, lora_id=args.lora)
 
 
 def as_json(result: LookupResult, tokens: np.ndarray, ns: Namespace) -> dict[str, object]:
-    return {"matched_tokens": result.matched_tokens, "total_tokens": int(tokens.size),
-            "matched_chunks": result.matched_chunks,
-            "requested_chunks": result.requested_chunks,
-            "chunk_tokens": ns.spec.chunk_tokens, "tiers": dict(result.tier_tokens)}
+    return {
+        "matched_tokens": result.matched_tokens,
+        "total_tokens": int(tokens.size),
+        "matched_chunks": result.matched_chunks,
+        "requested_chunks": result.requested_chunks,
+        "chunk_tokens": ns.spec.chunk_tokens,
+        "tiers": dict(result.tier_tokens),
+    }
 
 
 def render(result: LookupResult, tokens: np.ndarray, ns: Namespace) -> str:
     share = result.matched_tokens / tokens.size if tokens.size else 0.0
-    lines = [(f"matched {result.matched_tokens} / {tokens.size} tokens ({share:.1%}); "
-              f"{result.matched_chunks} / {result.requested_chunks} full chunks of "
-              f"{ns.spec.chunk_tokens} tokens")]
+    lines = [
+        (
+            f"matched {result.matched_tokens} / {tokens.size} tokens ({share:.1%}); "
+            f"{result.matched_chunks} / {result.requested_chunks} full chunks of "
+            f"{ns.spec.chunk_tokens} tokens"
+        )
+    ]
     lines += [f"  {tier:10} {count:>10} tokens" for tier, count in result.tier_tokens.items()]
     return "\n".join(lines)

@@ -40,8 +40,9 @@ example:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    add_prompt_command(commands, "put", "store a prompt's (synthetic) KV in the daemon",
-                       DESCRIPTION, run)
+    add_prompt_command(
+        commands, "put", "store a prompt's (synthetic) KV in the daemon", DESCRIPTION, run
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,12 +62,23 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         import json
 
-        print(json.dumps({"stored_chunks": stored, "already_stored_chunks": present,
-                          "stored_bytes": nbytes, "total_tokens": int(tokens.size),
-                          "chunk_tokens": ns.spec.chunk_tokens, "seconds": round(took_s, 3)}))
+        print(
+            json.dumps(
+                {
+                    "stored_chunks": stored,
+                    "already_stored_chunks": present,
+                    "stored_bytes": nbytes,
+                    "total_tokens": int(tokens.size),
+                    "chunk_tokens": ns.spec.chunk_tokens,
+                    "seconds": round(took_s, 3),
+                }
+            )
+        )
     else:
-        print(f"stored {stored} chunks ({nbytes / 2**20:.1f} MiB) of {tokens.size} tokens in "
-              f"{took_s * 1e3:.0f} ms; {present} chunks were stored already")
+        print(
+            f"stored {stored} chunks ({nbytes / 2**20:.1f} MiB) of {tokens.size} tokens in "
+            f"{took_s * 1e3:.0f} ms; {present} chunks were stored already"
+        )
     return 0
 
 
@@ -80,9 +92,10 @@ def put_prompt(client: Client, ns: Namespace, tokens: np.ndarray) -> tuple[int, 
     refs = chunk_hashes(ns, tokens)  # the partial last chunk included
     stored = present = nbytes = 0
     for first in range(0, len(refs), BATCH_CHUNKS):
-        batch = refs[first:first + BATCH_CHUNKS]
-        payloads = [np.zeros(ChunkLayout(ns.spec, ref.num_tokens).nbytes, np.uint8)
-                    for ref in batch]
+        batch = refs[first : first + BATCH_CHUNKS]
+        payloads = [
+            np.zeros(ChunkLayout(ns.spec, ref.num_tokens).nbytes, np.uint8) for ref in batch
+        ]
         done = client.put_many(ns, batch, payloads)  # False: the node held it already
         stored += sum(done)
         present += len(done) - sum(done)

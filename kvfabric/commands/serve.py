@@ -32,21 +32,37 @@ SHORTHANDS: tuple[tuple[str, str, bool], ...] = (
     ("--log-level", "log_level", True),
 )
 
+
 class _Override(argparse.Action):
     """Appends ``key=value`` to ``args.overrides``, keeping command-line order."""
 
-    def __init__(self, option_strings: Sequence[str], dest: str, *, key: str | None = None,
-                 quoted: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        option_strings: Sequence[str],
+        dest: str,
+        *,
+        key: str | None = None,
+        quoted: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(option_strings, dest, **kwargs)
         self.key, self.quoted = key, quoted
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         import json
 
         value = str(values)
-        item = value if self.key is None else \
-            f"{self.key}={json.dumps(value) if self.quoted else value}"
+        item = (
+            value
+            if self.key is None
+            else f"{self.key}={json.dumps(value) if self.quoted else value}"
+        )
         namespace.overrides = [*(namespace.overrides or []), item]
 
 
@@ -56,8 +72,13 @@ class _Insecure(argparse.Action):
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         namespace.overrides = [*(namespace.overrides or []), "security.allow_insecure=true"]
 
 
@@ -80,31 +101,62 @@ examples:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(commands, "serve", help="run the node daemon until SIGTERM / SIGINT",
-                         description=DESCRIPTION)
-    parser.add_argument("--config", type=Path, default=None, metavar="FILE",
-                        help="YAML config file")
-    parser.add_argument("--set", action=_Override, dest="overrides", metavar="KEY=VALUE",
-                        help="override one setting by its dotted path, e.g. "
-                             "store.tiers.dram.capacity=4GiB (repeatable)")
+    parser = add_command(
+        commands,
+        "serve",
+        help="run the node daemon until SIGTERM / SIGINT",
+        description=DESCRIPTION,
+    )
+    parser.add_argument(
+        "--config", type=Path, default=None, metavar="FILE", help="YAML config file"
+    )
+    parser.add_argument(
+        "--set",
+        action=_Override,
+        dest="overrides",
+        metavar="KEY=VALUE",
+        help="override one setting by its dotted path, e.g. "
+        "store.tiers.dram.capacity=4GiB (repeatable)",
+    )
     for flag, key, quoted in SHORTHANDS:
-        parser.add_argument(flag, action=_Override, dest="overrides", key=key, quoted=quoted,
-                            metavar=key.rsplit(".", 1)[-1].upper(), help=f"= --set {key}=...")
-    parser.add_argument("--insecure", action=_Insecure, dest="overrides",
-                        help="= --set security.allow_insecure=true: listen beyond loopback "
-                             "without authentication (logged as a WARNING; see the README's "
-                             "Security section)")
-    parser.add_argument("--ready-file", type=Path, default=None, metavar="FILE",
-                        help="write JSON {pid, node_id, socket, tcp_port, http_port} here once "
-                             "serving")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the effective config as YAML (tokens redacted) and exit; "
-                             "exits 2 after it if serve would refuse the config (as --check, "
-                             "without probing the socket and ports)")
-    parser.add_argument("--check", action="store_true",
-                        help="run every check serve runs before serving (credentials, "
-                             "capacities, directories, socket, ports), print what the daemon "
-                             "would use and exit: 0 if it would start, 2 if not")
+        parser.add_argument(
+            flag,
+            action=_Override,
+            dest="overrides",
+            key=key,
+            quoted=quoted,
+            metavar=key.rsplit(".", 1)[-1].upper(),
+            help=f"= --set {key}=...",
+        )
+    parser.add_argument(
+        "--insecure",
+        action=_Insecure,
+        dest="overrides",
+        help="= --set security.allow_insecure=true: listen beyond loopback "
+        "without authentication (logged as a WARNING; see the README's "
+        "Security section)",
+    )
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write JSON {pid, node_id, socket, tcp_port, http_port} here once serving",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective config as YAML (tokens redacted) and exit; "
+        "exits 2 after it if serve would refuse the config (as --check, "
+        "without probing the socket and ports)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="run every check serve runs before serving (credentials, "
+        "capacities, directories, socket, ports), print what the daemon "
+        "would use and exit: 0 if it would start, 2 if not",
+    )
     parser.set_defaults(handler=run, overrides=[])
 
 
@@ -126,16 +178,22 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         return 0
     if args.check:
-        print("\n".join(["kvfabric serve --check: the daemon would start with",
-                         *(f"  {line}" for line in checked.lines),
-                         *(f"WARNING: {warning}"
-                           for warning in (*checked.warnings, *checked.insecure))]))
+        print(
+            "\n".join(
+                [
+                    "kvfabric serve --check: the daemon would start with",
+                    *(f"  {line}" for line in checked.lines),
+                    *(f"WARNING: {warning}" for warning in (*checked.warnings, *checked.insecure)),
+                ]
+            )
+        )
         return 0
     import logging
 
     level = logging.DEBUG if args.verbose else getattr(logging, config.log_level.upper())
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        force=True)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
     for warning in checked.warnings:  # the daemon logs the insecure planes itself
         logging.getLogger("kvfabric.preflight").warning("%s", warning)
     from kvfabric.server.daemon import run as run_daemon  # uvicorn and the store: only here

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import argparse
 
-from kvfabric.commands.common import (add_command, add_socket_arg, add_token_arg, connect,
-                                      daemon_error, token_of)
+from kvfabric.commands.common import (
+    add_command,
+    add_socket_arg,
+    add_token_arg,
+    connect,
+    daemon_error,
+    token_of,
+)
 from kvfabric.errors import KVFabricError, ProtocolError, UnavailableError, error_for_kind
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing at start-up
@@ -31,12 +37,20 @@ examples:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(commands, "status", help="tiers, hit rates and counters of a daemon",
-                         description=DESCRIPTION)
+    parser = add_command(
+        commands,
+        "status",
+        help="tiers, hit rates and counters of a daemon",
+        description=DESCRIPTION,
+    )
     source = parser.add_mutually_exclusive_group()
     add_socket_arg(source)
-    source.add_argument("--url", default=None, metavar="http://HOST:PORT",
-                        help="ask the HTTP API instead of the socket")
+    source.add_argument(
+        "--url",
+        default=None,
+        metavar="http://HOST:PORT",
+        help="ask the HTTP API instead of the socket",
+    )
     add_token_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
@@ -70,8 +84,9 @@ def _from_http(url: str, token: str | None) -> dict[str, Any]:
     import urllib.error  # http.client and email: ~20 ms, only for --url
     import urllib.request
 
-    request = urllib.request.Request(url.rstrip("/") + "/v1/stats",
-                                     headers={"Accept": "application/json"})
+    request = urllib.request.Request(
+        url.rstrip("/") + "/v1/stats", headers={"Accept": "application/json"}
+    )
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
@@ -80,8 +95,7 @@ def _from_http(url: str, token: str | None) -> dict[str, Any]:
     except urllib.error.HTTPError as exc:  # before OSError: it is one
         raise _api_error(exc) from None
     except urllib.error.URLError as exc:
-        raise UnavailableError(f"cannot reach the kvfabric daemon at {url}: {exc.reason}") \
-            from None
+        raise UnavailableError(f"cannot reach the kvfabric daemon at {url}: {exc.reason}") from None
     except OSError as exc:  # reset or timed out mid-reply
         raise UnavailableError(f"lost the kvfabric daemon at {url}: {exc}") from None
     except ValueError:

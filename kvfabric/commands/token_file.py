@@ -28,14 +28,19 @@ examples:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(commands, "token", help="make token and cluster secret files",
-                         description=DESCRIPTION)
+    parser = add_command(
+        commands, "token", help="make token and cluster secret files", description=DESCRIPTION
+    )
     actions = parser.add_subparsers(dest="token_action", required=True, metavar="ACTION")
-    new = add_command(actions, "new", help="write a new random token to a 0600 file",
-                      description=DESCRIPTION)
+    new = add_command(
+        actions, "new", help="write a new random token to a 0600 file", description=DESCRIPTION
+    )
     new.add_argument("file", type=Path, metavar="FILE", help="where to write it")
-    new.add_argument("--force", action="store_true",
-                     help="replace FILE if it exists (clients holding the old token lose access)")
+    new.add_argument(
+        "--force",
+        action="store_true",
+        help="replace FILE if it exists (clients holding the old token lose access)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -50,12 +55,14 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         return fail("token", f"cannot write {path}: {exc.strerror or exc}", EXIT_USAGE)
     shown = str(path.resolve())
-    print(f"wrote a new token to {shown} (mode 0600)\n"
-          f"as the daemon's admin token:  auth.token_file: {shown}\n"
-          f"                              (or kvfabric serve --auth-token-file {shown})\n"
-          f"for clients and engines:      export KVFABRIC_TOKEN=\"$(cat {shown})\"\n"
-          f"as a cluster secret (a file of its own, copied to every node):\n"
-          f"                              cluster.secret_file: {shown}")
+    print(
+        f"wrote a new token to {shown} (mode 0600)\n"
+        f"as the daemon's admin token:  auth.token_file: {shown}\n"
+        f"                              (or kvfabric serve --auth-token-file {shown})\n"
+        f'for clients and engines:      export KVFABRIC_TOKEN="$(cat {shown})"\n'
+        f"as a cluster secret (a file of its own, copied to every node):\n"
+        f"                              cluster.secret_file: {shown}"
+    )
     return 0
 
 

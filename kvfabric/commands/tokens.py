@@ -28,7 +28,8 @@ def parse_tokens(text: str) -> np.ndarray:
     if text.startswith("["):
         values = json.loads(text)
         if not isinstance(values, list) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in values):
+            isinstance(v, int) and not isinstance(v, bool) for v in values
+        ):
             raise SpecError("a JSON tokens list must hold integers only")
         return as_token_array(values)
     words = [w for w in re.split(r"[\s,]+", text) if w]

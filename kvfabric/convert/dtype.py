@@ -47,9 +47,14 @@ from kvfabric.payload import HeadRange, PayloadReader, PayloadWriter
 from kvfabric.spec import ChunkLayout, KVDtype
 
 
-def convert_pieces(pieces: Sequence[Piece], stored: Any, requested: Any = None,
-                   shape: Sequence[int] | None = None, *,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+def convert_pieces(
+    pieces: Sequence[Piece],
+    stored: Any,
+    requested: Any = None,
+    shape: Sequence[int] | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The bytes of ``pieces`` (stored as ``stored``) as a ``requested``-dtype tensor of ``shape``.
 
     ``requested`` defaults to ``stored``; ``shape`` defaults to 1-D. Without ``out``, the result
@@ -69,8 +74,10 @@ def convert_pieces(pieces: Sequence[Piece], stored: Any, requested: Any = None,
         shape = (numel,) if out is None else tuple(out.shape)
     shape = tuple(int(n) for n in shape)
     if any(n < 0 for n in shape) or math.prod(shape) != numel:
-        raise PayloadSizeError(f"{total} bytes of {src} hold {numel} elements, not the "
-                               f"{math.prod(shape)} of shape {list(shape)}")
+        raise PayloadSizeError(
+            f"{total} bytes of {src} hold {numel} elements, not the "
+            f"{math.prod(shape)} of shape {list(shape)}"
+        )
     if out is not None:
         check_out(out, shape, dst)
     runs = coalesce(pieces)
@@ -94,13 +101,14 @@ def convert_pieces(pieces: Sequence[Piece], stored: Any, requested: Any = None,
         offset = 0
         for run in runs:
             n = nbytes_of(run) // itemsize
-            flat[offset:offset + n].copy_(as_tensor(run).view(src))
+            flat[offset : offset + n].copy_(as_tensor(run).view(src))
             offset += n
     return out
 
 
-def convert_tensor(tensor: torch.Tensor, requested: Any, *,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+def convert_tensor(
+    tensor: torch.Tensor, requested: Any, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``tensor`` (bf16 / fp16 / fp32) in the ``requested`` dtype: itself when it already is
     (and no ``out`` is given), else a converted copy (into ``out`` when given)."""
     if not isinstance(tensor, torch.Tensor):
@@ -121,8 +129,14 @@ def layer_shape(layout: ChunkLayout, heads: HeadRange | None = None) -> tuple[in
     return (spec.kv_planes, count, layout.num_tokens, spec.head_dim)
 
 
-def read_layer(reader: PayloadReader, layer: int, *, heads: HeadRange | None = None,
-               dtype: Any = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def read_layer(
+    reader: PayloadReader,
+    layer: int,
+    *,
+    heads: HeadRange | None = None,
+    dtype: Any = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One committed layer (or heads ``[a, b)`` of it) as ``[planes, heads, tokens, head_dim]``
     in ``dtype`` (default: the stored dtype); a view of the reader's pages when that needs no
     copy (valid while the object stays pinned), else a copy (into ``out`` when given).
@@ -134,8 +148,9 @@ def read_layer(reader: PayloadReader, layer: int, *, heads: HeadRange | None = N
     return convert_pieces(pieces, reader.layout.spec.dtype, dtype, shape, out=out)
 
 
-def write_layer(writer: PayloadWriter, layer: int, data: torch.Tensor, *,
-                heads: HeadRange | None = None) -> None:
+def write_layer(
+    writer: PayloadWriter, layer: int, data: torch.Tensor, *, heads: HeadRange | None = None
+) -> None:
     """Canonical ``data`` ``[planes, heads, tokens, head_dim]`` (bf16 / fp16 / fp32) into a
     writer's layer (or heads ``[a, b)`` of it; a head-range writer's own range by default),
     converted to the stored dtype: a plain copy when it already is, quantized for a float8
@@ -155,8 +170,7 @@ def write_layer(writer: PayloadWriter, layer: int, data: torch.Tensor, *,
     copy_pieces(pieces, [converted.view(-1).view(torch.uint8)])
 
 
-def layer_in_place(writer: PayloadWriter, layer: int, dtype: torch.dtype
-                   ) -> torch.Tensor | None:
+def layer_in_place(writer: PayloadWriter, layer: int, dtype: torch.dtype) -> torch.Tensor | None:
     """The writer's layer (its own heads) as a ``[planes, heads, tokens, head_dim]`` tensor of
     ``dtype`` that aliases its pages, or None where data of ``dtype`` cannot land there as is
     (another stored dtype, float8, or pages that are not one contiguous run): then
@@ -170,8 +184,13 @@ def layer_in_place(writer: PayloadWriter, layer: int, dtype: torch.dtype
     return as_tensor(runs[0]).view(dtype).view(layer_shape(writer.layout, writer.heads))
 
 
-def read_payload(reader: PayloadReader, *, heads: HeadRange | None = None, dtype: Any = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+def read_payload(
+    reader: PayloadReader,
+    *,
+    heads: HeadRange | None = None,
+    dtype: Any = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A complete object (or heads ``[a, b)`` of every layer: one tensor-parallel rank's
     share) as ``[layers, planes, heads, tokens, head_dim]`` in ``dtype``.
 
@@ -202,15 +221,16 @@ def read_payload(reader: PayloadReader, *, heads: HeadRange | None = None, dtype
     runs = coalesce(pieces)
     if len(runs) == 1:
         whole = as_tensor(runs[0]).view(src).view(spec.num_layers, *layer_shape(layout))
-        out.copy_(whole[:, :, heads[0]:heads[1]])  # converts on the way
+        out.copy_(whole[:, :, heads[0] : heads[1]])  # converts on the way
         return out
     for layer in range(spec.num_layers):
         convert_pieces(reader.layer_pieces(layer, heads), src, dst, shape[1:], out=out[layer])
     return out
 
 
-def _read_quantized_payload(reader: PayloadReader, heads: HeadRange | None, dtype: Any,
-                            out: torch.Tensor | None) -> torch.Tensor:
+def _read_quantized_payload(
+    reader: PayloadReader, heads: HeadRange | None, dtype: Any, out: torch.Tensor | None
+) -> torch.Tensor:
     """A float8 object (or a head range of it) dequantized layer by layer into one tensor."""
     layout = reader.layout
     if heads is not None:
@@ -224,8 +244,7 @@ def _read_quantized_payload(reader: PayloadReader, heads: HeadRange | None, dtyp
     else:
         check_out(out, shape, target)
     for layer in range(layout.spec.num_layers):
-        fp8.read_pieces(reader.layer_pieces(layer, heads), shape[1:], target,
-                           out=out[layer])
+        fp8.read_pieces(reader.layer_pieces(layer, heads), shape[1:], target, out=out[layer])
     return out
 
 
@@ -234,16 +253,23 @@ def _quantized(layout: ChunkLayout, dtype: Any) -> bool:
     if layout.spec.dtype is not KVDtype.FLOAT8_E4M3:
         return False
     if dtype is None:
-        raise SpecError("a float8_e4m3fn object is read dequantized: pass dtype= (bfloat16, "
-                        "float16 or float32)")
+        raise SpecError(
+            "a float8_e4m3fn object is read dequantized: pass dtype= (bfloat16, float16 or float32)"
+        )
     return True
 
 
-def _copy_head_runs(pieces: Sequence[np.ndarray], layout: ChunkLayout, heads: HeadRange,
-                    into: np.ndarray) -> None:
+def _copy_head_runs(
+    pieces: Sequence[np.ndarray], layout: ChunkLayout, heads: HeadRange, into: np.ndarray
+) -> None:
     """Copy heads ``[a, b)`` of every (layer, plane) of a payload held in host ``pieces``
     into flat ``into``: one run per (layer, plane), all in one :func:`gather_runs` call."""
     spec = layout.spec
-    gather_runs(into, pieces, heads[0] * layout.head_bytes,
-                (spec.num_layers, layout.layer_bytes), (spec.kv_planes, layout.plane_bytes),
-                (heads[1] - heads[0]) * layout.head_bytes)
+    gather_runs(
+        into,
+        pieces,
+        heads[0] * layout.head_bytes,
+        (spec.num_layers, layout.layer_bytes),
+        (spec.kv_planes, layout.plane_bytes),
+        (heads[1] - heads[0]) * layout.head_bytes,
+    )

@@ -82,21 +82,23 @@ from kvfabric.spec import KVDtype, KVSpec
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-MIN_SCALE = 2.0 ** -126  # smallest normal float32: keeps 1 / scale finite
+MIN_SCALE = 2.0**-126  # smallest normal float32: keeps 1 / scale finite
 SCALE_BYTES = KVDtype.FLOAT8_E4M3.scale_bytes  # float32, in front of each head's values
 
 # Unit roundoff of each output dtype (half an ULP relative to the value).
-UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 # Half the spacing of each narrow output dtype's subnormals (its rounding error down there).
-_HALF_SUBNORMAL_STEP = {torch.bfloat16: 2.0 ** -134, torch.float16: 2.0 ** -25}
+_HALF_SUBNORMAL_STEP = {torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
 
 # Per output dtype: (integer dtype of its bits, mantissa bits - 3, 2 ** (exponent bias - 7)).
 # e4m3 bits s.eeee.mmm moved to (s, exponent field, top mantissa bits) of the output format
 # read as that format's value = the e4m3 value * 2 ** (7 - bias), subnormals included.
-_BITS = {torch.bfloat16: (torch.int16, 4, 2.0 ** 120),
-         torch.float16: (torch.int16, 7, 2.0 ** 8),
-         torch.float32: (torch.int32, 20, 2.0 ** 120)}
+_BITS = {
+    torch.bfloat16: (torch.int16, 4, 2.0**120),
+    torch.float16: (torch.int16, 7, 2.0**8),
+    torch.float32: (torch.int32, 20, 2.0**120),
+}
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -120,15 +122,15 @@ def chunk_nbytes(spec: KVSpec, num_tokens: int | None = None) -> int:
     return dataclasses.replace(spec, dtype=KVDtype.FLOAT8_E4M3).layout(num_tokens).nbytes
 
 
-def bytes_saved(spec: KVSpec, num_tokens: int | None = None, *,
-                baseline: Any = "bfloat16") -> int:
+def bytes_saved(spec: KVSpec, num_tokens: int | None = None, *, baseline: Any = "bfloat16") -> int:
     """Bytes a chunk saves in fp8 (scales included) against ``baseline`` (default bfloat16):
     ``baseline bytes - fp8 bytes``, a gauge-friendly integer (negative only for absurdly short
     heads, where the scales outweigh the halving)."""
     itemsize = convertible(baseline).itemsize
     layout = spec.layout(num_tokens)
-    elements = spec.num_layers * spec.kv_planes * spec.num_kv_heads * layout.num_tokens \
-        * spec.head_dim
+    elements = (
+        spec.num_layers * spec.kv_planes * spec.num_kv_heads * layout.num_tokens * spec.head_dim
+    )
     return elements * itemsize - chunk_nbytes(spec, num_tokens)
 
 
@@ -171,23 +173,32 @@ def _scale_into(layer: torch.Tensor, scales: torch.Tensor, data: torch.Tensor) -
     torch.mul(layer, inverse[:, :, None, None], out=data)
 
 
-def dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: Any = torch.bfloat16, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: Any = torch.bfloat16,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """fp8 ``data`` ``[planes, heads, tokens, dim]`` with ``scales`` ``[planes, heads]`` back
     to ``dtype`` (bf16, fp16 or fp32); into ``out`` when given. Bit-identical to
     ``(data.float() * scales[..., None, None]).to(dtype)``."""
     target = convertible(dtype)
     if not isinstance(data, torch.Tensor) or data.dtype not in (FP8, torch.uint8, torch.int8):
-        raise SpecError(f"data must be a float8_e4m3fn (or raw uint8) tensor, got "
-                        f"{getattr(data, 'dtype', type(data).__name__)}")
+        raise SpecError(
+            f"data must be a float8_e4m3fn (or raw uint8) tensor, got "
+            f"{getattr(data, 'dtype', type(data).__name__)}"
+        )
     planes, heads = _shape(data.shape)[:2]
     if tuple(scales.shape) != (planes, heads):
         raise PayloadSizeError(f"scales must be [{planes}, {heads}], got {list(scales.shape)}")
     if out is None:
         out = torch.empty(data.shape, dtype=target, device=data.device)
     elif out.dtype != target or out.shape != data.shape or not out.is_contiguous():
-        raise PayloadSizeError(f"out must be a contiguous {target} tensor of shape "
-                               f"{list(data.shape)}, got {out.dtype} {list(out.shape)}")
+        raise PayloadSizeError(
+            f"out must be a contiguous {target} tensor of shape "
+            f"{list(data.shape)}, got {out.dtype} {list(out.shape)}"
+        )
     if out.numel() == 0:
         return out
     int_type, shift, power = _BITS[target]
@@ -213,8 +224,11 @@ def pack(layer: QuantizedLayer, out: Any = None) -> torch.Tensor:
     uint8 buffer of :func:`serialized_nbytes` bytes, when given)."""
     shape = _shape(layer.data.shape)
     _check_quantized(layer, shape)
-    raw = torch.empty(serialized_nbytes(shape), dtype=torch.uint8) if out is None \
+    raw = (
+        torch.empty(serialized_nbytes(shape), dtype=torch.uint8)
+        if out is None
         else _byte_tensor(out)
+    )
     scale_bytes, data = _records(raw, shape)
     scale_bytes.copy_(_scale_bytes(layer.scales))
     data.copy_(layer.data)
@@ -235,8 +249,11 @@ def encode_layer(layer: torch.Tensor, out: Any = None) -> torch.Tensor:
     """Quantize ``layer`` straight into its serialized form (into ``out`` when given: e.g.
     the views of a store writer's layer); returns the flat uint8 tensor."""
     shape = _shape(layer.shape)
-    raw = torch.empty(serialized_nbytes(shape), dtype=torch.uint8, device=layer.device) \
-        if out is None else _byte_tensor(out)
+    raw = (
+        torch.empty(serialized_nbytes(shape), dtype=torch.uint8, device=layer.device)
+        if out is None
+        else _byte_tensor(out)
+    )
     scale_bytes, data = _records(raw, shape)
     scales = compute_scales(layer)
     scale_bytes.copy_(_scale_bytes(scales))
@@ -244,15 +261,17 @@ def encode_layer(layer: torch.Tensor, out: Any = None) -> torch.Tensor:
     return raw
 
 
-def decode_layer(buffer: Any, shape: Any, dtype: Any = torch.bfloat16, *,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+def decode_layer(
+    buffer: Any, shape: Any, dtype: Any = torch.bfloat16, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """A serialized layer of ``shape`` back to ``dtype`` (see :func:`dequantize`)."""
     layer = unpack(buffer, shape)
     return dequantize(layer.data, layer.scales, dtype, out=out)
 
 
-def read_pieces(pieces: Sequence[Piece], shape: Any, dtype: Any, *,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def read_pieces(
+    pieces: Sequence[Piece], shape: Any, dtype: Any, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The serialized layer (or head range of one) held in ``pieces`` (a reader's zero-copy
     views) dequantized to ``dtype`` as a ``shape`` tensor (into ``out`` when given).
 
@@ -262,8 +281,10 @@ def read_pieces(pieces: Sequence[Piece], shape: Any, dtype: Any, *,
     shape = _shape(shape)
     total = sum(nbytes_of(piece) for piece in pieces)
     if total != serialized_nbytes(shape):
-        raise PayloadSizeError(f"{total} bytes of fp8 records do not hold a layer of shape "
-                               f"{list(shape)} ({serialized_nbytes(shape)} bytes)")
+        raise PayloadSizeError(
+            f"{total} bytes of fp8 records do not hold a layer of shape "
+            f"{list(shape)} ({serialized_nbytes(shape)} bytes)"
+        )
     runs = coalesce(pieces)
     if len(runs) == 1:
         raw = as_tensor(runs[0]).reshape(-1)
@@ -281,8 +302,10 @@ def write_pieces(pieces: Sequence[Piece], layer: torch.Tensor) -> None:
     shape = _shape(layer.shape)
     total = sum(nbytes_of(piece) for piece in pieces)
     if total != serialized_nbytes(shape):
-        raise PayloadSizeError(f"a layer of shape {list(shape)} is {serialized_nbytes(shape)} "
-                               f"bytes in fp8, the destination holds {total}")
+        raise PayloadSizeError(
+            f"a layer of shape {list(shape)} is {serialized_nbytes(shape)} "
+            f"bytes in fp8, the destination holds {total}"
+        )
     runs = coalesce(pieces)
     if len(runs) == 1 and as_tensor(runs[0]).device == layer.device:
         encode_layer(layer, out=_byte_tensor(runs[0]))
@@ -291,14 +314,13 @@ def write_pieces(pieces: Sequence[Piece], layer: torch.Tensor) -> None:
     copy_pieces(list(pieces), [raw.numpy() if raw.device.type == "cpu" else raw])
 
 
-def error_bound(x: torch.Tensor, scales: torch.Tensor, dtype: Any = torch.float32
-                ) -> torch.Tensor:
+def error_bound(x: torch.Tensor, scales: torch.Tensor, dtype: Any = torch.float32) -> torch.Tensor:
     """The per-element bound on ``|x - dequantize(quantize(x), dtype)|`` (float64), as stated
     in the module docstring: ``|x| * 2**-4 + scale * 2**-10`` for float32 output, widened by
     the output dtype's own rounding otherwise (subnormal results included)."""
     target = convertible(dtype)
     magnitude = x.to(torch.float64).abs()
-    bound = magnitude * 2.0 ** -4 + scales.to(torch.float64)[:, :, None, None] * 2.0 ** -10
+    bound = magnitude * 2.0**-4 + scales.to(torch.float64)[:, :, None, None] * 2.0**-10
     if target != torch.float32:
         u = UNIT_ROUNDOFF[target]
         bound = bound * (1 + u) + magnitude * u
@@ -324,8 +346,10 @@ def _records(raw: torch.Tensor, shape: Any) -> tuple[torch.Tensor, torch.Tensor]
     planes, heads, tokens, dim = _shape(shape)
     expected = serialized_nbytes((planes, heads, tokens, dim))
     if raw.numel() != expected:
-        raise PayloadSizeError(f"a serialized fp8 layer of shape {[planes, heads, tokens, dim]} "
-                               f"is {expected} bytes, got {raw.numel()}")
+        raise PayloadSizeError(
+            f"a serialized fp8 layer of shape {[planes, heads, tokens, dim]} "
+            f"is {expected} bytes, got {raw.numel()}"
+        )
     records = raw.view(planes, heads, SCALE_BYTES + tokens * dim)
     values = records[:, :, SCALE_BYTES:].view(FP8).unflatten(2, (tokens, dim))
     return records[:, :, :SCALE_BYTES], values
@@ -334,15 +358,15 @@ def _records(raw: torch.Tensor, shape: Any) -> tuple[torch.Tensor, torch.Tensor]
 def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
     """float32 ``[planes, heads]`` scales as their bytes ``[planes, heads, 4]`` (native
     order: little-endian on every host torch supports)."""
-    return scales.to(torch.float32).contiguous().view(torch.uint8).view(*scales.shape,
-                                                                          SCALE_BYTES)
+    return scales.to(torch.float32).contiguous().view(torch.uint8).view(*scales.shape, SCALE_BYTES)
 
 
 def _shape(shape: Any) -> tuple[int, int, int, int]:
     dims = tuple(int(n) for n in shape)
     if len(dims) != 4 or any(n < 0 for n in dims):
-        raise PayloadSizeError(f"a canonical layer is [planes, heads, tokens, head_dim], "
-                               f"got {list(dims)}")
+        raise PayloadSizeError(
+            f"a canonical layer is [planes, heads, tokens, head_dim], got {list(dims)}"
+        )
     return dims  # type: ignore[return-value]
 
 
@@ -356,13 +380,32 @@ def _check_layer(layer: torch.Tensor) -> None:
 def _check_quantized(layer: QuantizedLayer, shape: tuple[int, ...]) -> None:
     data, scales = layer
     if data.dtype != FP8 or tuple(data.shape) != shape:
-        raise PayloadSizeError(f"data must be a float8_e4m3fn tensor of shape "
-                               f"{list(shape)}, got {data.dtype} {list(data.shape)}")
+        raise PayloadSizeError(
+            f"data must be a float8_e4m3fn tensor of shape "
+            f"{list(shape)}, got {data.dtype} {list(data.shape)}"
+        )
     if scales.dtype != torch.float32 or tuple(scales.shape) != shape[:2]:
-        raise PayloadSizeError(f"scales must be float32 {list(shape[:2])}, got "
-                               f"{scales.dtype} {list(scales.shape)}")
+        raise PayloadSizeError(
+            f"scales must be float32 {list(shape[:2])}, got {scales.dtype} {list(scales.shape)}"
+        )
 
 
-__all__ = ["FP8", "FP8_MAX", "MIN_SCALE", "QuantizedLayer", "bytes_saved", "chunk_nbytes",
-           "compute_scales", "decode_layer", "dequantize", "encode_layer", "error_bound",
-           "pack", "quantize", "read_pieces", "serialized_nbytes", "unpack", "write_pieces"]
+__all__ = [
+    "FP8",
+    "FP8_MAX",
+    "MIN_SCALE",
+    "QuantizedLayer",
+    "bytes_saved",
+    "chunk_nbytes",
+    "compute_scales",
+    "decode_layer",
+    "dequantize",
+    "encode_layer",
+    "error_bound",
+    "pack",
+    "quantize",
+    "read_pieces",
+    "serialized_nbytes",
+    "unpack",
+    "write_pieces",
+]

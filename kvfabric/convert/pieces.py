@@ -20,9 +20,13 @@ from kvfabric.errors import PayloadSizeError, SpecError
 from kvfabric.memory.copy import Piece, nbytes_of
 from kvfabric.spec import KVDtype
 
-_TORCH = {KVDtype.BFLOAT16: torch.bfloat16, KVDtype.FLOAT16: torch.float16,
-          KVDtype.FLOAT32: torch.float32, KVDtype.FLOAT8_E4M3: torch.float8_e4m3fn,
-          KVDtype.UINT8: torch.uint8}
+_TORCH = {
+    KVDtype.BFLOAT16: torch.bfloat16,
+    KVDtype.FLOAT16: torch.float16,
+    KVDtype.FLOAT32: torch.float32,
+    KVDtype.FLOAT8_E4M3: torch.float8_e4m3fn,
+    KVDtype.UINT8: torch.uint8,
+}
 _FROM_TORCH = {value: key for key, value in _TORCH.items()}
 
 
@@ -36,8 +40,9 @@ def kv_dtype(dtype: Any) -> KVDtype:
             raise SpecError(f"unsupported KV dtype {dtype}; expected one of: {known}") from None
     if not isinstance(dtype, (str, KVDtype)):
         known = ", ".join(d.value for d in KVDtype)
-        raise SpecError(f"a dtype must be a name, a KVDtype or a torch.dtype ({known}), "
-                        f"got {dtype!r}")
+        raise SpecError(
+            f"a dtype must be a name, a KVDtype or a torch.dtype ({known}), got {dtype!r}"
+        )
     return KVDtype.parse(dtype)
 
 
@@ -51,8 +56,10 @@ def convertible(dtype: Any) -> torch.dtype:
     kind = kv_dtype(dtype)
     if not kind.is_float:  # float8 needs its scales; opaque bytes are not numbers
         plain = ", ".join(d.value for d in KVDtype if d.is_float)
-        raise SpecError(f"{kind.value} payloads carry per-head scales: read them with "
-                        f"kvfabric.convert.fp8, not as plain {plain}")
+        raise SpecError(
+            f"{kind.value} payloads carry per-head scales: read them with "
+            f"kvfabric.convert.fp8, not as plain {plain}"
+        )
     return _TORCH[kind]
 
 
@@ -85,23 +92,33 @@ def _merge_host(a: Piece, b: np.ndarray) -> np.ndarray | None:
     """One view covering host pieces ``a`` then ``b`` (adjacent in memory) if both are views
     of one buffer, else None."""
     root = b.base
-    if not isinstance(a, np.ndarray) or a.base is not root or not isinstance(root, np.ndarray) \
-            or not root.flags.c_contiguous:
+    if (
+        not isinstance(a, np.ndarray)
+        or a.base is not root
+        or not isinstance(root, np.ndarray)
+        or not root.flags.c_contiguous
+    ):
         return None
     # a slice of the buffer both are views of: its base stays that buffer, so the merged
     # piece merges again with the next one
     start = b.ctypes.data - a.nbytes - root.ctypes.data
-    merged = root.reshape(-1).view(np.uint8)[start:start + a.nbytes + b.nbytes]
+    merged = root.reshape(-1).view(np.uint8)[start : start + a.nbytes + b.nbytes]
     return merged if merged.base is root else None
 
 
 def _merge_device(a: Piece, b: Piece) -> Piece | None:
     """One view covering tensor pieces ``a`` then ``b`` if adjacent in one storage."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) \
-            or a.dim() != 1 or b.dim() != 1 or a.stride(0) != 1 or b.stride(0) != 1 \
-            or a.device != b.device \
-            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() \
-            or a.storage_offset() + a.numel() != b.storage_offset():
+    if (
+        not isinstance(a, torch.Tensor)
+        or not isinstance(b, torch.Tensor)
+        or a.dim() != 1
+        or b.dim() != 1
+        or a.stride(0) != 1
+        or b.stride(0) != 1
+        or a.device != b.device
+        or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        or a.storage_offset() + a.numel() != b.storage_offset()
+    ):
         return None
     return a.as_strided((a.numel() + b.numel(),), (1,))
 
@@ -126,9 +143,9 @@ def copy_runs(dst: torch.Tensor, runs: Sequence[Piece]) -> None:
     for run in runs:
         n = nbytes_of(run)
         if dst_np is not None and isinstance(run, np.ndarray):
-            np.copyto(dst_np[offset:offset + n], run)
+            np.copyto(dst_np[offset : offset + n], run)
         else:
-            dst[offset:offset + n].copy_(as_tensor(run))
+            dst[offset : offset + n].copy_(as_tensor(run))
         offset += n
 
 

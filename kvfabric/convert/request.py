@@ -21,8 +21,13 @@ from kvfabric.readspec import KVLayout, ReadSpec
 from kvfabric.spec import KVDtype
 
 
-def read_layer_as(reader: PayloadReader, layer: int, want: ReadSpec | None = None, *,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def read_layer_as(
+    reader: PayloadReader,
+    layer: int,
+    want: ReadSpec | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One committed layer as ``want`` says: ``[planes, heads, tokens, head_dim]`` (hnd) or
     ``[planes, tokens, heads, head_dim]`` (nhd)."""
     want = _wanted(reader, want)
@@ -32,8 +37,9 @@ def read_layer_as(reader: PayloadReader, layer: int, want: ReadSpec | None = Non
     return _to_nhd(hnd, out, dim=1, dtype=want.dtype)
 
 
-def read_as(reader: PayloadReader, want: ReadSpec | None = None, *,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+def read_as(
+    reader: PayloadReader, want: ReadSpec | None = None, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """A complete object as ``want`` says, with a leading layer dimension."""
     want = _wanted(reader, want)
     if want.layout is KVLayout.HND:
@@ -57,8 +63,9 @@ def _first_pass(reader: PayloadReader, want: ReadSpec) -> KVDtype | None:
     return want.dtype if reader.layout.spec.dtype is KVDtype.FLOAT8_E4M3 else None
 
 
-def _to_nhd(hnd: torch.Tensor, out: torch.Tensor | None, dim: int,
-            dtype: KVDtype | None) -> torch.Tensor:
+def _to_nhd(
+    hnd: torch.Tensor, out: torch.Tensor | None, dim: int, dtype: KVDtype | None
+) -> torch.Tensor:
     """Swap the heads axis ``dim`` with the tokens axis after it, converting to ``dtype`` on
     the way (one strided copy)."""
     swapped = hnd.transpose(dim, dim + 1)
@@ -66,8 +73,9 @@ def _to_nhd(hnd: torch.Tensor, out: torch.Tensor | None, dim: int,
     if out is None:
         out = torch.empty(swapped.shape, dtype=target, device=swapped.device)
     elif tuple(out.shape) != tuple(swapped.shape) or out.dtype != target:
-        raise ValueError(f"out must be {list(swapped.shape)} {target}, got "
-                         f"{list(out.shape)} {out.dtype}")
+        raise ValueError(
+            f"out must be {list(swapped.shape)} {target}, got {list(out.shape)} {out.dtype}"
+        )
     out.copy_(swapped)
     return out
 
@@ -81,4 +89,3 @@ def wanted_shape(reader: PayloadReader, want: ReadSpec | None = None) -> tuple[i
     if want.layout is KVLayout.NHD:
         return (spec.kv_planes, tokens, heads, spec.head_dim)
     return (spec.kv_planes, heads, tokens, spec.head_dim)
-

@@ -52,11 +52,14 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 def check_geometry(size: int, page_size: int) -> None:
     """Raise ``ValueError`` unless ``size`` / ``page_size`` describe a valid arena."""
     if page_size < MIN_PAGE_SIZE or page_size > MAX_PAGE_SIZE or page_size % OS_PAGE:
-        raise ValueError(f"page_size must be a multiple of {OS_PAGE} in "
-                         f"[{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}], got {page_size}")
+        raise ValueError(
+            f"page_size must be a multiple of {OS_PAGE} in "
+            f"[{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}], got {page_size}"
+        )
     if size <= 0 or size % page_size:
-        raise ValueError(f"arena size must be a positive multiple of page_size={page_size}, "
-                         f"got {size}")
+        raise ValueError(
+            f"arena size must be a positive multiple of page_size={page_size}, got {size}"
+        )
 
 
 def _ask_for_huge_pages(region: mmap.mmap) -> None:
@@ -74,8 +77,9 @@ def _ask_for_huge_pages(region: mmap.mmap) -> None:
 class SharedArena:
     """A ``MAP_SHARED`` memfd region viewed as ``num_pages`` pages of ``page_size`` bytes."""
 
-    def __init__(self, fd: int, size: int, page_size: int, *, owner: bool,
-                 writable: bool = True) -> None:
+    def __init__(
+        self, fd: int, size: int, page_size: int, *, owner: bool, writable: bool = True
+    ) -> None:
         check_geometry(size, page_size)
         self._fd = fd
         self._size = size
@@ -89,8 +93,15 @@ class SharedArena:
         self.numa_node: int | None = None
 
     @classmethod
-    def create(cls, size: int, page_size: int, *, name: str = "kvfabric",
-               numa_node: int | None = None, prefault: bool = False) -> "SharedArena":
+    def create(
+        cls,
+        size: int,
+        page_size: int,
+        *,
+        name: str = "kvfabric",
+        numa_node: int | None = None,
+        prefault: bool = False,
+    ) -> SharedArena:
         """A new anonymous shared region (memfd), optionally NUMA-bound and pre-faulted."""
         check_geometry(size, page_size)
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -109,8 +120,7 @@ class SharedArena:
         return arena
 
     @classmethod
-    def attach(cls, fd: int, size: int, page_size: int, *,
-               writable: bool = True) -> "SharedArena":
+    def attach(cls, fd: int, size: int, page_size: int, *, writable: bool = True) -> SharedArena:
         """Map an arena another process created (``writable=False``: ``PROT_READ``, which an
         ``O_RDONLY`` descriptor needs); ``fd`` is then owned by the new object."""
         actual = os.fstat(fd).st_size
@@ -128,8 +138,9 @@ class SharedArena:
         """Give the memory of bytes ``[start, start+length)`` back to the OS (they read as
         zeros afterwards). Page-aligned; only on the owner's writable mapping."""
         if start % OS_PAGE or length % OS_PAGE or start < 0 or start + length > self._size:
-            raise ValueError(f"release of [{start}, {start + length}) is not page-aligned "
-                             f"inside the arena")
+            raise ValueError(
+                f"release of [{start}, {start + length}) is not page-aligned inside the arena"
+            )
         if length:
             self._map.madvise(mmap.MADV_REMOVE, start, length)
 
@@ -164,7 +175,7 @@ class SharedArena:
         if not 0 <= page_id < self.num_pages:
             raise IndexError(f"page {page_id} outside [0, {self.num_pages})")
         start = page_id * self._page_size
-        return self._array[start:start + self._page_size]
+        return self._array[start : start + self._page_size]
 
     def close(self) -> None:
         """Unmap and close the fd. Views still held elsewhere keep the mapping alive."""
@@ -179,7 +190,7 @@ class SharedArena:
         os.close(self._fd)
         self._fd = -1
 
-    def __enter__(self) -> "SharedArena":
+    def __enter__(self) -> SharedArena:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -56,7 +56,7 @@ def copy_pieces(dst: Sequence[Piece], src: Sequence[Piece]) -> int:
     while di < len(dst) and si < len(src):
         n = min(dst_sizes[di] - doff, src_sizes[si] - soff)
         if n:
-            _copy(dst[di][doff:doff + n], src[si][soff:soff + n])
+            _copy(dst[di][doff : doff + n], src[si][soff : soff + n])
         doff += n
         soff += n
         if doff == dst_sizes[di]:
@@ -66,8 +66,9 @@ def copy_pieces(dst: Sequence[Piece], src: Sequence[Piece]) -> int:
     return total
 
 
-def _scatter(dst: Sequence[Piece], dst_sizes: list[int], src: Sequence[Piece],
-             src_sizes: list[int]) -> None:
+def _scatter(
+    dst: Sequence[Piece], dst_sizes: list[int], src: Sequence[Piece], src_sizes: list[int]
+) -> None:
     """One side is a single buffer: slice it once per piece of the other side."""
     if len(dst) == 1:
         flat, pieces, sizes, into_flat = dst[0], src, src_sizes, True
@@ -75,7 +76,7 @@ def _scatter(dst: Sequence[Piece], dst_sizes: list[int], src: Sequence[Piece],
         flat, pieces, sizes, into_flat = src[0], dst, dst_sizes, False
     offset = 0
     for piece, size in zip(pieces, sizes):
-        window = flat[offset:offset + size]
+        window = flat[offset : offset + size]
         if into_flat:
             _copy(window, piece)
         else:
@@ -94,8 +95,14 @@ def _copy(dst: Piece, src: Piece) -> None:
     dst_t.copy_(src_t)
 
 
-def gather_runs(into: np.ndarray, pieces: Sequence[np.ndarray], first: int,
-                outer: tuple[int, int], inner: tuple[int, int], length: int) -> None:
+def gather_runs(
+    into: np.ndarray,
+    pieces: Sequence[np.ndarray],
+    first: int,
+    outer: tuple[int, int],
+    inner: tuple[int, int],
+    length: int,
+) -> None:
     """Copy the runs of ``length`` bytes at ``first + a * outer[1] + b * inner[1]`` (for
     ``a < outer[0]``, ``b < inner[0]``, in that order) of the concatenation of host
     ``pieces`` (1-D ``uint8`` views) back to back into flat ``uint8`` ``into``.
@@ -103,16 +110,19 @@ def gather_runs(into: np.ndarray, pieces: Sequence[np.ndarray], first: int,
     ValueError, before anything is copied, unless every run lies within the pieces and
     ``into`` holds them all; offsets, counts and strides must be non-negative."""
     if native.kernel is not None:
-        native.kernel.gather_runs(into, pieces, first, outer[0], outer[1], inner[0], inner[1],
-                                  length)
+        native.kernel.gather_runs(
+            into, pieces, first, outer[0], outer[1], inner[0], inner[1], length
+        )
         return
     if min(first, *outer, *inner, length) < 0:
         raise ValueError("offsets, counts and strides must be non-negative")
     if not (outer[0] and inner[0] and length):
         return
     last = first + (outer[0] - 1) * outer[1] + (inner[0] - 1) * inner[1]
-    if last + length > sum(piece.nbytes for piece in pieces) \
-            or outer[0] * inner[0] * length > into.nbytes:
+    if (
+        last + length > sum(piece.nbytes for piece in pieces)
+        or outer[0] * inner[0] * length > into.nbytes
+    ):
         raise ValueError("a run lies outside the pieces or the destination")
     index, piece_start = 0, 0  # the piece holding the current position, and its offset
     piece_end = pieces[0].nbytes
@@ -129,7 +139,7 @@ def gather_runs(into: np.ndarray, pieces: Sequence[np.ndarray], first: int,
                     piece_start, piece_end = piece_end, piece_end + pieces[index].nbytes
                 n = min(remaining, piece_end - position)
                 inner_at = position - piece_start
-                np.copyto(into[offset:offset + n], pieces[index][inner_at:inner_at + n])
+                np.copyto(into[offset : offset + n], pieces[index][inner_at : inner_at + n])
                 offset += n
                 position += n
                 remaining -= n
@@ -151,5 +161,6 @@ def _torch() -> Any:
 
 # Clients map readers' pages PROT_READ (kvfabric/client/arenas.py), so tensors made from
 # them are read-only; they are only ever copied from, which torch's warning cannot know.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
-                        category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message="The given NumPy array is not writable", category=UserWarning
+)

@@ -26,18 +26,25 @@ _NODE_ROOT = Path("/sys/devices/system/node")
 def available_nodes() -> list[int]:
     """NUMA node ids this machine exposes (``[0]`` where sysfs says nothing)."""
     try:
-        nodes = sorted(int(m.group(1)) for p in _NODE_ROOT.iterdir()
-                       if (m := re.fullmatch(r"node(\d+)", p.name)))
+        nodes = sorted(
+            int(m.group(1))
+            for p in _NODE_ROOT.iterdir()
+            if (m := re.fullmatch(r"node(\d+)", p.name))
+        )
     except OSError:
         return [0]
     return nodes or [0]
 
 
 def bind(address: int, length: int, node: int) -> bool:
-    """Bind ``[address, address+length)`` to ``node``; ``False`` (with a warning) if not possible."""
+    """Bind ``[address, address+length)`` to ``node``; ``False`` (with a warning) if it can't."""
     if node not in available_nodes():
-        log.warning("NUMA node %d does not exist (nodes: %s); tier memory is not bound and "
-                    "behaves like plain DRAM", node, available_nodes())
+        log.warning(
+            "NUMA node %d does not exist (nodes: %s); tier memory is not bound and "
+            "behaves like plain DRAM",
+            node,
+            available_nodes(),
+        )
         return False
     number = _SYS_MBIND.get(platform.machine())
     if number is None:
@@ -48,12 +55,19 @@ def bind(address: int, length: int, node: int) -> bool:
     mask[node // bits] = 1 << (node % bits)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    rc = libc.syscall(ctypes.c_long(number), ctypes.c_void_p(address), ctypes.c_ulong(length),
-                      ctypes.c_int(_MPOL_BIND), mask, ctypes.c_ulong(len(mask) * bits + 1),
-                      ctypes.c_uint(_MPOL_MF_STRICT))
+    rc = libc.syscall(
+        ctypes.c_long(number),
+        ctypes.c_void_p(address),
+        ctypes.c_ulong(length),
+        ctypes.c_int(_MPOL_BIND),
+        mask,
+        ctypes.c_ulong(len(mask) * bits + 1),
+        ctypes.c_uint(_MPOL_MF_STRICT),
+    )
     if rc != 0:
         err = ctypes.get_errno()
-        log.warning("mbind to NUMA node %d failed (%s); tier memory is not bound", node,
-                    os.strerror(err))
+        log.warning(
+            "mbind to NUMA node %d failed (%s); tier memory is not bound", node, os.strerror(err)
+        )
         return False
     return True

@@ -86,8 +86,11 @@ class PageAllocator:
         """Return pages; raises ``ValueError`` on a foreign id or a page that is not in use."""
         if not len(pages):
             return
-        ids = np.frombuffer(pages, dtype=np.uint32) if isinstance(pages, array) else \
-            np.asarray(pages, dtype=np.int64)
+        ids = (
+            np.frombuffer(pages, dtype=np.uint32)
+            if isinstance(pages, array)
+            else np.asarray(pages, dtype=np.int64)
+        )
         if ids.min() < 0 or ids.max() >= self._num_pages:
             raise ValueError("page id out of range")
         if not self._in_use[ids].all() or len(np.unique(ids)) != len(ids):
@@ -112,8 +115,13 @@ class PageAllocator:
         return ids
 
 
-def slice_pages(view: Callable[[int, int, int], Any], pages: Sequence[int], page_size: int,
-                offset: int, length: int) -> list[Any]:
+def slice_pages(
+    view: Callable[[int, int, int], Any],
+    pages: Sequence[int],
+    page_size: int,
+    offset: int,
+    length: int,
+) -> list[Any]:
     """Pieces covering bytes ``[offset, offset+length)`` of an object stored in ``pages``.
 
     ``view(page_id, start, end)`` returns bytes ``[start, end)`` of one page; the tiers and the
@@ -128,6 +136,8 @@ def slice_pages(view: Callable[[int, int, int], Any], pages: Sequence[int], page
     if first == last:
         return [view(pages[first], start, end + 1)]
     # whole pages in between without per-page arithmetic: a 32 MiB object has 128 pieces
-    return [view(pages[first], start, page_size),
-            *[view(page, 0, page_size) for page in pages[first + 1:last]],
-            view(pages[last], 0, end + 1)]
+    return [
+        view(pages[first], start, page_size),
+        *[view(page, 0, page_size) for page in pages[first + 1 : last]],
+        view(pages[last], 0, end + 1),
+    ]

@@ -52,21 +52,31 @@ def copy(dst: torch.Tensor, src: torch.Tensor, regions: Sequence[Region]) -> Non
     dst_extent, src_extent = _extent(dst), _extent(src)
     itemsize = _KERNEL_ITEMSIZE.get(dst.dtype)
     kernel = native.kernel
-    if kernel is not None and itemsize is not None and src.dtype is dst.dtype and dst.is_cpu \
-            and src.is_cpu and not (dst.requires_grad or src.requires_grad):
+    if (
+        kernel is not None
+        and itemsize is not None
+        and src.dtype is dst.dtype
+        and dst.is_cpu
+        and src.is_cpu
+        and not (dst.requires_grad or src.requires_grad)
+    ):
         # checks every region itself; False (nothing copied) when one overlaps
-        if kernel.copy_regions(dst.data_ptr(), dst_extent, src.data_ptr(), src_extent,
-                               itemsize, regions):
+        if kernel.copy_regions(
+            dst.data_ptr(), dst_extent, src.data_ptr(), src_extent, itemsize, regions
+        ):
             return
     else:
         for region in regions:
             _check(region, dst_extent, src_extent)
     for region in regions:
         if min(region.shape):
-            dst.as_strided(region.shape, region.dst_strides,
-                           dst.storage_offset() + region.dst_offset).copy_(
-                src.as_strided(region.shape, region.src_strides,
-                               src.storage_offset() + region.src_offset))
+            dst.as_strided(
+                region.shape, region.dst_strides, dst.storage_offset() + region.dst_offset
+            ).copy_(
+                src.as_strided(
+                    region.shape, region.src_strides, src.storage_offset() + region.src_offset
+                )
+            )
 
 
 def _extent(tensor: torch.Tensor) -> int:
@@ -85,11 +95,13 @@ def _check(region: Region, dst_extent: int, src_extent: int) -> None:
     if not min(region.shape):
         return
     for name, offset, strides, extent in (
-            ("dst", region.dst_offset, region.dst_strides, dst_extent),
-            ("src", region.src_offset, region.src_strides, src_extent)):
+        ("dst", region.dst_offset, region.dst_strides, dst_extent),
+        ("src", region.src_offset, region.src_strides, src_extent),
+    ):
         if offset < 0 or min(strides) < 0:
             raise ValueError(f"{name}: offset and strides must be non-negative")
         last = sum((n - 1) * s for n, s in zip(region.shape, strides))
         if offset + last >= extent:
-            raise ValueError(f"{name}: a region at {offset} lies outside the tensor's "
-                             f"{extent} elements")
+            raise ValueError(
+                f"{name}: a region at {offset} lies outside the tensor's {extent} elements"
+            )

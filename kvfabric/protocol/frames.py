@@ -42,9 +42,16 @@ def encode_frame(message: dict[str, Any]) -> bytes:
 def decode_body(body: bytes | memoryview) -> dict[str, Any]:
     """One frame body -> a message map (``ProtocolError`` for anything else)."""
     try:
-        message = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=MAX_FRAME,
-                                  max_str_len=MAX_FRAME, max_array_len=MAX_ITEMS,
-                                  max_map_len=MAX_ITEMS, max_ext_len=0)
+        message = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=MAX_FRAME,
+            max_str_len=MAX_FRAME,
+            max_array_len=MAX_ITEMS,
+            max_map_len=MAX_ITEMS,
+            max_ext_len=0,
+        )
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from None
     if not isinstance(message, dict):

@@ -53,7 +53,8 @@ one object to encode and decode instead of 512; daemons accept both forms);
 ``num_tokens`` (with ``keys``; daemons that predate it ignore it) is the tokens the chain
 covers, so a missed partial last chunk counts its real tokens in ``requested_tokens`` and the
 metrics; a cluster-scope lookup's ``peer_tokens`` are the tokens past this node's prefix that
-another node holds (hits from ``peer`` in the metrics). Every validator here raises :class:`~kvfabric.errors.ProtocolError` with the offending field.
+another node holds (hits from ``peer`` in the metrics). Every validator here raises
+:class:`~kvfabric.errors.ProtocolError` with the offending field.
 """
 
 from __future__ import annotations
@@ -114,8 +115,12 @@ def ok_reply(request_id: int, result: Any) -> dict[str, Any]:
 
 
 def error_reply(request_id: int, error: KVFabricError) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "id": request_id, "ok": False,
-            "error": {"kind": error.kind, "message": str(error)[:MAX_STRING]}}
+    return {
+        "v": PROTOCOL_VERSION,
+        "id": request_id,
+        "ok": False,
+        "error": {"kind": error.kind, "message": str(error)[:MAX_STRING]},
+    }
 
 
 def item_ok(result: Any) -> dict[str, Any]:
@@ -129,13 +134,17 @@ def item_error(error: KVFabricError) -> dict[str, Any]:
 def parse_request(message: dict[str, Any]) -> tuple[int, Op, dict[str, Any]]:
     """Envelope of a request -> (id, op, args). The id is returned even if the rest is bad."""
     request_id = message.get("id")
-    if not isinstance(request_id, int) or isinstance(request_id, bool) or \
-            not 0 <= request_id < 1 << 64:
+    if (
+        not isinstance(request_id, int)
+        or isinstance(request_id, bool)
+        or not 0 <= request_id < 1 << 64
+    ):
         raise ProtocolError("request id must be an unsigned 64-bit integer")
     version = message.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1 is not a version
-        raise UnsupportedVersionError(f"protocol version {version!r} is not supported "
-                                      f"(this daemon speaks {PROTOCOL_VERSION})")
+        raise UnsupportedVersionError(
+            f"protocol version {version!r} is not supported (this daemon speaks {PROTOCOL_VERSION})"
+        )
     try:
         op = Op(message.get("op"))
     except (ValueError, TypeError):
@@ -157,8 +166,15 @@ def request_id_of(message: Any) -> int:
 
 # ---------------------------------------------------------------------- argument validation
 
-def arg_int(args: dict[str, Any], name: str, *, low: int = 0, high: int = (1 << 63) - 1,
-            default: int | None = None) -> int:
+
+def arg_int(
+    args: dict[str, Any],
+    name: str,
+    *,
+    low: int = 0,
+    high: int = (1 << 63) - 1,
+    default: int | None = None,
+) -> int:
     value = args.get(name, default)
     if value is None:
         raise ProtocolError(f"missing argument {name!r}")
@@ -186,13 +202,13 @@ def arg_head_range(args: dict[str, Any], num_heads: int) -> tuple[int, int]:
     return start, end
 
 
-def arg_float(args: dict[str, Any], name: str, *, default: float | None = None,
-              high: float = MAX_TIMEOUT_S) -> float | None:
+def arg_float(
+    args: dict[str, Any], name: str, *, default: float | None = None, high: float = MAX_TIMEOUT_S
+) -> float | None:
     value = args.get(name, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not 0 <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
         raise ProtocolError(f"{name} must be a number in [0, {high}]")
     return float(value)
 
@@ -224,8 +240,9 @@ def arg_keys(args: dict[str, Any], name: str = "keys") -> list[bytes]:
     value = args.get(name)
     if type(value) is bytes:
         if len(value) % KEY_BYTES or len(value) > MAX_KEYS * KEY_BYTES:
-            raise ProtocolError(f"packed {name} must be whole {KEY_BYTES}-byte keys, at most "
-                                f"{MAX_KEYS}")
+            raise ProtocolError(
+                f"packed {name} must be whole {KEY_BYTES}-byte keys, at most {MAX_KEYS}"
+            )
         return np.frombuffer(value, dtype=_PACKED_KEY).tolist()
     if not isinstance(value, list) or len(value) > MAX_KEYS:
         raise ProtocolError(f"{name} must be a list of at most {MAX_KEYS} keys")
@@ -255,19 +272,30 @@ def arg_tokens(args: dict[str, Any], name: str = "tokens") -> bytes:
 
 
 def encode_namespace(ns: Namespace) -> dict[str, Any]:
-    return {"model": ns.model_id, "spec": ns.spec.to_dict(), "tenant": ns.tenant_salt,
-            "lora": ns.lora_id}
+    return {
+        "model": ns.model_id,
+        "spec": ns.spec.to_dict(),
+        "tenant": ns.tenant_salt,
+        "lora": ns.lora_id,
+    }
 
 
 def decode_namespace(value: Any) -> Namespace:
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value) or \
-            set(value) - {"model", "spec", "tenant", "lora"}:
+    if (
+        not isinstance(value, dict)
+        or not all(isinstance(k, str) for k in value)
+        or set(value) - {"model", "spec", "tenant", "lora"}
+    ):
         raise ProtocolError("ns must be a map with model, spec, tenant, lora")
     spec = value.get("spec")
     if not isinstance(spec, dict) or not all(isinstance(k, str) for k in spec):
         raise ProtocolError("ns.spec must be a map of KVSpec fields")
     try:
-        return Namespace(arg_str(value, "model"), KVSpec.from_dict(spec),
-                         arg_str(value, "tenant", default=""), arg_str(value, "lora", default=""))
+        return Namespace(
+            arg_str(value, "model"),
+            KVSpec.from_dict(spec),
+            arg_str(value, "tenant", default=""),
+            arg_str(value, "lora", default=""),
+        )
     except SpecError as exc:
         raise ProtocolError(f"bad namespace: {exc}") from None

@@ -48,8 +48,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfabric.config import Limits
-from kvfabric.errors import (DeadlineExceededError, FrameTooLargeError, KVFabricError,
-                             UnavailableError)
+from kvfabric.errors import (
+    DeadlineExceededError,
+    FrameTooLargeError,
+    KVFabricError,
+    UnavailableError,
+)
 from kvfabric.protocol.frames import encode_frame
 from kvfabric.protocol.messages import error_reply
 from kvfabric.server.session import Session
@@ -60,10 +64,13 @@ LOG_EVERY_S = 10.0
 PEEK_BYTES = 4096  # a hello frame (a token and a client name) fits many times
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _FRAME_LEN = struct.Struct("<I")  # kvfabric.protocol.frames: u32le body length
-_PER_PEER_FULL = UnavailableError("too many connections from this peer are waiting for hello; "
-                                  "the one silent the longest is closed")
-_PENDING_FULL = UnavailableError("too many connections are waiting for hello; the one silent "
-                                 "the longest is closed")
+_PER_PEER_FULL = UnavailableError(
+    "too many connections from this peer are waiting for hello; "
+    "the one silent the longest is closed"
+)
+_PENDING_FULL = UnavailableError(
+    "too many connections are waiting for hello; the one silent the longest is closed"
+)
 
 
 class CountingReader(asyncio.StreamReader):
@@ -134,14 +141,14 @@ class Admission:
     def sessions(self) -> list[Conn]:
         return list(self._sessions)
 
-    def accept(self, writer: asyncio.StreamWriter, *, local: bool,
-               reader: CountingReader | None = None) -> Conn:
+    def accept(
+        self, writer: asyncio.StreamWriter, *, local: bool, reader: CountingReader | None = None
+    ) -> Conn:
         """Register a new connection as pending (closing the longest-silent pending one at a
         bound) and arm its hello deadline. ``reader``: the connection's, so that bytes it
         holds unread count as the connection speaking."""
         now = time.monotonic()
-        conn = Conn(writer, "unix" if local else "tcp", peer_of(writer, local), now, now,
-                    reader)
+        conn = Conn(writer, "unix" if local else "tcp", peer_of(writer, local), now, now, reader)
         mine = self._pending_by_peer.setdefault(conn.peer, {})
         if len(mine) >= self._limits.control_max_pending_per_peer:
             self._push_out(mine, "per_peer_limit", _PER_PEER_FULL)
@@ -150,7 +157,8 @@ class Admission:
         self._pending[conn] = None
         mine[conn] = None
         conn.deadline = asyncio.get_running_loop().call_later(
-            self._limits.control_hello_timeout_s, self._hello_expired, conn)
+            self._limits.control_hello_timeout_s, self._hello_expired, conn
+        )
         self._metrics.control_pending(len(self._pending))
         return conn
 
@@ -167,8 +175,11 @@ class Admission:
             if first is not None and len(first) >= _FRAME_LEN.size:
                 (length,) = _FRAME_LEN.unpack_from(first)
                 if length > limit:
-                    self._refuse_socket(sock, "frame_too_large", FrameTooLargeError(
-                        f"frame of {length} bytes exceeds the limit {limit}"))
+                    self._refuse_socket(
+                        sock,
+                        "frame_too_large",
+                        FrameTooLargeError(f"frame of {length} bytes exceeds the limit {limit}"),
+                    )
                     continue
                 waiting = _FRAME_LEN.size + length <= len(first)
             looked.append((sock, peer_of_socket(sock), waiting))
@@ -218,12 +229,20 @@ class Admission:
             raise UnavailableError("the connection was closed before its hello was answered")
         reason = None
         if len(self._sessions) >= self._limits.max_sessions:
-            reason, error = "max_sessions", UnavailableError(
-                f"too many sessions (limit {self._limits.max_sessions}); try again later")
+            reason, error = (
+                "max_sessions",
+                UnavailableError(
+                    f"too many sessions (limit {self._limits.max_sessions}); try again later"
+                ),
+            )
         elif self._sessions_by_peer[conn.peer] >= self._limits.control_max_sessions_per_peer:
-            reason, error = "per_peer_limit", UnavailableError(
-                f"too many sessions from this peer (limit "
-                f"{self._limits.control_max_sessions_per_peer})")
+            reason, error = (
+                "per_peer_limit",
+                UnavailableError(
+                    f"too many sessions from this peer (limit "
+                    f"{self._limits.control_max_sessions_per_peer})"
+                ),
+            )
         if reason is not None:
             self._count(conn, reason)
             raise error
@@ -277,10 +296,17 @@ class Admission:
             stale = time.monotonic() - idle
             for conn in list(self._sessions):
                 session = conn.session
-                if conn.last_active < stale and not conn.in_flight and \
-                        session is not None and not session.lease_count:
-                    self.close(conn, "idle", UnavailableError(
-                        f"session closed after {idle:g} s without requests"))
+                if (
+                    conn.last_active < stale
+                    and not conn.in_flight
+                    and session is not None
+                    and not session.lease_count
+                ):
+                    self.close(
+                        conn,
+                        "idle",
+                        UnavailableError(f"session closed after {idle:g} s without requests"),
+                    )
         self._log()
 
     def _push_out(self, pool: dict[Conn, None], reason: str, error: KVFabricError) -> None:
@@ -290,7 +316,7 @@ class Admission:
         for conn in pool:
             if conn.frame_waiting:
                 continue
-            if conn.reader is not None and conn.reader.unread or _frame_waiting(conn, limit):
+            if (conn.reader is not None and conn.reader.unread) or _frame_waiting(conn, limit):
                 conn.frame_waiting = True  # looked at once: not again
                 continue
             self.close(conn, reason, error)
@@ -298,8 +324,13 @@ class Admission:
 
     def _hello_expired(self, conn: Conn) -> None:
         if conn in self._pending:
-            self.close(conn, "hello_timeout", DeadlineExceededError(
-                f"no hello within {self._limits.control_hello_timeout_s:g} s of connecting"))
+            self.close(
+                conn,
+                "hello_timeout",
+                DeadlineExceededError(
+                    f"no hello within {self._limits.control_hello_timeout_s:g} s of connecting"
+                ),
+            )
 
     def _forget_pending(self, conn: Conn) -> None:
         if conn.deadline is not None:
@@ -325,12 +356,17 @@ class Admission:
         if not self._unlogged or now - self._last_log < LOG_EVERY_S:
             return
         self._last_log = now
-        summary = ", ".join(f"{listener}/{reason}={n}"
-                            for (listener, reason), n in sorted(self._unlogged.items()))
+        summary = ", ".join(
+            f"{listener}/{reason}={n}" for (listener, reason), n in sorted(self._unlogged.items())
+        )
         self._unlogged.clear()
-        log.warning("control plane refused or closed connections (since the last such line): "
-                    "%s; %d pending, %d sessions", summary, len(self._pending),
-                    len(self._sessions))
+        log.warning(
+            "control plane refused or closed connections (since the last such line): "
+            "%s; %d pending, %d sessions",
+            summary,
+            len(self._pending),
+            len(self._sessions),
+        )
 
 
 def _frame_waiting(conn: Conn, limit: int) -> bool:
@@ -374,8 +410,9 @@ def peer_of(writer: asyncio.StreamWriter, local: bool) -> str:
 def peer_of_socket(sock: Any) -> str:
     """A Unix connection's peer: the uid that connected (``SO_PEERCRED``)."""
     try:
-        _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                     _PEERCRED.size))
+        _, uid, _ = _PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
     except (OSError, AttributeError, struct.error):
         return "uid:?"  # not Linux: every local client is one peer
     return f"uid:{uid}"

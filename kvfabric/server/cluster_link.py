@@ -24,12 +24,25 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvfabric.cluster import EmbeddedIndex, EmbeddedState
-from kvfabric.cluster.index import (ChunkRecord, GlobalIndex, GlobalLookup, Location, NodeInfo,
-                                    check_name)
+from kvfabric.cluster.index import (
+    ChunkRecord,
+    GlobalIndex,
+    GlobalLookup,
+    Location,
+    NodeInfo,
+    check_name,
+)
 from kvfabric.config import ClusterConfig
-from kvfabric.errors import (ConfigError, DuplicateNodeError, KVFabricError,
-                             LeaseExpiredError, NotFoundError, SpecError, SpecMismatchError,
-                             UnavailableError)
+from kvfabric.errors import (
+    ConfigError,
+    DuplicateNodeError,
+    KVFabricError,
+    LeaseExpiredError,
+    NotFoundError,
+    SpecError,
+    SpecMismatchError,
+    UnavailableError,
+)
 from kvfabric.spec import Namespace
 from kvfabric.store.store import RemovedObject, StoredObject, TieredStore
 
@@ -46,14 +59,25 @@ class ClusterLink:
     used in the index (they must be 1-128 characters of ``[A-Za-z0-9_.:-]``).
     """
 
-    def __init__(self, config: ClusterConfig, node_id: str, address: str,
-                 store: TieredStore, transports: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        node_id: str,
+        address: str,
+        store: TieredStore,
+        transports: dict[str, str] | None = None,
+    ) -> None:
         """``transports``: backend name -> descriptor (hex) peers pull this node's chunks
         with; published with the node's registration."""
         try:
             check_name("node_id", node_id)
-            self._info = NodeInfo(node_id, address, tuple(store.tier_names),
-                                  config.hardware_class, dict(transports or {}))
+            self._info = NodeInfo(
+                node_id,
+                address,
+                tuple(store.tier_names),
+                config.hardware_class,
+                dict(transports or {}),
+            )
         except SpecError as exc:
             raise ConfigError(f"cannot join the global index: {exc}") from None
         self._config = config
@@ -67,8 +91,9 @@ class ClusterLink:
         self._try_register()
         # Replayed under the store lock with the subscription: nothing is missed or reordered.
         store.add_inventory_listener(self._on_inventory, replay=True)
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
-                                           name="kvfabric-cluster-heartbeat")
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop, daemon=True, name="kvfabric-cluster-heartbeat"
+        )
         self._heartbeat.start()
 
     def _build_index(self) -> GlobalIndex:
@@ -78,8 +103,9 @@ class ClusterLink:
         from kvfabric.cluster.redis_index import RedisGlobalIndex  # redis-py is optional
 
         assert config.redis_url is not None  # ClusterConfig guarantees it for "redis"
-        return RedisGlobalIndex(config.redis_url, lease_ttl=config.lease_ttl_s,
-                                inventory=self._records)
+        return RedisGlobalIndex(
+            config.redis_url, lease_ttl=config.lease_ttl_s, inventory=self._records
+        )
 
     @property
     def node_id(self) -> str:
@@ -103,8 +129,12 @@ class ClusterLink:
             self._log_unavailable(exc)
             return False
         self._unavailable_logged = False
-        log.info("node %s joined the global index (%s) as epoch %d", self.node_id,
-                 self._describe(), self._epoch)
+        log.info(
+            "node %s joined the global index (%s) as epoch %d",
+            self.node_id,
+            self._describe(),
+            self._epoch,
+        )
         return True
 
     def _heartbeat_loop(self) -> None:
@@ -130,8 +160,9 @@ class ClusterLink:
     def _log_unavailable(self, exc: UnavailableError) -> None:
         if not self._unavailable_logged:  # once per outage, not once per heartbeat
             self._unavailable_logged = True
-            log.warning("global index (%s) unavailable, serving local hits only: %s",
-                        self._describe(), exc)
+            log.warning(
+                "global index (%s) unavailable, serving local hits only: %s", self._describe(), exc
+            )
 
     def _describe(self) -> str:
         config = self._config
@@ -144,9 +175,12 @@ class ClusterLink:
             return
         try:
             self._index.publish(
-                stored=[ChunkRecord(ns.seed, key, tier, parent, tokens)
-                        for ns, key, parent, tokens, tier in stored],
-                removed=[ChunkRecord(ns.seed, key, tier) for ns, key, tier in removed])
+                stored=[
+                    ChunkRecord(ns.seed, key, tier, parent, tokens)
+                    for ns, key, parent, tokens, tier in stored
+                ],
+                removed=[ChunkRecord(ns.seed, key, tier) for ns, key, tier in removed],
+            )
         except UnavailableError:
             pass  # closed concurrently: the node's next start republishes everything
 
@@ -167,17 +201,24 @@ class ClusterLink:
         except UnavailableError:
             return self._local_lookup(ns, keys)
 
-    def node_prefixes(self, ns: Namespace, keys: Sequence[bytes]
-                      ) -> tuple[list[dict[str, Any]], bool]:
+    def node_prefixes(
+        self, ns: Namespace, keys: Sequence[bytes]
+    ) -> tuple[list[dict[str, Any]], bool]:
         """What a router weighs, per live node holding a prefix of ``keys``: its epoch,
         declared hardware class, leading chunks held and those per tier; and whether the
         answer is stale (see :meth:`lookup`)."""
         found = self.lookup(ns, keys)
         classes = self._hardware_classes()
-        return [{"node_id": p.node_id, "epoch": p.epoch, "chunks": p.chunks,
-                 "tier_chunks": dict(p.tier_chunks),
-                 "hardware_class": classes.get(p.node_id, "")}
-                for p in found.nodes().values()], found.stale
+        return [
+            {
+                "node_id": p.node_id,
+                "epoch": p.epoch,
+                "chunks": p.chunks,
+                "tier_chunks": dict(p.tier_chunks),
+                "hardware_class": classes.get(p.node_id, ""),
+            }
+            for p in found.nodes().values()
+        ], found.stale
 
     def _hardware_classes(self) -> dict[str, str]:
         """Node id -> hardware class, re-read from the index at most every

@@ -48,12 +48,18 @@ from pathlib import Path
 from typing import Any
 
 from kvfabric.config import Limits
-from kvfabric.errors import (AuthError, DeadlineExceededError, ForbiddenError,
-                             FrameTooLargeError, KVFabricError, ProtocolError, UnavailableError,
-                             WouldBlockError)
+from kvfabric.errors import (
+    AuthError,
+    DeadlineExceededError,
+    ForbiddenError,
+    FrameTooLargeError,
+    KVFabricError,
+    ProtocolError,
+    UnavailableError,
+    WouldBlockError,
+)
 from kvfabric.protocol.frames import MAX_FRAME, FrameDecoder, encode_frame
-from kvfabric.protocol.messages import (Op, error_reply, ok_reply, parse_request,
-                                        request_id_of)
+from kvfabric.protocol.messages import Op, error_reply, ok_reply, parse_request, request_id_of
 from kvfabric.server import handlers, slices
 from kvfabric.server.admission import Admission, Conn, CountingReader
 from kvfabric.server.handlers import Context
@@ -73,9 +79,18 @@ TLS_HANDSHAKE_S = 5.0  # TCP plane with TLS: a handshake that takes longer is dr
 class ControlServer:
     """Accepts sessions and dispatches their requests to :mod:`kvfabric.server.handlers`."""
 
-    def __init__(self, ctx: Context, executor: Executor, metrics: Any, *, socket_path: str,
-                 tcp_listener: socket.socket | None, max_sessions: int,
-                 tcp_ssl: ssl.SSLContext | None = None, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        executor: Executor,
+        metrics: Any,
+        *,
+        socket_path: str,
+        tcp_listener: socket.socket | None,
+        max_sessions: int,
+        tcp_ssl: ssl.SSLContext | None = None,
+        limits: Limits | None = None,
+    ) -> None:
         """``tcp_listener``: a bound, listening socket for remote sessions (bound by the
         caller, so its port is known before the server starts), or None; ``tcp_ssl``: serve
         TLS on it (see :mod:`kvfabric.server.tls`); ``limits``: the ``control_*`` bounds
@@ -119,22 +134,31 @@ class ControlServer:
         loop = self._loop
         assert loop is not None
         # the Unix listener screens what it accepts before it costs a transport (floods)
-        self._unix = UnixListener(str(self._socket_path), self._limits.control_listen_backlog,
-                                  loop, self._admission.look, self._admission.trim,
-                                  self._adopt)
+        self._unix = UnixListener(
+            str(self._socket_path),
+            self._limits.control_listen_backlog,
+            loop,
+            self._admission.look,
+            self._admission.trim,
+            self._adopt,
+        )
         if self._tcp_listener is not None:
             tcp = await loop.create_server(
-                lambda: self._protocol(local=False), sock=self._tcp_listener,
-                ssl=self._tcp_ssl, backlog=self._limits.control_listen_backlog,
-                ssl_handshake_timeout=TLS_HANDSHAKE_S if self._tcp_ssl else None)
+                lambda: self._protocol(local=False),
+                sock=self._tcp_listener,
+                ssl=self._tcp_ssl,
+                backlog=self._limits.control_listen_backlog,
+                ssl_handshake_timeout=TLS_HANDSHAKE_S if self._tcp_ssl else None,
+            )
             self._servers.append(tcp)
         self._sweeper = asyncio.create_task(self._sweep())
 
     def _adopt(self, sock: socket.socket) -> None:
         """A Unix connection the listener accepted and kept: served like any (see _serve)."""
         assert self._loop is not None
-        task = self._loop.create_task(self._loop.connect_accepted_socket(
-            lambda: self._protocol(local=True), sock=sock))
+        task = self._loop.create_task(
+            self._loop.connect_accepted_socket(lambda: self._protocol(local=True), sock=sock)
+        )
         self._adopting.add(task)
         task.add_done_callback(lambda t: _adopted(t, sock, self._adopting))
 
@@ -143,7 +167,8 @@ class ControlServer:
         unread (admission passes over a connection whose hello is waiting in it)."""
         reader = CountingReader(limit=READ_CHUNK, loop=self._loop)
         return asyncio.StreamReaderProtocol(
-            reader, lambda r, w: self._serve(r, w, local=local), loop=self._loop)
+            reader, lambda r, w: self._serve(r, w, local=local), loop=self._loop
+        )
 
     async def _sweep(self) -> None:
         """Idle sessions closed, refusals logged (rate-limited), every so often."""
@@ -170,11 +195,12 @@ class ControlServer:
         with contextlib.suppress(FileNotFoundError):
             self._socket_path.unlink()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                     local: bool) -> None:
-        conn = self._admission.accept(writer, local=local,
-                                      reader=reader if isinstance(reader, CountingReader)
-                                      else None)
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, local: bool
+    ) -> None:
+        conn = self._admission.accept(
+            writer, local=local, reader=reader if isinstance(reader, CountingReader) else None
+        )
         session = Session(local=local, max_leases=self._ctx.max_leases)
         # until hello, a frame may be small: an unauthenticated peer holds at most that
         decoder = FrameDecoder(self._limits.control_hello_max_bytes)
@@ -201,8 +227,9 @@ class ControlServer:
                         await self._reply(writer, answer, started)
                         continue
                     await slots.acquire()
-                    task = asyncio.create_task(self._dispatch(session, answer, writer,
-                                                              blocking, started))
+                    task = asyncio.create_task(
+                        self._dispatch(session, answer, writer, blocking, started)
+                    )
                     tasks.add(task)
                     conn.in_flight += 1
                     task.add_done_callback(lambda t: _task_done(t, tasks, slots, conn))
@@ -224,8 +251,7 @@ class ControlServer:
                 self._metrics.session_closed()
             writer.close()
 
-    def _next_message(self, conn: Conn, frames: Iterator[dict[str, Any]]
-                      ) -> dict[str, Any] | None:
+    def _next_message(self, conn: Conn, frames: Iterator[dict[str, Any]]) -> dict[str, Any] | None:
         """The next decoded message; None when the data read so far holds no more, or when
         the frame was broken (then the connection is closed, with an error reply)."""
         try:
@@ -235,8 +261,9 @@ class ControlServer:
             self._admission.close(conn, reason, exc)
             return None
 
-    async def _hello(self, conn: Conn, session: Session, message: Any,
-                     writer: asyncio.StreamWriter) -> bool:
+    async def _hello(
+        self, conn: Conn, session: Session, message: Any, writer: asyncio.StreamWriter
+    ) -> bool:
         request_id = request_id_of(message)
         started = time.perf_counter()
         try:
@@ -261,8 +288,7 @@ class ControlServer:
             log.debug("session %d refused: %s", session.id, exc)
             # a refused session (bad token, too many sessions) is a failed request too:
             # kvfabric_request_errors_total{op="hello", kind="auth" / "unavailable"}
-            self._metrics.observe_request(Op.HELLO.value, time.perf_counter() - started,
-                                          exc.kind)
+            self._metrics.observe_request(Op.HELLO.value, time.perf_counter() - started, exc.kind)
             await _send(writer, error_reply(request_id, exc))
             return False
 
@@ -280,8 +306,11 @@ class ControlServer:
                 raise ForbiddenError(f"{op.value} maps shared memory: use the local socket")
             if slices.is_large(op, args):  # answered a slice at a time, as a task
                 return _Pending(request_id, op, handler, args, sliced=True)
-            if handler.waits_for_layers or handler.blocking and handler.batch and not (
-                    handler.items and _loop_sized(args.get(handler.items))):
+            if handler.waits_for_layers or (
+                handler.blocking
+                and handler.batch
+                and not (handler.items and _loop_sized(args.get(handler.items)))
+            ):
                 # a batch's items done before a wait could not be redone
                 return _Pending(request_id, op, handler, args)
             if handler.blocking:
@@ -300,9 +329,14 @@ class ControlServer:
         except Exception as exc:
             return _failed(request_id, op_name, exc)
 
-    async def _dispatch(self, session: Session, pending: _Pending,
-                        writer: asyncio.StreamWriter, blocking: asyncio.Semaphore,
-                        started: float) -> None:
+    async def _dispatch(
+        self,
+        session: Session,
+        pending: _Pending,
+        writer: asyncio.StreamWriter,
+        blocking: asyncio.Semaphore,
+        started: float,
+    ) -> None:
         """Run a request that waits: on a worker thread, or parked until a layer lands."""
         self._begin()
         try:
@@ -313,8 +347,7 @@ class ControlServer:
             elif pending.redo:
                 result = await self._redo_items(pending, session, blocking)
             else:
-                result = await self._run_blocking(pending.handler, session, pending.args,
-                                                  blocking)
+                result = await self._run_blocking(pending.handler, session, pending.args, blocking)
             answer = self._ok(session, pending.request_id, pending.op, result)
         except Exception as exc:
             answer = _failed(pending.request_id, pending.op.value, exc)
@@ -324,48 +357,58 @@ class ControlServer:
             await self._reply(writer, answer, started)
 
     def _ok(self, session: Session, request_id: int, op: Op, result: Any) -> _Answer:
-        return _Answer(ok_reply(request_id, result), op.value, None, session.client,
-                       traffic_of(op, result))
+        return _Answer(
+            ok_reply(request_id, result), op.value, None, session.client, traffic_of(op, result)
+        )
 
-    async def _reply(self, writer: asyncio.StreamWriter, answer: _Answer,
-                     started: float) -> None:
+    async def _reply(self, writer: asyncio.StreamWriter, answer: _Answer, started: float) -> None:
         try:
             await _send(writer, answer.reply)
         except ProtocolError as exc:  # the result did not fit in a frame
             await _send(writer, error_reply(answer.reply["id"], exc))
         finally:  # recorded once the reply is out: off the client's round trip
-            self._metrics.observe_request(answer.op_name, time.perf_counter() - started,
-                                          answer.error_kind)
+            self._metrics.observe_request(
+                answer.op_name, time.perf_counter() - started, answer.error_kind
+            )
             if answer.traffic is not None:
                 self._metrics.count_engine_traffic(answer.engine, **vars(answer.traffic))
 
-    async def _run_blocking(self, handler: handlers.Handler, session: Session,
-                            args: dict[str, Any], slots: asyncio.Semaphore) -> Any:
+    async def _run_blocking(
+        self,
+        handler: handlers.Handler,
+        session: Session,
+        args: dict[str, Any],
+        slots: asyncio.Semaphore,
+    ) -> Any:
         """On a worker thread (at most ``MAX_BLOCKING_PER_SESSION`` per session): a batch not
         tried on the loop, or a request the store said would wait when :meth:`_answer_now`
         tried it there."""
         async with slots:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, handler.fn, self._ctx, session,
-                                              args)
+            return await loop.run_in_executor(self._executor, handler.fn, self._ctx, session, args)
 
-    async def _redo_items(self, pending: _Pending, session: Session,
-                          blocking: asyncio.Semaphore) -> list[Any]:
+    async def _redo_items(
+        self, pending: _Pending, session: Session, blocking: asyncio.Semaphore
+    ) -> list[Any]:
         """The items of a batch tried on the loop that would have waited, redone on a worker
         thread (they did nothing: the store refuses before changing anything), in their
         places among the others' results."""
         field = pending.handler.items
         items = pending.args[field]
         redone = await self._run_blocking(
-            pending.handler, session, {**pending.args, field: [items[i] for i in pending.redo]},
-            blocking)
+            pending.handler,
+            session,
+            {**pending.args, field: [items[i] for i in pending.redo]},
+            blocking,
+        )
         result = list(pending.done)
         for i, item in zip(pending.redo, redone):
             result[i] = item
         return result
 
-    async def _run_waiting(self, handler: handlers.Handler, session: Session,
-                           args: dict[str, Any]) -> Any:
+    async def _run_waiting(
+        self, handler: handlers.Handler, session: Session, args: dict[str, Any]
+    ) -> Any:
         """Layer waits park on the loop, not on threads: re-try whenever a layer lands."""
         deadline = time.monotonic() + handlers.wait_timeout(args)
         self._layer_waiters += 1
@@ -429,16 +472,18 @@ class _Pending:
     sliced: bool = False  # a large request: answered by kvfabric.server.slices
 
 
-def _task_done(task: asyncio.Task[None], tasks: set[asyncio.Task[None]],
-               slots: asyncio.Semaphore, conn: Conn) -> None:
+def _task_done(
+    task: asyncio.Task[None], tasks: set[asyncio.Task[None]], slots: asyncio.Semaphore, conn: Conn
+) -> None:
     tasks.discard(task)
     slots.release()
     conn.in_flight -= 1
     conn.touch()  # a long request that just ended: the idle clock starts now
 
 
-def _adopted(task: asyncio.Task[Any], sock: socket.socket,
-             adopting: set[asyncio.Task[Any]]) -> None:
+def _adopted(
+    task: asyncio.Task[Any], sock: socket.socket, adopting: set[asyncio.Task[Any]]
+) -> None:
     adopting.discard(task)
     if task.cancelled() or task.exception() is not None:
         sock.close()  # no transport took it (the client left, or shutting down)
@@ -450,17 +495,21 @@ def _loop_sized(items: Any) -> bool:
 
 
 def _would_block(item: Any) -> bool:
-    return isinstance(item, dict) and item.get("ok") is False and \
-        item["error"]["kind"] == WouldBlockError.kind
+    return (
+        isinstance(item, dict)
+        and item.get("ok") is False
+        and item["error"]["kind"] == WouldBlockError.kind
+    )
 
 
 def _failed(request_id: int, op_name: str, exc: Exception) -> _Answer:
     if isinstance(exc, KVFabricError):
         return _Answer(error_reply(request_id, exc), op_name, exc.kind)
     # a bug must cost one request, not the daemon
-    log.exception("internal error in %s", op_name, exc_info=exc)
-    return _Answer(error_reply(request_id, KVFabricError(f"internal error: {exc!r}")),
-                   op_name, "internal")
+    log.error("internal error in %s", op_name, exc_info=exc)
+    return _Answer(
+        error_reply(request_id, KVFabricError(f"internal error: {exc!r}")), op_name, "internal"
+    )
 
 
 async def _send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
@@ -481,8 +530,9 @@ async def _send_with_fds(writer: asyncio.StreamWriter, frame: bytes, fds: list[i
     try:
         for _ in range(100):
             try:
-                sent = raw.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                              array("i", fds))])
+                sent = raw.sendmsg(
+                    [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array("i", fds))]
+                )
                 break
             except BlockingIOError:
                 await asyncio.sleep(0.01)

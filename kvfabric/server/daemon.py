@@ -53,13 +53,12 @@ from kvfabric.errors import ConfigError
 from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.control import ControlServer
 from kvfabric.server.handlers import Context
-from kvfabric.server.instrumented import (InstrumentedPuller, InstrumentedPusher,
-                                          InstrumentedStore)
+from kvfabric.server.instrumented import InstrumentedPuller, InstrumentedPusher, InstrumentedStore
 from kvfabric.server.peers import PeerLinks
 from kvfabric.server.puller import Puller
 from kvfabric.server.pusher import Pusher
-from kvfabric.store import TieredStore
 from kvfabric.server.tls import ReloadingTLS
+from kvfabric.store import TieredStore
 from kvfabric.transport import SocketTransport, Transport, select_backend
 from kvfabric.transport.acceptor import AcceptLimits
 
@@ -84,8 +83,10 @@ class Daemon:
         self.tls = ReloadingTLS(config.security) if config.security.tls_cert_file else None
         peers = config.cluster.index == "redis"
         if peers and config.tcp.port is None:
-            raise ConfigError("cluster.index redis needs the TCP control endpoint (tcp.port; "
-                              "0 picks a free port): peers pull this node's chunks through it")
+            raise ConfigError(
+                "cluster.index redis needs the TCP control endpoint (tcp.port; "
+                "0 picks a free port): peers pull this node's chunks through it"
+            )
         # every token tenant gets arenas of its own (kvfabric/store/tenants.py)
         self._raw_store = TieredStore(config.store, tenants=config.auth.tenants.values())
         self.metrics = Metrics(self._raw_store)
@@ -101,30 +102,54 @@ class Daemon:
             if peers:
                 assert self._tcp is not None
                 host = _reachable_host(config.tcp.host)
-                address = config.cluster.advertise or _host_port(host,
-                                                                 self._tcp.getsockname()[1])
+                address = config.cluster.advertise or _host_port(host, self._tcp.getsockname()[1])
                 self.transport = _open_transport(config, host, self._raw_store, self.tls)
                 transports[self.transport.backend] = self.transport.descriptor().hex()
-            self.cluster = ClusterLink(config.cluster, self.node_id, address, self._raw_store,
-                                       transports)
+            self.cluster = ClusterLink(
+                config.cluster, self.node_id, address, self._raw_store, transports
+            )
         except BaseException:
             self._close_transport_and_listener()
             self._raw_store.close()
             raise
-        self._links = None if self.transport is None else PeerLinks(
-            self.cluster, self.transport, config.auth.admin_token, self._peer_tls("tcp"))
-        self.puller = None if self._links is None else InstrumentedPuller(
-            Puller(self.store, self._links), self.metrics)
-        self.pusher = None if self._links is None else InstrumentedPusher(
-            Pusher(self.store, self._links), self.metrics)
-        self._executor = ThreadPoolExecutor(config.limits.request_threads,
-                                            thread_name_prefix="kvfabric-request")
+        self._links = (
+            None
+            if self.transport is None
+            else PeerLinks(
+                self.cluster, self.transport, config.auth.admin_token, self._peer_tls("tcp")
+            )
+        )
+        self.puller = (
+            None
+            if self._links is None
+            else InstrumentedPuller(Puller(self.store, self._links), self.metrics)
+        )
+        self.pusher = (
+            None
+            if self._links is None
+            else InstrumentedPusher(Pusher(self.store, self._links), self.metrics)
+        )
+        self._executor = ThreadPoolExecutor(
+            config.limits.request_threads, thread_name_prefix="kvfabric-request"
+        )
         self.control = ControlServer(
-            Context(self.store, config.auth, self.node_id, config.limits.max_leases_per_session,
-                    self.cluster, self.puller, self.pusher),
-            self._executor, self.metrics, socket_path=config.socket_path,
-            tcp_listener=self._tcp, max_sessions=config.limits.max_sessions,
-            tcp_ssl=self._tls_for("tcp"), limits=config.limits)
+            Context(
+                self.store,
+                config.auth,
+                self.node_id,
+                config.limits.max_leases_per_session,
+                self.cluster,
+                self.puller,
+                self.pusher,
+            ),
+            self._executor,
+            self.metrics,
+            socket_path=config.socket_path,
+            tcp_listener=self._tcp,
+            max_sessions=config.limits.max_sessions,
+            tcp_ssl=self._tls_for("tcp"),
+            limits=config.limits,
+        )
         self.http_port: int | None = None
         self._http: HttpServer | None = None
         self._http_app: FastAPI | None = None
@@ -181,23 +206,36 @@ class Daemon:
             listener = _tcp_listener(self.config.http.host, self.config.http.port)
             self.http_port = listener.getsockname()[1]
             limits = self.config.limits
-            self._http_app = create_app(self, max_body_bytes=limits.http_max_body_bytes,
-                                        parse_workers=limits.http_parse_workers)
+            self._http_app = create_app(
+                self,
+                max_body_bytes=limits.http_max_body_bytes,
+                parse_workers=limits.http_parse_workers,
+            )
             self._http = HttpServer(
-                self._http_app, listener,
-                HttpLimits(request_timeout_s=limits.http_request_timeout_s,
-                           keepalive_s=limits.http_keepalive_s,
-                           max_connections=limits.http_max_connections,
-                           max_connections_per_ip=limits.http_max_connections_per_ip,
-                           shutdown_grace_s=SHUTDOWN_GRACE_S),
-                ssl_context=self._tls_for("http"), loop_factory=event_loop_factory(),
-                on_refused=lambda reason: self.metrics.control_connection_closed("http", reason))
+                self._http_app,
+                listener,
+                HttpLimits(
+                    request_timeout_s=limits.http_request_timeout_s,
+                    keepalive_s=limits.http_keepalive_s,
+                    max_connections=limits.http_max_connections,
+                    max_connections_per_ip=limits.http_max_connections_per_ip,
+                    shutdown_grace_s=SHUTDOWN_GRACE_S,
+                ),
+                ssl_context=self._tls_for("http"),
+                loop_factory=event_loop_factory(),
+                on_refused=lambda reason: self.metrics.control_connection_closed("http", reason),
+            )
             await asyncio.to_thread(self._http.start)
         if ready_file is not None:
             _write_ready_file(ready_file, self)
         self._ready = True
-        log.info("kvfabric node %s serving %s (http %s%s)", self.node_id,
-                 self.config.socket_path, self.http_port, ", TLS" if self.tls else "")
+        log.info(
+            "kvfabric node %s serving %s (http %s%s)",
+            self.node_id,
+            self.config.socket_path,
+            self.http_port,
+            ", TLS" if self.tls else "",
+        )
         await self._stop.wait()
         log.info("shutting down")
         self._ready = False
@@ -232,8 +270,9 @@ class Daemon:
             self._tcp.close()  # asyncio closed it already if the server ran; closing twice is fine
 
 
-def _open_transport(config: DaemonConfig, host: str, store: TieredStore,
-                    tls: ReloadingTLS | None) -> Transport:
+def _open_transport(
+    config: DaemonConfig, host: str, store: TieredStore, tls: ReloadingTLS | None
+) -> Transport:
     """The peer transport (``cluster.transport``) with every host arena registered; with the
     ``peer`` TLS plane, the socket backend over mutual TLS (NIXL is not encrypted: ``auto``
     picks the socket backend then, and config validation refused ``nixl``)."""
@@ -247,13 +286,19 @@ def _open_transport(config: DaemonConfig, host: str, store: TieredStore,
     if backend is SocketTransport:
         limits = config.limits
         transport: Transport = SocketTransport(
-            config.node_id, secret=secret, host=config.tcp.host, advertise_host=host,
-            limits=AcceptLimits(handshake_timeout_s=limits.peer_handshake_timeout_s,
-                                max_handshakes=limits.peer_max_handshakes,
-                                max_per_ip=limits.peer_max_handshakes_per_ip,
-                                max_connections=limits.peer_max_connections),
+            config.node_id,
+            secret=secret,
+            host=config.tcp.host,
+            advertise_host=host,
+            limits=AcceptLimits(
+                handshake_timeout_s=limits.peer_handshake_timeout_s,
+                max_handshakes=limits.peer_max_handshakes,
+                max_per_ip=limits.peer_max_handshakes_per_ip,
+                max_connections=limits.peer_max_connections,
+            ),
             server_ssl=tls.context if tls is not None and peer_tls else None,
-            client_ssl=(lambda: tls.client_context) if tls is not None and peer_tls else None)
+            client_ssl=(lambda: tls.client_context) if tls is not None and peer_tls else None,
+        )
     else:
         transport = backend(config.node_id, secret=secret)
     try:
@@ -294,8 +339,13 @@ def _tcp_listener(host: str, port: int) -> socket.socket:
 
 
 def _write_ready_file(path: Path, daemon: Daemon) -> None:
-    info = {"pid": os.getpid(), "node_id": daemon.node_id, "socket": daemon.config.socket_path,
-            "tcp_port": daemon.control.tcp_port, "http_port": daemon.http_port}
+    info = {
+        "pid": os.getpid(),
+        "node_id": daemon.node_id,
+        "socket": daemon.config.socket_path,
+        "tcp_port": daemon.control.tcp_port,
+        "http_port": daemon.http_port,
+    }
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(info))
     tmp.replace(path)  # readers never see a half-written file

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 from kvfabric.api.metrics import OTHER_TENANT, Metrics, error_kind
 from kvfabric.errors import WouldBlockError
 from kvfabric.hashing import ROOT
-from kvfabric.server.puller import Puller, PrefetchResult
+from kvfabric.server.puller import PrefetchResult, Puller
 from kvfabric.server.pusher import Pusher, PushResult
 from kvfabric.spec import Namespace
 from kvfabric.store import LookupResult, ObjectReader, ObjectWriter, TieredStore
@@ -83,31 +83,70 @@ class InstrumentedStore:
 
     # ------------------------------------------------------------------ queries
 
-    def lookup(self, ns: Namespace, keys: Sequence[bytes], *, num_tokens: int | None = None,
-               peer_chunks: int = 0) -> LookupResult:
-        return self._count(ns, self._timed("lookup", self._store.lookup, ns, keys,
-                                           num_tokens=num_tokens, peer_chunks=peer_chunks))
+    def lookup(
+        self,
+        ns: Namespace,
+        keys: Sequence[bytes],
+        *,
+        num_tokens: int | None = None,
+        peer_chunks: int = 0,
+    ) -> LookupResult:
+        return self._count(
+            ns,
+            self._timed(
+                "lookup",
+                self._store.lookup,
+                ns,
+                keys,
+                num_tokens=num_tokens,
+                peer_chunks=peer_chunks,
+            ),
+        )
 
-    def lookup_tokens(self, ns: Namespace, tokens: Any, *, peer_chunks: int = 0
-                      ) -> LookupResult:
-        return self._count(ns, self._timed("lookup_tokens", self._store.lookup_tokens, ns,
-                                           tokens, peer_chunks=peer_chunks))
+    def lookup_tokens(self, ns: Namespace, tokens: Any, *, peer_chunks: int = 0) -> LookupResult:
+        return self._count(
+            ns,
+            self._timed(
+                "lookup_tokens", self._store.lookup_tokens, ns, tokens, peer_chunks=peer_chunks
+            ),
+        )
 
     def contains(self, ns: Namespace, key: bytes) -> bool:
         return self._timed("contains", self._store.contains, ns, key)
 
     # ------------------------------------------------------------------ writing
 
-    def reserve(self, ns: Namespace, key: bytes, *, parent: bytes = ROOT,
-                num_tokens: int | None = None, heads: HeadRange | None = None
-                ) -> ObjectWriter:
-        return self._timed("reserve", self._store.reserve, ns, key, parent=parent,
-                           num_tokens=num_tokens, heads=heads)
+    def reserve(
+        self,
+        ns: Namespace,
+        key: bytes,
+        *,
+        parent: bytes = ROOT,
+        num_tokens: int | None = None,
+        heads: HeadRange | None = None,
+    ) -> ObjectWriter:
+        return self._timed(
+            "reserve",
+            self._store.reserve,
+            ns,
+            key,
+            parent=parent,
+            num_tokens=num_tokens,
+            heads=heads,
+        )
 
-    def put(self, ns: Namespace, key: bytes, data: Any, *, parent: bytes = ROOT,
-            num_tokens: int | None = None) -> bool:
-        return self._timed("put", self._store.put, ns, key, data, parent=parent,
-                           num_tokens=num_tokens)
+    def put(
+        self,
+        ns: Namespace,
+        key: bytes,
+        data: Any,
+        *,
+        parent: bytes = ROOT,
+        num_tokens: int | None = None,
+    ) -> bool:
+        return self._timed(
+            "put", self._store.put, ns, key, data, parent=parent, num_tokens=num_tokens
+        )
 
     def delete(self, ns: Namespace, key: bytes) -> bool:
         return self._timed("delete", self._store.delete, ns, key)
@@ -117,8 +156,14 @@ class InstrumentedStore:
 
     # ------------------------------------------------------------------ reading
 
-    def get(self, ns: Namespace, key: bytes, *, timeout: float | None = None,
-            lease_s: float | None = None) -> ObjectReader:
+    def get(
+        self,
+        ns: Namespace,
+        key: bytes,
+        *,
+        timeout: float | None = None,
+        lease_s: float | None = None,
+    ) -> ObjectReader:
         return self._timed("get", self._store.get, ns, key, timeout=timeout, lease_s=lease_s)
 
     def pin(self, ns: Namespace, key: bytes, lease_s: float) -> ObjectReader:
@@ -133,11 +178,11 @@ class InstrumentedPusher:
         self._pusher = pusher
         self._metrics = metrics
 
-    def push(self, ns: Namespace, keys: Sequence[bytes], target: str, timeout: float
-             ) -> PushResult:
+    def push(self, ns: Namespace, keys: Sequence[bytes], target: str, timeout: float) -> PushResult:
         result = self._pusher.push(ns, keys, target, timeout)
-        self._metrics.count_push(result.target_class, result.pushed, result.already_there,
-                                 result.failed)
+        self._metrics.count_push(
+            result.target_class, result.pushed, result.already_there, result.failed
+        )
         return result
 
 
@@ -150,9 +195,9 @@ class InstrumentedPuller:
         self._puller = puller
         self._metrics = metrics
 
-    def prefetch(self, ns: Namespace, keys: Sequence[bytes], timeout: float
-                 ) -> PrefetchResult:
+    def prefetch(self, ns: Namespace, keys: Sequence[bytes], timeout: float) -> PrefetchResult:
         result = self._puller.prefetch(ns, keys, timeout)
-        self._metrics.count_pull(result.pulled, result.already_local, result.missing,
-                                 result.pulled_tokens)
+        self._metrics.count_pull(
+            result.pulled, result.already_local, result.missing, result.pulled_tokens
+        )
         return result

@@ -54,8 +54,13 @@ class PeerLinks:
     reloaded certificate is used from the next link on); None: plain TCP.
     """
 
-    def __init__(self, cluster: ClusterLink, transport: Transport, token: str | None,
-                 tls: Callable[[], ssl.SSLContext] | None = None) -> None:
+    def __init__(
+        self,
+        cluster: ClusterLink,
+        transport: Transport,
+        token: str | None,
+        tls: Callable[[], ssl.SSLContext] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.transport = transport
         self._token = token
@@ -111,19 +116,26 @@ class PeerLinks:
             raise UnavailableError(f"node {node_id} (epoch {epoch}) is no longer registered")
         descriptor = info.transports.get(self.transport.backend)
         if descriptor is None:
-            raise UnavailableError(f"node {info.node_id} offers no {self.transport.backend!r} "
-                                   f"transport (it has {sorted(info.transports)})")
+            raise UnavailableError(
+                f"node {info.node_id} offers no {self.transport.backend!r} "
+                f"transport (it has {sorted(info.transports)})"
+            )
         host, _, port = info.address.rpartition(":")
         try:
             address = (host.strip("[]"), int(port))
             peer_descriptor = bytes.fromhex(descriptor)
         except ValueError:
-            raise UnavailableError(f"node {info.node_id} advertises {info.address!r} and a "
-                                   f"transport descriptor that cannot be used") from None
+            raise UnavailableError(
+                f"node {info.node_id} advertises {info.address!r} and a "
+                f"transport descriptor that cannot be used"
+            ) from None
         try:
-            connection = Connection(address, token=self._token,
-                                    timeout=time_left(end, "connect"),
-                                    tls=None if self._tls is None else self._tls())
+            connection = Connection(
+                address,
+                token=self._token,
+                timeout=time_left(end, "connect"),
+                tls=None if self._tls is None else self._tls(),
+            )
         except OSError as exc:  # the hello timed out (a frozen peer), a TLS AuthError
             raise UnavailableError(f"cannot reach node {info.node_id}: {exc!r}") from None
         try:
@@ -166,14 +178,14 @@ def time_left(end: float, what: str) -> float:
 Range = tuple[int, int]  # (byte offset in a region, length)
 
 
-def page_ranges(pages: Sequence[int], page_size: int, offset: int, length: int
-                ) -> list[Range]:
+def page_ranges(pages: Sequence[int], page_size: int, offset: int, length: int) -> list[Range]:
     """Byte ranges of bytes ``[offset, offset + length)`` of a chunk stored in ``pages`` of a
     region with pages of ``page_size``, adjacent pages merged: a fresh arena hands out runs
     of consecutive pages, and a transport moves one long range much faster than many."""
     out: list[list[int]] = []
-    for start, n in slice_pages(lambda p, s, e: (int(p) * page_size + s, e - s), pages,
-                                page_size, offset, length):
+    for start, n in slice_pages(
+        lambda p, s, e: (int(p) * page_size + s, e - s), pages, page_size, offset, length
+    ):
         if out and out[-1][0] + out[-1][1] == start:
             out[-1][1] += n
         else:
@@ -181,8 +193,9 @@ def page_ranges(pages: Sequence[int], page_size: int, offset: int, length: int
     return [(start, n) for start, n in out]
 
 
-def placement_ranges(item: dict[str, Any], nbytes: int, offset: int, length: int,
-                     what: str) -> tuple[int, list[Range]]:
+def placement_ranges(
+    item: dict[str, Any], nbytes: int, offset: int, length: int, what: str
+) -> tuple[int, list[Range]]:
     """A peer's placement reply for a chunk (``tier``, ``pages``, ``page_size``, ``nbytes``)
     as (region id, byte ranges of bytes ``[offset, offset + length)`` of the chunk in that
     region). ProtocolError when the reply is malformed or the chunk is not ``nbytes`` long
@@ -191,8 +204,9 @@ def placement_ranges(item: dict[str, Any], nbytes: int, offset: int, length: int
         # the arena the pages lie in (older daemons: the tier index, their only arena)
         region, page_size = int(item.get("arena", item["tier"])), int(item["page_size"])
         if int(item["nbytes"]) != nbytes or page_size <= 0:
-            raise ValueError(f"{item['nbytes']} bytes in pages of {page_size}, this node "
-                             f"expects {nbytes}")
+            raise ValueError(
+                f"{item['nbytes']} bytes in pages of {page_size}, this node expects {nbytes}"
+            )
         pages = np.frombuffer(item["pages"], dtype="<u4").tolist()
         return region, page_ranges(pages, page_size, offset, length)
     except (KeyError, TypeError, ValueError) as exc:
@@ -212,14 +226,22 @@ class Spans:
     def __bool__(self) -> bool:
         return bool(self._spans)
 
-    def add(self, remote_region: int, remote: Sequence[Range], local_region: int,
-            pages: Sequence[int], offset: int, length: int) -> None:
+    def add(
+        self,
+        remote_region: int,
+        remote: Sequence[Range],
+        local_region: int,
+        pages: Sequence[int],
+        offset: int,
+        length: int,
+    ) -> None:
         """Pair ``remote`` (ranges of the peer's ``remote_region``) with bytes ``[offset,
         offset + length)`` of a local chunk in ``pages`` of arena ``local_region``; split
         where either side's range ends (page sizes may differ between nodes)."""
         local = iter(page_ranges(pages, self._arenas[local_region].page_size, offset, length))
         local_offset, local_left = 0, 0
-        for remote_offset, remote_left in remote:
+        for remote_start, remote_length in remote:
+            remote_offset, remote_left = remote_start, remote_length
             while remote_left:
                 if not local_left:
                     local_offset, local_left = next(local)
@@ -228,11 +250,17 @@ class Spans:
                 remote_offset, remote_left = remote_offset + n, remote_left - n
                 local_offset, local_left = local_offset + n, local_left - n
 
-    def _append(self, remote_region: int, remote_offset: int, local_region: int,
-                local_offset: int, n: int) -> None:
+    def _append(
+        self, remote_region: int, remote_offset: int, local_region: int, local_offset: int, n: int
+    ) -> None:
         last = self._spans[-1] if self._spans else None
-        if (last is not None and last[0] == remote_region and last[2] == local_region
-                and last[1] + last[4] == remote_offset and last[3] + last[4] == local_offset):
+        if (
+            last is not None
+            and last[0] == remote_region
+            and last[2] == local_region
+            and last[1] + last[4] == remote_offset
+            and last[3] + last[4] == local_offset
+        ):
             last[4] += n
         else:
             self._spans.append([remote_region, remote_offset, local_region, local_offset, n])
@@ -245,4 +273,4 @@ class Spans:
 
     def _view(self, region: int, offset: int, length: int) -> Any:
         # a slice of the registered arena array, so a transport can move it
-        return self._arenas[region].array[offset:offset + length]
+        return self._arenas[region].array[offset : offset + length]

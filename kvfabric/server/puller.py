@@ -34,8 +34,12 @@ from typing import Any
 
 from kvfabric.client.requests import item_results
 from kvfabric.cluster.index import GlobalLookup
-from kvfabric.errors import (AlreadyExistsError, DeadlineExceededError, KVFabricError,
-                             LeaseExpiredError)
+from kvfabric.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    KVFabricError,
+    LeaseExpiredError,
+)
 from kvfabric.memory.arena import SharedArena
 from kvfabric.protocol.messages import Op, encode_namespace
 from kvfabric.server.peers import PeerLink, PeerLinks, Spans, placement_ranges
@@ -62,8 +66,12 @@ class PrefetchResult:
     pulled_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pulled": self.pulled, "already_local": self.already_local,
-                "missing": self.missing, "source": self.source}
+        return {
+            "pulled": self.pulled,
+            "already_local": self.already_local,
+            "missing": self.missing,
+            "source": self.source,
+        }
 
 
 @dataclass(frozen=True)
@@ -109,13 +117,15 @@ class Puller:
                 if not todo or now >= end:
                     continue
                 # a frozen owner must leave time for the next ones: split what is left evenly
-                others = sum(1 for c in candidates[n + 1:] if wanted.intersection(c.held))
+                others = sum(1 for c in candidates[n + 1 :] if wanted.intersection(c.held))
                 try:
-                    copied, raced = self._pull(candidate, ns, [keys[i] for i in todo],
-                                               now + (end - now) / (1 + others))
+                    copied, raced = self._pull(
+                        candidate, ns, [keys[i] for i in todo], now + (end - now) / (1 + others)
+                    )
                 except KVFabricError as exc:
-                    log.warning("pulling %d chunk(s) from %s failed: %s", len(todo),
-                                candidate.node_id, exc)
+                    log.warning(
+                        "pulling %d chunk(s) from %s failed: %s", len(todo), candidate.node_id, exc
+                    )
                     self._links.forget(candidate.node_id)
                     continue
                 wanted -= {i for i in todo if keys[i] in copied or keys[i] in raced}
@@ -141,23 +151,33 @@ class Puller:
                 if tiers.get(loc.node_id, ())[:1] == (loc.tier,):
                     fast[node] = fast.get(node, 0) + 1
         prefixes = {node.node_id: node.chunks for node in found.nodes().values()}
-        out = [_Candidate(node_id, epoch, tuple(indices),
-                          (-prefixes.get(node_id, 0), -fast.get((node_id, epoch), 0), node_id))
-               for (node_id, epoch), indices in held.items()]
+        out = [
+            _Candidate(
+                node_id,
+                epoch,
+                tuple(indices),
+                (-prefixes.get(node_id, 0), -fast.get((node_id, epoch), 0), node_id),
+            )
+            for (node_id, epoch), indices in held.items()
+        ]
         return sorted(out, key=lambda c: c.rank)
 
     # -- one owner ------------------------------------------------------------------------
-    def _pull(self, candidate: _Candidate, ns: Namespace, keys: list[bytes], end: float
-              ) -> tuple[dict[bytes, int], set[bytes]]:
+    def _pull(
+        self, candidate: _Candidate, ns: Namespace, keys: list[bytes], end: float
+    ) -> tuple[dict[bytes, int], set[bytes]]:
         """Copy ``keys`` from one owner; returns (copied keys and their tokens, keys that
         appeared here meanwhile). Raises KVFabricError when nothing could be copied from
         this owner."""
         owner = self._links.link(candidate.node_id, candidate.epoch, end)
         pinned_at = time.monotonic()
-        items = item_results(owner.connection.call(
-            Op.PEER_PIN, {"ns": encode_namespace(ns), "keys": keys,
-                          "timeout": _left(end, "peer_pin")},
-            timeout=_left(end, "peer_pin")))
+        items = item_results(
+            owner.connection.call(
+                Op.PEER_PIN,
+                {"ns": encode_namespace(ns), "keys": keys, "timeout": _left(end, "peer_pin")},
+                timeout=_left(end, "peer_pin"),
+            )
+        )
         leases = [r["lease"] for r in items if not isinstance(r, KVFabricError)]
         writers: list[tuple[bytes, ObjectWriter]] = []
         raced: set[bytes] = set()
@@ -168,14 +188,14 @@ class Puller:
                 if isinstance(item, KVFabricError):
                     continue  # the owner lost this chunk: it stays wanted
                 try:
-                    writer = self._store.reserve(ns, key, parent=item["parent"],
-                                                 num_tokens=item["num_tokens"])
+                    writer = self._store.reserve(
+                        ns, key, parent=item["parent"], num_tokens=item["num_tokens"]
+                    )
                 except AlreadyExistsError:
                     raced.add(key)  # stored here since the check
                     continue
                 writers.append((key, writer))
-                region, remote = placement_ranges(item, writer.nbytes, 0, writer.nbytes,
-                                                  "peer_pin")
+                region, remote = placement_ranges(item, writer.nbytes, 0, writer.nbytes, "peer_pin")
                 spans.add(region, remote, writer.arena_id, writer.pages, 0, writer.nbytes)
                 lease_s = min(lease_s, float(item["lease_s"]))
             if spans:  # every chunk from this owner in one transfer
@@ -195,8 +215,11 @@ class Puller:
         if not leases:
             return
         try:
-            owner.connection.call(Op.PEER_RELEASE, {"leases": leases},
-                                  timeout=max(end - time.monotonic(), 0) + RELEASE_GRACE_S)
+            owner.connection.call(
+                Op.PEER_RELEASE,
+                {"leases": leases},
+                timeout=max(end - time.monotonic(), 0) + RELEASE_GRACE_S,
+            )
         except KVFabricError as exc:
             # dropping the session gives the pins back on the owner's side
             log.info("releasing pins on %s failed (%s); dropping the connection", node_id, exc)

@@ -68,8 +68,12 @@ class PushResult:
     target_class: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pushed": self.pushed, "already_there": self.already_there,
-                "failed": self.failed, "target_class": self.target_class}
+        return {
+            "pushed": self.pushed,
+            "already_there": self.already_there,
+            "failed": self.failed,
+            "target_class": self.target_class,
+        }
 
 
 @dataclass
@@ -95,8 +99,7 @@ class Pusher:
         self._links = links
         self._arenas: dict[int, SharedArena] = {i: a for i, _, a in store.host_arenas()}
 
-    def push(self, ns: Namespace, keys: Sequence[bytes], target: str, timeout: float
-             ) -> PushResult:
+    def push(self, ns: Namespace, keys: Sequence[bytes], target: str, timeout: float) -> PushResult:
         """Push ``keys`` to node ``target`` within ``timeout`` seconds, each layer as soon as
         it is committed here.
 
@@ -113,8 +116,9 @@ class Pusher:
         try:
             for key in wanted:
                 try:
-                    readers[key] = self._store.get(ns, key, timeout=time_left(end, "pin"),
-                                                   lease_s=timeout + PIN_MARGIN_S)
+                    readers[key] = self._store.get(
+                        ns, key, timeout=time_left(end, "pin"), lease_s=timeout + PIN_MARGIN_S
+                    )
                 except KVFabricError as exc:
                     log.info("push: chunk %s not pushed: %s", key.hex(), exc)
             pushed = already = 0
@@ -124,25 +128,31 @@ class Pusher:
                         raise UnavailableError(f"node {target} is not registered")
                     pushed, already = self._push(ns, readers, target, node.epoch, end)
                 except KVFabricError as exc:
-                    log.warning("pushing %d chunk(s) to %s failed: %s", len(readers), target,
-                                exc)
+                    log.warning("pushing %d chunk(s) to %s failed: %s", len(readers), target, exc)
             return PushResult(pushed, already, len(wanted) - pushed - already, target_class)
         finally:
             for reader in readers.values():
                 reader.release()
 
-    def _push(self, ns: Namespace, readers: dict[bytes, ObjectReader], target: str,
-              epoch: int, end: float) -> tuple[int, int]:
+    def _push(
+        self, ns: Namespace, readers: dict[bytes, ObjectReader], target: str, epoch: int, end: float
+    ) -> tuple[int, int]:
         """(pushed, already there); raises KVFabricError when the push failed as a whole
         (what it reserved is aborted by then)."""
         link = self._links.link(target, epoch, end)
-        items = [{"key": key, "parent": reader.parent, "num_tokens": reader.num_tokens}
-                 for key, reader in readers.items()]
+        items = [
+            {"key": key, "parent": reader.parent, "num_tokens": reader.num_tokens}
+            for key, reader in readers.items()
+        ]
         reserved_at = time.monotonic()
         try:
-            replies = item_results(link.connection.call(
-                Op.PEER_RESERVE, {"ns": encode_namespace(ns), "items": items},
-                timeout=time_left(end, "peer_reserve")))
+            replies = item_results(
+                link.connection.call(
+                    Op.PEER_RESERVE,
+                    {"ns": encode_namespace(ns), "items": items},
+                    timeout=time_left(end, "peer_reserve"),
+                )
+            )
         except KVFabricError:
             self._links.forget(target)  # the target may have reserved: its session aborts
             raise
@@ -155,11 +165,16 @@ class Pusher:
             elif isinstance(reply, KVFabricError):
                 log.info("push: %s refused %s: %s", target, key.hex(), reply)
             else:
-                chunks.append(_Chunk(key, reader, int(reply["lease"]),
-                                     int(reply.get("arena", reply["tier"])),
-                                     reply))
-                lease_end = min(lease_end,
-                                reserved_at + float(reply["lease_s"]) * LEASE_SAFETY)
+                chunks.append(
+                    _Chunk(
+                        key,
+                        reader,
+                        int(reply["lease"]),
+                        int(reply.get("arena", reply["tier"])),
+                        reply,
+                    )
+                )
+                lease_end = min(lease_end, reserved_at + float(reply["lease_s"]) * LEASE_SAFETY)
         try:
             layer = 0
             while layer < ns.spec.num_layers and chunks:
@@ -169,8 +184,9 @@ class Pusher:
             raise
         return len(chunks), already
 
-    def _push_layers(self, link: PeerLink, chunks: list[_Chunk], first: int, end: float,
-                     target: str) -> tuple[list[_Chunk], int]:
+    def _push_layers(
+        self, link: PeerLink, chunks: list[_Chunk], first: int, end: float, target: str
+    ) -> tuple[list[_Chunk], int]:
         """Wait for layer ``first`` of every chunk, then move and commit it together with
         every later layer that all of them have committed already: one transfer and one
         commit however many layers are ready, yet layer by layer while they are being
@@ -199,26 +215,27 @@ class Pusher:
             offset = layout.layer_range(first)[0]
             last_offset, last_length = layout.layer_range(stop - 1)
             length = last_offset + last_length - offset  # layers lie one after the other
-            region, remote = placement_ranges(chunk.placement, chunk.reader.nbytes, offset,
-                                              length, "peer_reserve")
-            spans.add(region, remote, chunk.reader.arena_id, chunk.reader.pages, offset,
-                      length)
+            region, remote = placement_ranges(
+                chunk.placement, chunk.reader.nbytes, offset, length, "peer_reserve"
+            )
+            spans.add(region, remote, chunk.reader.arena_id, chunk.reader.pages, offset, length)
         layers = f"layers {first}-{stop - 1}"
-        self._links.transport.write(link.peer, spans.writes(),
-                                    time_left(end, f"write of {layers}"))
+        self._links.transport.write(link.peer, spans.writes(), time_left(end, f"write of {layers}"))
         try:
-            replies = item_results(link.connection.call(
-                Op.PEER_COMMIT, {"leases": [c.lease for c in ready],
-                                 "layers": (1 << stop) - (1 << first)},
-                timeout=time_left(end, "peer_commit")))
+            replies = item_results(
+                link.connection.call(
+                    Op.PEER_COMMIT,
+                    {"leases": [c.lease for c in ready], "layers": (1 << stop) - (1 << first)},
+                    timeout=time_left(end, "peer_commit"),
+                )
+            )
         except KVFabricError:
             self._links.forget(target)  # the commit may or may not have landed: start over
             raise
         going = []
         for chunk, reply in zip(ready, replies):
             if isinstance(reply, KVFabricError):  # its lease expired on the target: gone
-                log.info("push: %s refused %s of %s: %s", target, layers, chunk.key.hex(),
-                         reply)
+                log.info("push: %s refused %s of %s: %s", target, layers, chunk.key.hex(), reply)
             else:
                 going.append(chunk)
         return going, stop
@@ -227,8 +244,11 @@ class Pusher:
         if not chunks or link.connection.closed:
             return  # a closed session has aborted its reservations already
         try:
-            link.connection.call(Op.PEER_ABORT, {"leases": [c.lease for c in chunks]},
-                                 timeout=max(end - time.monotonic(), 0) + ABORT_GRACE_S)
+            link.connection.call(
+                Op.PEER_ABORT,
+                {"leases": [c.lease for c in chunks]},
+                timeout=max(end - time.monotonic(), 0) + ABORT_GRACE_S,
+            )
         except KVFabricError as exc:
             # dropping the session aborts the reservations on the target's side
             log.info("aborting on %s failed (%s); dropping the connection", target, exc)

@@ -72,8 +72,9 @@ class Session:
             if len(self._namespaces) < _MAX_CACHED_NAMESPACES:
                 self._namespaces[cache_key] = ns
         if self.tenant is not None and ns.tenant_salt != self.tenant:
-            raise ForbiddenError(f"this session's token is for tenant {self.tenant!r}, not "
-                                 f"{ns.tenant_salt!r}")
+            raise ForbiddenError(
+                f"this session's token is for tenant {self.tenant!r}, not {ns.tenant_salt!r}"
+            )
         return ns
 
     def add_lease(self, lease: Lease) -> int:
@@ -83,8 +84,9 @@ class Session:
                 raise UnavailableError("the session closed while the request was running")
             if len(self._leases) + len(self._quarantined) >= self._max_leases:
                 _give_back(lease)
-                raise ProtocolError(f"too many open leases (limit {self._max_leases}); "
-                                    f"release some first")
+                raise ProtocolError(
+                    f"too many open leases (limit {self._max_leases}); release some first"
+                )
             lease_id = next(self._lease_ids)
             self._leases[lease_id] = lease
             return lease_id
@@ -108,8 +110,9 @@ class Session:
         with self._lock:
             lease = self._leases.get(lease_id)
         if not isinstance(lease, cls):
-            raise ProtocolError(f"unknown {'write' if cls is ObjectWriter else 'read'} lease "
-                                f"{lease_id}")
+            raise ProtocolError(
+                f"unknown {'write' if cls is ObjectWriter else 'read'} lease {lease_id}"
+            )
         return lease
 
     @property

@@ -22,8 +22,14 @@ from typing import Any
 import numpy as np
 
 from kvfabric.hashing import ROOT, chunk_keys
-from kvfabric.protocol.messages import (KEY_BYTES, MAX_KEYS, Op, arg_chain_tokens, arg_keys,
-                                        arg_tokens)
+from kvfabric.protocol.messages import (
+    KEY_BYTES,
+    MAX_KEYS,
+    Op,
+    arg_chain_tokens,
+    arg_keys,
+    arg_tokens,
+)
 from kvfabric.server.session import Session
 
 SLICE_S = 0.002  # the longest a sliced request holds the loop between two yields
@@ -69,20 +75,19 @@ async def answer(ctx: Any, session: Session, op: Op, args: dict[str, Any]) -> An
     return await _lookup(ctx, session, args, pace)
 
 
-async def _contains(ctx: Any, session: Session, args: dict[str, Any], pace: Pacer
-                    ) -> list[bool]:
+async def _contains(ctx: Any, session: Session, args: dict[str, Any], pace: Pacer) -> list[bool]:
     ns = session.namespace(args.get("ns"))
     out: list[bool] = []
     for keys in _key_slices(args):
         for start in range(0, len(keys), CONTAINS_SLICE):
-            out.extend([ctx.store.contains(ns, key)
-                        for key in keys[start:start + CONTAINS_SLICE]])
+            out.extend(
+                [ctx.store.contains(ns, key) for key in keys[start : start + CONTAINS_SLICE]]
+            )
             await pace()
     return out
 
 
-async def _lookup(ctx: Any, session: Session, args: dict[str, Any], pace: Pacer
-                  ) -> dict[str, Any]:
+async def _lookup(ctx: Any, session: Session, args: dict[str, Any], pace: Pacer) -> dict[str, Any]:
     ns = session.namespace(args.get("ns"))
     keys: list[bytes] = []
     num_tokens = None
@@ -97,8 +102,9 @@ async def _lookup(ctx: Any, session: Session, args: dict[str, Any], pace: Pacer
         span = HASH_SLICE * step
         parent = ROOT
         for start in range(0, len(tokens) // step * step, span):
-            part = chunk_keys(ns, tokens[start:start + span], parent=parent,
-                              include_partial=False)  # a continuation of the chain so far
+            part = chunk_keys(
+                ns, tokens[start : start + span], parent=parent, include_partial=False
+            )  # a continuation of the chain so far
             keys.extend(part)
             parent = part[-1]
             await pace()
@@ -114,10 +120,10 @@ def _key_count(value: Any) -> int:
 def _key_slices(args: dict[str, Any]) -> Iterator[list[bytes]]:
     """``args["keys"]`` validated a slice at a time, after the whole request's size."""
     value = args.get("keys")
-    if isinstance(value, bytes) and (len(value) % KEY_BYTES or
-                                     len(value) > MAX_KEYS * KEY_BYTES) or \
-            isinstance(value, list) and len(value) > MAX_KEYS:
+    if (
+        isinstance(value, bytes) and (len(value) % KEY_BYTES or len(value) > MAX_KEYS * KEY_BYTES)
+    ) or (isinstance(value, list) and len(value) > MAX_KEYS):
         arg_keys(args)  # raises the one-go handler's error
     width = KEY_BYTES if isinstance(value, bytes) else 1
     for start in range(0, _key_count(value), KEYS_SLICE):
-        yield arg_keys({"keys": value[start * width:(start + KEYS_SLICE) * width]})
+        yield arg_keys({"keys": value[start * width : (start + KEYS_SLICE) * width]})

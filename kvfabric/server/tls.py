@@ -54,8 +54,9 @@ class ReloadingTLS:
             raise ConfigError(f"security.tls_*: cannot load the certificate: {exc}") from None
         self.context.sni_callback = self._select
 
-    def _select(self, connection: ssl.SSLObject, _name: str | None,
-                _context: ssl.SSLContext) -> None:
+    def _select(
+        self, connection: ssl.SSLObject, _name: str | None, _context: ssl.SSLContext
+    ) -> None:
         connection.context = self._current  # the newest certificate, for this handshake
 
     def _build(self) -> ssl.SSLContext:

@@ -25,15 +25,17 @@ class Traffic:
 
 def traffic_of(op: Op, result: Any) -> Traffic | None:
     if op is Op.LOOKUP:  # peer_tokens: a cluster-scope hit past the local prefix
-        return Traffic(lookup_tokens=int(result.get("requested_tokens", 0)),
-                       hit_tokens=int(result["tokens"]) + int(result.get("peer_tokens", 0)))
+        return Traffic(
+            lookup_tokens=int(result.get("requested_tokens", 0)),
+            hit_tokens=int(result["tokens"]) + int(result.get("peer_tokens", 0)),
+        )
     if op is Op.PEER_PIN:
         pinned = [item["result"] for item in result if item.get("ok")]
-        return Traffic(served_chunks=len(pinned),
-                       served_tokens=sum(int(p["num_tokens"]) for p in pinned))
+        return Traffic(
+            served_chunks=len(pinned), served_tokens=sum(int(p["num_tokens"]) for p in pinned)
+        )
     if op is Op.GET:
-        return Traffic(bytes_read=int(result["nbytes"]),
-                       conversions=_conversions([result]))
+        return Traffic(bytes_read=int(result["nbytes"]), conversions=_conversions([result]))
     if op is Op.GET_BATCH:
         pinned = [item["result"] for item in result if item.get("ok")]
         return Traffic(bytes_read=_batch_bytes(result), conversions=_conversions(pinned))

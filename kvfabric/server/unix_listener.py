@@ -45,9 +45,15 @@ Held = list[tuple[socket.socket, str]]
 
 
 class UnixListener:
-    def __init__(self, path: str, backlog: int, loop: asyncio.AbstractEventLoop,
-                 look: Callable[[list[socket.socket]], Looked], trim: Callable[[Held], Held],
-                 adopt: Callable[[socket.socket], None]) -> None:
+    def __init__(
+        self,
+        path: str,
+        backlog: int,
+        loop: asyncio.AbstractEventLoop,
+        look: Callable[[list[socket.socket]], Looked],
+        trim: Callable[[Held], Held],
+        adopt: Callable[[socket.socket], None],
+    ) -> None:
         self._loop, self._look, self._trim, self._adopt = loop, look, trim, adopt
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

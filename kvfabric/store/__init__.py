@@ -10,14 +10,29 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-_LAZY = {"StoreConfig": "kvfabric.store.config", "TierConfig": "kvfabric.store.config",
-         "parse_size": "kvfabric.store.config", "ObjectReader": "kvfabric.store.handles",
-         "ObjectWriter": "kvfabric.store.handles", "StoreStats": "kvfabric.store.stats",
-         "TierStats": "kvfabric.store.stats", "LookupResult": "kvfabric.lookup",
-         "TieredStore": "kvfabric.store.store"}
+_LAZY = {
+    "StoreConfig": "kvfabric.store.config",
+    "TierConfig": "kvfabric.store.config",
+    "parse_size": "kvfabric.store.config",
+    "ObjectReader": "kvfabric.store.handles",
+    "ObjectWriter": "kvfabric.store.handles",
+    "StoreStats": "kvfabric.store.stats",
+    "TierStats": "kvfabric.store.stats",
+    "LookupResult": "kvfabric.lookup",
+    "TieredStore": "kvfabric.store.store",
+}
 
-__all__ = ["LookupResult", "ObjectReader", "ObjectWriter", "StoreConfig", "StoreStats",
-           "TierConfig", "TierStats", "TieredStore", "parse_size"]
+__all__ = [
+    "LookupResult",
+    "ObjectReader",
+    "ObjectWriter",
+    "StoreConfig",
+    "StoreStats",
+    "TierConfig",
+    "TierStats",
+    "TieredStore",
+    "parse_size",
+]
 
 if TYPE_CHECKING:
     from kvfabric.lookup import LookupResult

@@ -66,8 +66,13 @@ def _layer_slices(spec: KVSpec, num_tokens: int) -> list[tuple[slice, slice]]:
 
     layout = spec.layout(num_tokens)
     encoded = fp8.serialized_nbytes(_shape(spec, num_tokens))
-    return [(slice(layer * layout.layer_bytes, (layer + 1) * layout.layer_bytes),
-             slice(layer * encoded, (layer + 1) * encoded)) for layer in range(spec.num_layers)]
+    return [
+        (
+            slice(layer * layout.layer_bytes, (layer + 1) * layout.layer_bytes),
+            slice(layer * encoded, (layer + 1) * encoded),
+        )
+        for layer in range(spec.num_layers)
+    ]
 
 
 def _shape(spec: KVSpec, num_tokens: int) -> tuple[int, int, int, int]:
@@ -77,5 +82,6 @@ def _shape(spec: KVSpec, num_tokens: int) -> tuple[int, int, int, int]:
 def _layer_tensor(spec: KVSpec, num_tokens: int, raw: np.ndarray) -> Any:
     import torch
 
-    return torch.from_numpy(raw).view(getattr(torch, spec.dtype.value)).view(
-        _shape(spec, num_tokens))
+    return (
+        torch.from_numpy(raw).view(getattr(torch, spec.dtype.value)).view(_shape(spec, num_tokens))
+    )

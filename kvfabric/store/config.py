@@ -18,8 +18,22 @@ from kvfabric.store.codec import FORMATS
 from kvfabric.tiers.base import TierKind
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
-_UNITS = {"": 1, "b": 1, "k": KiB, "kb": 1000, "kib": KiB, "m": MiB, "mb": 1000**2, "mib": MiB,
-          "g": GiB, "gb": 1000**3, "gib": GiB, "t": TiB, "tb": 1000**4, "tib": TiB}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": KiB,
+    "kb": 1000,
+    "kib": KiB,
+    "m": MiB,
+    "mb": 1000**2,
+    "mib": MiB,
+    "g": GiB,
+    "gb": 1000**3,
+    "gib": GiB,
+    "t": TiB,
+    "tb": 1000**4,
+    "tib": TiB,
+}
 
 
 def parse_size(value: int | str, what: str = "size") -> int:
@@ -77,22 +91,25 @@ class TierConfig:
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", self.name):
             raise ConfigError(f"tier name {self.name!r}: lowercase letters, digits, - and _")
         if self.format not in FORMATS:
-            raise ConfigError(f"{self.name}.format must be one of {list(FORMATS)}, "
-                              f"got {self.format!r}")
+            raise ConfigError(
+                f"{self.name}.format must be one of {list(FORMATS)}, got {self.format!r}"
+            )
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TierConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TierConfig:
         data = dict(data)
         try:
             kind = TierKind(str(data.pop("kind", "")).lower())
         except ValueError:
-            raise ConfigError(f"tier kind must be one of "
-                              f"{[k.value for k in TierKind]}, got {data.get('kind')!r}") from None
+            raise ConfigError(
+                f"tier kind must be one of {[k.value for k in TierKind]}, got {data.get('kind')!r}"
+            ) from None
         allowed = cls.KIND_KEYS[kind] | {"capacity", "name"}
         unknown = set(data) - allowed
         if unknown:
-            raise ConfigError(f"{kind.value} tier: unknown key(s) {sorted(unknown)}; "
-                              f"allowed: {sorted(allowed)}")
+            raise ConfigError(
+                f"{kind.value} tier: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}"
+            )
         if "capacity" not in data:
             raise ConfigError(f"{kind.value} tier: 'capacity' is required")
         data["capacity"] = parse_size(data["capacity"], f"{kind.value}.capacity")
@@ -100,8 +117,9 @@ class TierConfig:
             if key in data:
                 data[key] = parse_size(data[key], f"{kind.value}.{key}")
         for key in ("writers", "numa_node"):
-            if key in data and (isinstance(data[key], bool) or not isinstance(data[key], int)
-                                or data[key] < 0):
+            if key in data and (
+                isinstance(data[key], bool) or not isinstance(data[key], int) or data[key] < 0
+            ):
                 raise ConfigError(f"{kind.value}.{key}: expected a non-negative integer")
         return cls(kind=kind, **data)
 
@@ -128,22 +146,27 @@ class Quota:
     def __post_init__(self) -> None:
         for name in QUOTA_LIMITS:
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
                 raise ConfigError(f"quota {name} must be a positive integer, got {value!r}")
         for tier, limit in self.tiers.items():
-            if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0 \
-                    or isinstance(limit, float) and limit > 1:
-                raise ConfigError(f"quota for tier {tier!r} must be a size or a share in "
-                                  f"(0, 100%], got {limit!r}")
+            if (
+                isinstance(limit, bool)
+                or not isinstance(limit, (int, float))
+                or limit <= 0
+                or (isinstance(limit, float) and limit > 1)
+            ):
+                raise ConfigError(
+                    f"quota for tier {tier!r} must be a size or a share in (0, 100%], got {limit!r}"
+                )
 
     @classmethod
-    def from_dict(cls, data: Any, what: str) -> "Quota":
+    def from_dict(cls, data: Any, what: str) -> Quota:
         if isinstance(data, Quota):
             return data
         if not isinstance(data, Mapping):
-            raise ConfigError(f"{what} must be a mapping of tier names, reservations, "
-                              f"namespaces")
+            raise ConfigError(f"{what} must be a mapping of tier names, reservations, namespaces")
         tiers: dict[str, int | float] = {}
         limits: dict[str, Any] = {}
         for key, value in data.items():
@@ -161,15 +184,17 @@ class Quota:
         except ConfigError as exc:
             raise ConfigError(f"{what}: {exc}") from None
 
-    def over(self, default: "Quota | None") -> "Quota":
+    def over(self, default: Quota | None) -> Quota:
         """This quota, with what it leaves unset taken from ``default``."""
         if default is None:
             return self
-        return Quota(tiers={**default.tiers, **self.tiers},
-                     reservations=self.reservations if self.reservations is not None
-                     else default.reservations,
-                     namespaces=self.namespaces if self.namespaces is not None
-                     else default.namespaces)
+        return Quota(
+            tiers={**default.tiers, **self.tiers},
+            reservations=self.reservations
+            if self.reservations is not None
+            else default.reservations,
+            namespaces=self.namespaces if self.namespaces is not None else default.namespaces,
+        )
 
     def tier_bytes(self, tier: str, capacity: int) -> int | None:
         limit = self.tiers.get(tier)
@@ -210,9 +235,15 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.data_dir, str):
             raise ConfigError(f"data_dir must be a path string, got {self.data_dir!r}")
-        for name in ("high_watermark", "low_watermark", "reservation_timeout_s",
-                     "pin_timeout_s", "maintenance_interval_s", "compact_dead_ratio",
-                     "free_memory_kept"):
+        for name in (
+            "high_watermark",
+            "low_watermark",
+            "reservation_timeout_s",
+            "pin_timeout_s",
+            "maintenance_interval_s",
+            "compact_dead_ratio",
+            "free_memory_kept",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{name} must be a number, got {value!r}")
@@ -249,8 +280,9 @@ class StoreConfig:
                 raise ConfigError(f"quotas: {tenant!r} must be a tenant name mapped to a quota")
             unknown = set(quota.tiers) - names
             if unknown:
-                raise ConfigError(f"quotas.{tenant}: {sorted(unknown)} name no tier; "
-                                  f"tiers: {sorted(names)}")
+                raise ConfigError(
+                    f"quotas.{tenant}: {sorted(unknown)} name no tier; tiers: {sorted(names)}"
+                )
 
     def quota_for(self, tenant: str) -> Quota | None:
         """The quota of ``tenant`` (its own over the ``*`` one); None: unlimited."""
@@ -261,7 +293,7 @@ class StoreConfig:
         return default if own is None else own.over(default)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "StoreConfig":
+    def from_dict(cls, data: dict[str, Any]) -> StoreConfig:
         data = dict(data)
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
@@ -271,22 +303,25 @@ class StoreConfig:
             if not isinstance(data["tiers"], (list, tuple)):
                 raise ConfigError("store.tiers must be a list of tier mappings")
             tiers = []
-            for tier in data["tiers"]:
-                if isinstance(tier, dict):
-                    tier = TierConfig.from_dict(tier)
-                elif not isinstance(tier, TierConfig):
-                    raise ConfigError(f"store.tiers entries must be mappings, got {tier!r}")
-                tiers.append(tier)
+            for entry in data["tiers"]:
+                if isinstance(entry, dict):
+                    tiers.append(TierConfig.from_dict(entry))
+                elif isinstance(entry, TierConfig):
+                    tiers.append(entry)
+                else:
+                    raise ConfigError(f"store.tiers entries must be mappings, got {entry!r}")
             data["tiers"] = tuple(tiers)
         if "quotas" in data:
             if not isinstance(data["quotas"], Mapping):
                 raise ConfigError("store.quotas must map tenant names to quota mappings")
-            data["quotas"] = {str(tenant): Quota.from_dict(quota, f"store.quotas.{tenant}")
-                              for tenant, quota in data["quotas"].items()}
+            data["quotas"] = {
+                str(tenant): Quota.from_dict(quota, f"store.quotas.{tenant}")
+                for tenant, quota in data["quotas"].items()
+            }
         try:
             return cls(**data)
         except TypeError as exc:
             raise ConfigError(f"store: {exc}") from None
 
-    def with_data_dir(self, data_dir: str | Path) -> "StoreConfig":
+    def with_data_dir(self, data_dir: str | Path) -> StoreConfig:
         return replace(self, data_dir=str(data_dir))

@@ -29,9 +29,9 @@ index (``__slots__`` keep them small: the index budget is a few hundred bytes pe
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import groupby
-from typing import Any, Callable, Union
+from typing import Any
 
 from kvfabric.spec import Namespace
 
@@ -48,11 +48,24 @@ FP8_COPY = 16  # the SSD record a memory-resident entry keeps (``ssd_copy``) is 
 class Entry:
     """Index record of one stored object (chunk)."""
 
-    __slots__ = ("key", "parent", "ns", "num_tokens", "tier", "handle", "ready", "pins",
-                 "kids", "flags", "shards", "ssd_copy")
+    __slots__ = (
+        "flags",
+        "handle",
+        "key",
+        "kids",
+        "ns",
+        "num_tokens",
+        "parent",
+        "pins",
+        "ready",
+        "shards",
+        "ssd_copy",
+        "tier",
+    )
 
-    def __init__(self, key: bytes, parent: bytes, ns: Namespace, num_tokens: int, tier: int,
-                 handle: Any) -> None:
+    def __init__(
+        self, key: bytes, parent: bytes, ns: Namespace, num_tokens: int, tier: int, handle: Any
+    ) -> None:
         self.key = key
         self.parent = parent
         self.ns = ns
@@ -76,16 +89,18 @@ class Entry:
         return self.ready == READY_ALL
 
     @property
-    def children(self) -> list["Entry"]:
+    def children(self) -> list[Entry]:
         kids = self.kids
         return [] if kids is None else [kids] if isinstance(kids, Entry) else list(kids)
 
     def __repr__(self) -> str:
-        return (f"Entry({self.key.hex()[:12]}, tier={self.tier}, tokens={self.num_tokens}, "
-                f"ready={self.ready}, pins={self.pins}, children={len(self.children)})")
+        return (
+            f"Entry({self.key.hex()[:12]}, tier={self.tier}, tokens={self.num_tokens}, "
+            f"ready={self.ready}, pins={self.pins}, children={len(self.children)})"
+        )
 
 
-Kids = Union[None, Entry, list[Entry]]
+Kids = Entry | list[Entry] | None
 
 
 class LookupTag:
@@ -95,7 +110,7 @@ class LookupTag:
     tags are the same object and a run of them compares by identity.
     """
 
-    __slots__ = ("ns", "tier", "num_tokens")
+    __slots__ = ("ns", "num_tokens", "tier")
 
     def __init__(self, ns: Namespace, tier: int, num_tokens: int) -> None:
         self.ns, self.tier, self.num_tokens = ns, tier, num_tokens
@@ -129,12 +144,12 @@ class LocalIndex:
     first namespace's object.
     """
 
-    def __init__(self, num_tiers: int,
-                 on_namespace_empty: Callable[[Namespace], None] | None = None) -> None:
+    def __init__(
+        self, num_tiers: int, on_namespace_empty: Callable[[Namespace], None] | None = None
+    ) -> None:
         self._entries: dict[bytes, Entry] = {}
         self._shadow: dict[tuple[bytes, bytes], Entry] = {}  # (ns seed, key) on collisions
-        self._candidates: list[OrderedDict[Entry, None]] = [OrderedDict()
-                                                            for _ in range(num_tiers)]
+        self._candidates: list[OrderedDict[Entry, None]] = [OrderedDict() for _ in range(num_tiers)]
         # children stored while their parent is absent, so a parent that (re)appears knows them
         self._orphans: dict[tuple[bytes, bytes], Kids] = {}
         self._tier_counts = [0] * num_tiers
@@ -262,12 +277,12 @@ class LocalIndex:
         for tag, run in groupby(tags):
             count = len(list(run))
             if tag is None:
-                for key in keys[start:start + count]:
-                    tag = self._retag(self._entries[key])
-                    if tag is None or tag.ns is not ns:
+                for key in keys[start : start + count]:
+                    found = self._retag(self._entries[key])
+                    if found is None or found.ns is not ns:
                         return chunks, tokens
-                    chunks[tag.tier] += 1
-                    tokens[tag.tier] += tag.num_tokens
+                    chunks[found.tier] += 1
+                    tokens[found.tier] += found.num_tokens
             elif tag.ns is not ns:  # another namespace's key is a miss in this one
                 break
             else:
@@ -284,8 +299,7 @@ class LocalIndex:
             if entry.num_tokens == ns.spec.chunk_tokens:
                 tag = self._shared_tags.get((ns.seed, tier))
                 if tag is None or tag.ns is not ns:
-                    tag = self._shared_tags[(ns.seed, tier)] = LookupTag(ns, tier,
-                                                                         entry.num_tokens)
+                    tag = self._shared_tags[(ns.seed, tier)] = LookupTag(ns, tier, entry.num_tokens)
             else:  # a partial chunk: its own tag (sizes would multiply the shared ones)
                 tag = LookupTag(ns, tier, entry.num_tokens)
         self._tags[entry.key] = tag
@@ -353,8 +367,7 @@ class LocalIndex:
         candidates = self._candidates[entry.tier]
         if entry in candidates:
             candidates.move_to_end(entry)
-            own = self._by_tenant.get((entry.ns.tenant_salt, entry.tier)) \
-                if self._tracked else None
+            own = self._by_tenant.get((entry.ns.tenant_salt, entry.tier)) if self._tracked else None
             if own is not None and entry in own:
                 own.move_to_end(entry)
 
@@ -381,8 +394,9 @@ class LocalIndex:
     def pick_victim(self, tier: int, tenant: str | None = None) -> Entry | None:
         """The least recently used candidate of ``tier`` that is complete, unpinned, still
         (``tenant``: among that tracked tenant's entries only)."""
-        candidates = self._candidates[tier] if tenant is None else \
-            self._by_tenant.get((tenant, tier), {})
+        candidates = (
+            self._candidates[tier] if tenant is None else self._by_tenant.get((tenant, tier), {})
+        )
         for entry in candidates:
             if entry.pins == 0 and entry.ready == READY_ALL and not entry.flags & MOVING:
                 return entry
@@ -391,8 +405,12 @@ class LocalIndex:
     def pick_victim_for_eviction(self, tier: int) -> Entry | None:
         """Like :meth:`pick_victim`, but only true leaves: removing it orphans nothing."""
         for entry in self._candidates[tier]:
-            if entry.kids is None and entry.pins == 0 and entry.ready == READY_ALL and \
-                    not entry.flags & MOVING:
+            if (
+                entry.kids is None
+                and entry.pins == 0
+                and entry.ready == READY_ALL
+                and not entry.flags & MOVING
+            ):
                 return entry
         return None
 

@@ -37,8 +37,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from kvfabric.errors import (CapacityError, CorruptRecordError, DeadlineExceededError,
-                             NotFoundError, QuotaExceededError, WouldBlockError)
+from kvfabric.errors import (
+    CapacityError,
+    CorruptRecordError,
+    DeadlineExceededError,
+    NotFoundError,
+    QuotaExceededError,
+    WouldBlockError,
+)
 from kvfabric.hashing import KEY_BYTES
 from kvfabric.memory.copy import Piece, copy_pieces, total_bytes
 from kvfabric.spec import KVSpec, Namespace
@@ -58,11 +64,18 @@ log = logging.getLogger(__name__)
 class Placement:
     """Tier placement and movement of the store's objects (state shared with the store)."""
 
-    def __init__(self, tiers: list[AnyTier], names: list[str], index: LocalIndex,
-                 counters: list[TierCounters], cond: threading.Condition, config: StoreConfig,
-                 reclaim: Callable[[], object],
-                 on_inventory: Callable[[list[Entry], list[tuple[Entry, int]]], None],
-                 ssd: SsdUsage | None = None) -> None:
+    def __init__(
+        self,
+        tiers: list[AnyTier],
+        names: list[str],
+        index: LocalIndex,
+        counters: list[TierCounters],
+        cond: threading.Condition,
+        config: StoreConfig,
+        reclaim: Callable[[], object],
+        on_inventory: Callable[[list[Entry], list[tuple[Entry, int]]], None],
+        ssd: SsdUsage | None = None,
+    ) -> None:
         self.tiers = tiers
         self.names = names
         self.index = index
@@ -75,8 +88,9 @@ class Placement:
         self._on_inventory = on_inventory
         last = tiers[-1]
         self.disk_index = len(tiers) - 1 if isinstance(last, DiskTier) else None
-        self.disk_format = codec.NATIVE if self.disk_index is None else \
-            config.tiers[self.disk_index].format
+        self.disk_format = (
+            codec.NATIVE if self.disk_index is None else config.tiers[self.disk_index].format
+        )
         self.paged = [i for i, t in enumerate(tiers) if isinstance(t, PagedTier)]
         self.pending_demotion = [0] * len(tiers)  # bytes being written to SSD, per source tier
         self.draining = [False] * len(tiers)
@@ -121,8 +135,11 @@ class Placement:
         reclaimed = False
         deadline = time.monotonic() + self.config.reservation_timeout_s
         # a tenant at its quota (a full pool as large as the tier is a full tier, below)
-        if pool is not None and tier.pool_bytes(pool) < tier.capacity_bytes and \
-                not tier.pool_can_fit(nbytes, pool):
+        if (
+            pool is not None
+            and tier.pool_bytes(pool) < tier.capacity_bytes
+            and not tier.pool_can_fit(nbytes, pool)
+        ):
             self.make_room_in_pool(tier_index, nbytes, tenant, deadline)
         while not tier.can_fit(nbytes, pool):
             pending = self.pending_demotion[tier_index]
@@ -140,11 +157,11 @@ class Placement:
                 reclaimed = True  # a dead client's leases may be what holds the memory
                 self._reclaim()
             else:
-                raise CapacityError(f"{self.names[tier_index]} is full of pinned or "
-                                    f"incomplete objects")
+                raise CapacityError(
+                    f"{self.names[tier_index]} is full of pinned or incomplete objects"
+                )
 
-    def make_room_in_pool(self, tier_index: int, nbytes: int, tenant: str,
-                          deadline: float) -> None:
+    def make_room_in_pool(self, tier_index: int, nbytes: int, tenant: str, deadline: float) -> None:
         """A tenant at its quota of a tier: demote its own objects there until its pool has
         the pages; QuotaExceededError when none can move."""
         tier = self.tiers[tier_index]
@@ -155,8 +172,11 @@ class Placement:
         while not tier.pool_can_fit(nbytes, pool):
             in_flight = [v for v in in_flight if v.flags & MOVING]
             short = tier.pages_for(nbytes) - tier.pool_free_pages(pool)
-            if in_flight and sum(tier.pages_for(v.ns.spec.layout(v.num_tokens).nbytes)
-                                 for v in in_flight) >= short:
+            if (
+                in_flight
+                and sum(tier.pages_for(v.ns.spec.layout(v.num_tokens).nbytes) for v in in_flight)
+                >= short
+            ):
                 self.wait(deadline, "waiting for the tenant's SSD demotions to free memory")
                 continue
             victim = self.index.pick_victim(tier_index, tenant)
@@ -172,7 +192,8 @@ class Placement:
                 raise QuotaExceededError(
                     f"tenant {tenant!r} holds its whole quota of {self.names[tier_index]} "
                     f"({tier.pool_bytes(pool)} bytes) in objects that cannot move (being "
-                    f"written, read, or quarantined)")
+                    f"written, read, or quarantined)"
+                )
 
     def demote(self, entry: Entry) -> None:
         """Move a victim to the next lower tier that can take it (the SSD always can, by
@@ -250,8 +271,10 @@ class Placement:
         fmt = self.disk_format if codec.encodable(entry.ns.spec) else codec.NATIVE
         meta = encode_meta(entry, fmt)
         # its span before any byte is encoded (an fp8 payload's size follows from the spec)
-        span = record_span(len(meta), codec.encoded_nbytes(entry.ns.spec, entry.num_tokens)
-                           if fmt == codec.FP8 else nbytes)
+        span = record_span(
+            len(meta),
+            codec.encoded_nbytes(entry.ns.spec, entry.num_tokens) if fmt == codec.FP8 else nbytes,
+        )
         if not self.make_ssd_room(tenant, span):
             self.counters[self.disk_index].quota_refused_demotions += 1  # type: ignore[index]
             self.evict(entry)
@@ -277,7 +300,8 @@ class Placement:
         entry.flags |= MOVING
         self.pending_demotion[src_index] += nbytes
         future.add_done_callback(
-            lambda f: self.finish_disk_demotion(entry, src_index, nbytes, span, pieces, fmt, f))
+            lambda f: self.finish_disk_demotion(entry, src_index, nbytes, span, pieces, fmt, f)
+        )
 
     def make_ssd_room(self, tenant: str, span: int) -> bool:
         """Whether a record of ``span`` bytes of ``tenant`` fits its SSD quota, once its own
@@ -291,9 +315,16 @@ class Placement:
         self.evict_disk_leaves(excess, tenant)
         return self.ssd.excess(tenant, span) <= 0
 
-    def finish_disk_demotion(self, entry: Entry, src_index: int, nbytes: int, span: int,
-                              pieces: list[Piece], fmt: str,
-                              future: "Future[DiskExtent]") -> None:
+    def finish_disk_demotion(
+        self,
+        entry: Entry,
+        src_index: int,
+        nbytes: int,
+        span: int,
+        pieces: list[Piece],
+        fmt: str,
+        future: Future[DiskExtent],
+    ) -> None:
         written = total_bytes(pieces)
         del pieces  # kept alive until the write completed
         with self._cond:
@@ -336,8 +367,9 @@ class Placement:
             self._cond.notify_all()
             raise
 
-    def finish_disk_promotion(self, entry: Entry, extent: DiskExtent,
-                               target: tuple[int, Any]) -> None:
+    def finish_disk_promotion(
+        self, entry: Entry, extent: DiskExtent, target: tuple[int, Any]
+    ) -> None:
         tier_index, pages = target
         tier = self.tiers[tier_index]
         disk = self.tiers[self.disk_index]  # type: ignore[index]
@@ -367,8 +399,9 @@ class Placement:
                 self._cond.notify_all()
             if lost:
                 what = "corrupt" if isinstance(exc, CorruptRecordError) else "gone"
-                raise NotFoundError(f"{entry.key.hex()} was {what} on SSD and was dropped: "
-                                    f"{exc}") from None
+                raise NotFoundError(
+                    f"{entry.key.hex()} was {what} on SSD and was dropped: {exc}"
+                ) from None
             raise
         with self._cond:
             entry.flags &= ~MOVING
@@ -384,8 +417,9 @@ class Placement:
                 self.counters[self.disk_index].bytes_out += nbytes  # type: ignore[index]
             self._cond.notify_all()
 
-    def read_disk_record(self, disk: DiskTier, entry: Entry, extent: DiskExtent,
-                          pieces: list[Piece]) -> None:
+    def read_disk_record(
+        self, disk: DiskTier, entry: Entry, extent: DiskExtent, pieces: list[Piece]
+    ) -> None:
         """Read an entry's record; if compaction moved it meanwhile, follow it."""
         for _ in range(3):
             try:
@@ -507,8 +541,10 @@ class Placement:
         if used > self.config.high_watermark * cap:
             self.draining[tier_index] = True
         while self.draining[tier_index]:
-            if tier.used_bytes - self.pending_demotion[tier_index] <= \
-                    self.config.low_watermark * cap:
+            if (
+                tier.used_bytes - self.pending_demotion[tier_index]
+                <= self.config.low_watermark * cap
+            ):
                 self.draining[tier_index] = False
                 return
             victim = self.index.pick_victim(tier_index)
@@ -556,8 +592,11 @@ class Placement:
         An entry being read back meanwhile is dropped by that read (a stale extent)."""
         with self._cond:
             for entry in self.index.any_with_key(key):
-                if entry.tier == self.disk_index and entry.handle == extent and \
-                        not entry.flags & MOVING:
+                if (
+                    entry.tier == self.disk_index
+                    and entry.handle == extent
+                    and not entry.flags & MOVING
+                ):
                     self.drop(entry, disk_already_dead=True)
                 elif entry.ssd_copy == extent:
                     self.forget_copy(entry)  # its record is DEAD already
@@ -594,8 +633,15 @@ def encode_meta(entry: Entry, fmt: str = codec.NATIVE) -> bytes:
     """The SSD record's metadata: enough to re-index (and decode) the object after a
     restart. ``fmt`` appears only for fp8 records: native ones read as they always did."""
     ns = entry.ns
-    meta = {"v": 1, "parent": entry.parent, "tokens": entry.num_tokens, "model": ns.model_id,
-            "tenant": ns.tenant_salt, "lora": ns.lora_id, "spec": ns.spec.to_dict()}
+    meta = {
+        "v": 1,
+        "parent": entry.parent,
+        "tokens": entry.num_tokens,
+        "model": ns.model_id,
+        "tenant": ns.tenant_salt,
+        "lora": ns.lora_id,
+        "spec": ns.spec.to_dict(),
+    }
     if fmt != codec.NATIVE:
         meta["fmt"] = fmt
     return msgpack.packb(meta)

@@ -44,8 +44,9 @@ class HeadShards:
         """Claim a head range for a new writer; its head mask."""
         mask = head_mask(heads, self.num_heads)
         if self.claimed & mask:
-            raise AlreadyExistsError(f"heads [{heads[0]}, {heads[1]}) of this chunk are "
-                                     f"already being written")
+            raise AlreadyExistsError(
+                f"heads [{heads[0]}, {heads[1]}) of this chunk are already being written"
+            )
         self.claimed |= mask
         return mask
 

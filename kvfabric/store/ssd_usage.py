@@ -45,8 +45,7 @@ class SsdUsage:
         if tenant in self._used:
             left = self._used[tenant] - nbytes
             if left < 0:  # a record released twice, or never charged: a bug, logged loudly
-                log.error("SSD bytes of tenant %r would go negative (%d); kept at 0",
-                          tenant, left)
+                log.error("SSD bytes of tenant %r would go negative (%d); kept at 0", tenant, left)
             self._used[tenant] = max(0, left)
 
     def used(self, tenant: str) -> int:

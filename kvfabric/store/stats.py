@@ -3,8 +3,9 @@
 Counters count tokens, not only objects: a lookup adds its matched tokens to the hit counter
 of the tier each chunk was found in, the tokens past them that another node holds (a
 cluster-scope lookup) to the hits as ``peer_hit_tokens``, and the rest it asked for to the
-miss counter; a partial last chunk counts its real tokens when the caller says how many. Mutable counters live inside the store (updated under its lock); callers only
-ever see :class:`StoreStats` snapshots.
+miss counter; a partial last chunk counts its real tokens when the caller says how many.
+Mutable counters live inside the store (updated under its lock); callers only ever see
+:class:`StoreStats` snapshots.
 """
 
 from __future__ import annotations

@@ -24,11 +24,12 @@ clients may map. A namespace is forgotten once it holds nothing (no table slot, 
 
 Leases: each committed layer renews a reservation for ``reservation_timeout_s`` (a writer
 streaming the layers of a forward pass that takes longer than that keeps its lease as long
-as it makes progress). A reservation whose deadline passes is aborted, but its pages stay **quarantined**
-(taken, used by nothing) until the writer gives the lease back (:meth:`ObjectWriter.close`;
-the daemon does it when the writer's session ends): a writer frozen past its deadline may
-still be copying into them, and they must not belong to another object when it resumes. An
-expired pin is simply dropped: a late reader only reads (and is told its read may be torn).
+as it makes progress). A reservation whose deadline passes is aborted, but its pages stay
+**quarantined** (taken, used by nothing) until the writer gives the lease back
+(:meth:`ObjectWriter.close`; the daemon does it when the writer's session ends): a writer
+frozen past its deadline may still be copying into them, and they must not belong to another
+object when it resumes. An expired pin is simply dropped: a late reader only reads (and is told
+its read may be torn).
 
 Durability: an SSD demotion is acknowledged (the object leaves memory) only once its record
 is written; SSD contents survive a restart and are re-indexed from the segment headers, and
@@ -53,10 +54,18 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvfabric.errors import (AlreadyExistsError, ConfigError, DeadlineExceededError,
-                             KVFabricError, LeaseExpiredError, NotFoundError,
-                             ObjectAbortedError, SpecError, SpecMismatchError,
-                             WouldBlockError)
+from kvfabric.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    DeadlineExceededError,
+    KVFabricError,
+    LeaseExpiredError,
+    NotFoundError,
+    ObjectAbortedError,
+    SpecError,
+    SpecMismatchError,
+    WouldBlockError,
+)
 from kvfabric.hashing import KEY_BYTES, ROOT, chunk_keys
 from kvfabric.lookup import LookupResult
 from kvfabric.memory.arena import SharedArena
@@ -66,13 +75,17 @@ from kvfabric.store.codec import FP8
 from kvfabric.store.config import StoreConfig
 from kvfabric.store.factory import AnyTier, build_tier
 from kvfabric.store.handles import ObjectReader, ObjectWriter, _Lease
-from kvfabric.store.index import (ABORTED, FP8_ON_DISK, MOVING, READY_ALL, REMOVED, Entry,
-                                     LocalIndex)
+from kvfabric.store.index import ABORTED, FP8_ON_DISK, MOVING, READY_ALL, REMOVED, Entry, LocalIndex
 from kvfabric.store.placement import Placement, decode_meta
 from kvfabric.store.shards import HeadRange, HeadShards, head_mask
 from kvfabric.store.ssd_usage import SsdUsage
-from kvfabric.store.stats import (NamespaceCounters, NamespaceStats, StoreStats, TierCounters,
-                                  TierStats)
+from kvfabric.store.stats import (
+    NamespaceCounters,
+    NamespaceStats,
+    StoreStats,
+    TierCounters,
+    TierStats,
+)
 from kvfabric.store.tenants import EVERY_TENANT, ArenaInfo, Tenancy
 from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.host import HostTier
@@ -91,8 +104,13 @@ InventoryListener = Callable[[list[StoredObject], list[RemovedObject]], None]
 class TieredStore:
     """Objects (chunks) in memory / SSD tiers with a prefix-aware local index."""
 
-    def __init__(self, config: StoreConfig | None = None, *, maintenance: bool = True,
-                 tenants: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        config: StoreConfig | None = None,
+        *,
+        maintenance: bool = True,
+        tenants: Iterable[str] = (),
+    ) -> None:
         """``tenants``: tenant salts whose objects get arenas of their own (the daemon's
         token tenants); tenants named in ``config.quotas`` get them too."""
         self.config = config or StoreConfig()
@@ -114,18 +132,23 @@ class TieredStore:
         self._cond = threading.Condition(self._lock)
         self._index = LocalIndex(len(self._tiers), self._namespace_empty)
         try:
-            self._tenancy = Tenancy(self.config, self._tiers, self._names, self._index,
-                                    tenants)
+            self._tenancy = Tenancy(self.config, self._tiers, self._names, self._index, tenants)
         except BaseException:
             for tier in self._tiers:
                 tier.close()
             raise
         self._tier_counters = [TierCounters() for _ in self._tiers]
-        self._placement = Placement(self._tiers, self._names, self._index, self._tier_counters,
-                                    self._cond, self.config,
-                                    lambda: self._reclaim_expired(time.monotonic()),
-                                    self._inventory_changed,
-                                    SsdUsage(self._tenancy.ssd_limits))
+        self._placement = Placement(
+            self._tiers,
+            self._names,
+            self._index,
+            self._tier_counters,
+            self._cond,
+            self.config,
+            lambda: self._reclaim_expired(time.monotonic()),
+            self._inventory_changed,
+            SsdUsage(self._tenancy.ssd_limits),
+        )
         self._disk_index = self._placement.disk_index
         self._ns_counters: dict[tuple[str, str], NamespaceCounters] = {}
         self._namespaces: dict[bytes, Namespace] = {}
@@ -135,24 +158,43 @@ class TieredStore:
         self._quarantine: dict[int, ObjectWriter] = {}
         self._layer_listeners: list[Callable[[], None]] = []
         self._inventory_listeners: list[InventoryListener] = []
-        self._count = dict.fromkeys(("lookups", "lookup_tokens", "hit_tokens", "miss_tokens",
-                                     "peer_hit_tokens", "puts", "gets", "deletes", "expired",
-                                     "aborted"), 0)
+        self._count = dict.fromkeys(
+            (
+                "lookups",
+                "lookup_tokens",
+                "hit_tokens",
+                "miss_tokens",
+                "peer_hit_tokens",
+                "puts",
+                "gets",
+                "deletes",
+                "expired",
+                "aborted",
+            ),
+            0,
+        )
         self._closed = False
         if self._disk_index is not None:
             self._recover()
         self._stop = threading.Event()
         self._maintainer: threading.Thread | None = None
         if maintenance:
-            self._maintainer = threading.Thread(target=self._maintain_loop, daemon=True,
-                                                name="kvfabric-store-maintenance")
+            self._maintainer = threading.Thread(
+                target=self._maintain_loop, daemon=True, name="kvfabric-store-maintenance"
+            )
             self._maintainer.start()
 
     # ------------------------------------------------------------------ writing
 
-    def reserve(self, ns: Namespace, key: bytes, *, parent: bytes = ROOT,
-                num_tokens: int | None = None, heads: HeadRange | None = None
-                ) -> ObjectWriter:
+    def reserve(
+        self,
+        ns: Namespace,
+        key: bytes,
+        *,
+        parent: bytes = ROOT,
+        num_tokens: int | None = None,
+        heads: HeadRange | None = None,
+    ) -> ObjectWriter:
         """Allocate an object and return its writer (commit layers, or abort).
 
         With ``heads`` the writer writes only that KV-head range (one tensor-parallel rank):
@@ -188,28 +230,47 @@ class TieredStore:
             self._index.add(entry)
             return self._new_writer(entry, heads)
 
-    def _join(self, entry: Entry, parent: bytes, num_tokens: int, heads: HeadRange | None
-              ) -> ObjectWriter:
+    def _join(
+        self, entry: Entry, parent: bytes, num_tokens: int, heads: HeadRange | None
+    ) -> ObjectWriter:
         """Another tensor-parallel rank's writer for an object being written by ranges."""
-        if heads is None or entry.shards is None or entry.complete or \
-                entry.flags & (ABORTED | REMOVED):
+        if (
+            heads is None
+            or entry.shards is None
+            or entry.complete
+            or entry.flags & (ABORTED | REMOVED)
+        ):
             raise AlreadyExistsError(f"{entry.key.hex()} is already stored or being written")
         if entry.parent != parent or entry.num_tokens != num_tokens:
-            raise SpecMismatchError(f"{entry.key.hex()} is being written with parent "
-                                    f"{entry.parent.hex()} and {entry.num_tokens} tokens")
+            raise SpecMismatchError(
+                f"{entry.key.hex()} is being written with parent "
+                f"{entry.parent.hex()} and {entry.num_tokens} tokens"
+            )
         return self._new_writer(entry, heads)
 
     def _new_writer(self, entry: Entry, heads: HeadRange | None) -> ObjectWriter:
         mask = entry.shards.claim(heads) if heads is not None else 0
         self._tenancy.begin_write(entry.ns.tenant_salt)
         entry.pins += 1  # the writer's reservation
-        writer = ObjectWriter(self, entry, time.monotonic() + self.config.reservation_timeout_s,
-                              heads=heads, head_mask=mask)
+        writer = ObjectWriter(
+            self,
+            entry,
+            time.monotonic() + self.config.reservation_timeout_s,
+            heads=heads,
+            head_mask=mask,
+        )
         self._leases[id(writer)] = writer
         return writer
 
-    def put(self, ns: Namespace, key: bytes, data: Any, *, parent: bytes = ROOT,
-            num_tokens: int | None = None) -> bool:
+    def put(
+        self,
+        ns: Namespace,
+        key: bytes,
+        data: Any,
+        *,
+        parent: bytes = ROOT,
+        num_tokens: int | None = None,
+    ) -> bool:
         """Store a whole payload in canonical layout; ``False`` if the key is already stored."""
         try:
             writer = self.reserve(ns, key, parent=parent, num_tokens=num_tokens)
@@ -237,14 +298,16 @@ class TieredStore:
             if done:
                 self._end_lease(writer)
             else:  # progress renews the lease: a long forward pass keeps its reservation
-                writer.deadline = max(writer.deadline,
-                                      time.monotonic() + self.config.reservation_timeout_s)
+                writer.deadline = max(
+                    writer.deadline, time.monotonic() + self.config.reservation_timeout_s
+                )
             if ready == full:
                 entry.ready = READY_ALL
                 entry.shards = None
                 self._count["puts"] += 1
                 self._tier_counters[entry.tier].bytes_in += entry.ns.spec.layout(
-                    entry.num_tokens).nbytes
+                    entry.num_tokens
+                ).nbytes
                 self._inventory_changed([entry], [])
             else:
                 entry.ready = ready
@@ -267,8 +330,14 @@ class TieredStore:
 
     # ------------------------------------------------------------------ reading
 
-    def get(self, ns: Namespace, key: bytes, *, timeout: float | None = None,
-            lease_s: float | None = None) -> ObjectReader:
+    def get(
+        self,
+        ns: Namespace,
+        key: bytes,
+        *,
+        timeout: float | None = None,
+        lease_s: float | None = None,
+    ) -> ObjectReader:
         """Pin an object (possibly still being written) and return its reader."""
         _check_key("key", key)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -280,8 +349,13 @@ class TieredStore:
                     self._placement.wait(deadline, f"{key.hex()} is being read back from SSD")
                     continue
                 if entry.tier != self._disk_index:
-                    if (self.config.promote_on_hit and entry.tier != self._placement.paged[0]
-                            and entry.complete and entry.pins == 0 and not entry.flags & MOVING):
+                    if (
+                        self.config.promote_on_hit
+                        and entry.tier != self._placement.paged[0]
+                        and entry.complete
+                        and entry.pins == 0
+                        and not entry.flags & MOVING
+                    ):
                         self._placement.promote_in_memory(entry)
                     return self._pin(entry, lease_s)
                 if getattr(self._placement.nonblocking, "on", False):
@@ -352,8 +426,7 @@ class TieredStore:
         for layers without parking a thread per waiter."""
         self._layer_listeners.append(callback)
 
-    def add_inventory_listener(self, callback: InventoryListener, *,
-                               replay: bool = False) -> None:
+    def add_inventory_listener(self, callback: InventoryListener, *, replay: bool = False) -> None:
         """Call ``callback(stored, removed)`` whenever complete objects change: an object
         becomes complete or moves to another tier (``stored``, with its new tier; a move also
         lists the old tier in ``removed``), or is removed — deleted, evicted, aborted, dropped
@@ -373,8 +446,13 @@ class TieredStore:
         """Every complete object as (namespace, key, parent, num_tokens, tier name); a
         snapshot taken under the lock (for a republish of the whole inventory)."""
         with self._lock:
-            return iter([(e.ns, e.key, e.parent, e.num_tokens, self._names[e.tier])
-                         for e in self._index.entries() if e.complete])
+            return iter(
+                [
+                    (e.ns, e.key, e.parent, e.num_tokens, self._names[e.tier])
+                    for e in self._index.entries()
+                    if e.complete
+                ]
+            )
 
     def _inventory_changed(self, stored: list[Entry], removed: list[tuple[Entry, int]]) -> None:
         if not self._inventory_listeners:
@@ -384,8 +462,9 @@ class TieredStore:
         for callback in self._inventory_listeners:
             self._call_inventory_listener(callback, stored_out, removed_out)
 
-    def _call_inventory_listener(self, callback: InventoryListener, stored: list[StoredObject],
-                                 removed: list[RemovedObject]) -> None:
+    def _call_inventory_listener(
+        self, callback: InventoryListener, stored: list[StoredObject], removed: list[RemovedObject]
+    ) -> None:
         try:
             callback(stored, removed)
         except Exception:  # a listener bug must not leave a store operation half done
@@ -412,8 +491,14 @@ class TieredStore:
 
     # ------------------------------------------------------------------ queries
 
-    def lookup(self, ns: Namespace, keys: Sequence[bytes], *, num_tokens: int | None = None,
-               peer_chunks: int = 0) -> LookupResult:
+    def lookup(
+        self,
+        ns: Namespace,
+        keys: Sequence[bytes],
+        *,
+        num_tokens: int | None = None,
+        peer_chunks: int = 0,
+    ) -> LookupResult:
         """Longest prefix of the chain ``keys`` stored in ``ns`` (in-flight writes count,
         except objects tensor-parallel ranks write by head range: those count once every
         range landed, since a rank that never reserves its range leaves no lease to expire).
@@ -441,18 +526,30 @@ class TieredStore:
             if peer_chunks > matched_chunks:
                 peer = max(0, min(peer_chunks * ns.spec.chunk_tokens, requested) - matched)
             self._count_lookup(known, requested, matched, per_tier, chunks, peer)
-        return LookupResult(len(keys), matched_chunks, matched,
-                            {self._names[i]: n for i, n in enumerate(per_tier) if n},
-                            requested_tokens=requested, peer_tokens=peer)
+        return LookupResult(
+            len(keys),
+            matched_chunks,
+            matched,
+            {self._names[i]: n for i, n in enumerate(per_tier) if n},
+            requested_tokens=requested,
+            peer_tokens=peer,
+        )
 
-    def lookup_tokens(self, ns: Namespace, tokens: Any, *, peer_chunks: int = 0
-                      ) -> LookupResult:
+    def lookup_tokens(self, ns: Namespace, tokens: Any, *, peer_chunks: int = 0) -> LookupResult:
         """:meth:`lookup` of a prompt's full chunks, hashed here."""
-        return self.lookup(ns, chunk_keys(ns, tokens, include_partial=False),
-                           peer_chunks=peer_chunks)
+        return self.lookup(
+            ns, chunk_keys(ns, tokens, include_partial=False), peer_chunks=peer_chunks
+        )
 
-    def _count_lookup(self, ns: Namespace | None, requested: int, matched: int,
-                      per_tier: list[int], chunks: list[int], peer: int = 0) -> None:
+    def _count_lookup(
+        self,
+        ns: Namespace | None,
+        requested: int,
+        matched: int,
+        per_tier: list[int],
+        chunks: list[int],
+        peer: int = 0,
+    ) -> None:
         count = self._count
         count["lookups"] += 1
         count["lookup_tokens"] += requested
@@ -496,8 +593,11 @@ class TieredStore:
         ``nbytes`` are freed, or all of them. Returns how many were evicted (and counted)."""
         if tier is not None and tier not in self._names:
             raise NotFoundError(f"no tier named {tier!r}; tiers: {self._names}")
-        order = [self._names.index(tier)] if tier is not None else \
-            list(range(len(self._tiers) - 1, -1, -1))
+        order = (
+            [self._names.index(tier)]
+            if tier is not None
+            else list(range(len(self._tiers) - 1, -1, -1))
+        )
         evicted = freed = 0
         with self._lock:
             progress = True
@@ -559,8 +659,11 @@ class TieredStore:
                 # quarantined: its pin keeps the pages until the writer gives the lease back
                 self._leases.pop(id(lease), None)
                 self._quarantine[id(lease)] = lease
-                log.warning("reservation of %s expired; aborted, its pages quarantined until "
-                            "the writer lets go", entry.key.hex())
+                log.warning(
+                    "reservation of %s expired; aborted, its pages quarantined until "
+                    "the writer lets go",
+                    entry.key.hex(),
+                )
             else:
                 log.warning("pin on %s expired; reclaimed", entry.key.hex())
                 self._end_lease(lease)
@@ -584,14 +687,20 @@ class TieredStore:
             for tier_index in self._placement.paged:
                 self._placement.drain_to_low_watermark(tier_index)
             disk = self._placement.disk()
-            if disk is not None and disk.used_bytes > self.config.high_watermark * \
-                    disk.capacity_bytes:
+            if (
+                disk is not None
+                and disk.used_bytes > self.config.high_watermark * disk.capacity_bytes
+            ):
                 live = disk.stats().live_bytes
-                self._placement.evict_disk_leaves(int(live - self.config.low_watermark *
-                                            disk.capacity_bytes))
+                self._placement.evict_disk_leaves(
+                    int(live - self.config.low_watermark * disk.capacity_bytes)
+                )
         if disk is not None:
-            disk.compact(self._placement.relocate, min_dead_ratio=self.config.compact_dead_ratio,
-                         forget=self._placement.forget)
+            disk.compact(
+                self._placement.relocate,
+                min_dead_ratio=self.config.compact_dead_ratio,
+                forget=self._placement.forget,
+            )
 
     def _maintain_loop(self) -> None:
         while not self._stop.wait(self.config.maintenance_interval_s):
@@ -611,12 +720,19 @@ class TieredStore:
             try:
                 ns, parent, num_tokens, fmt = decode_meta(record.meta)
             except (KVFabricError, ValueError, TypeError, KeyError) as exc:
-                log.warning("SSD record %s has unreadable metadata (%s); dropped",
-                            record.key.hex(), exc)
+                log.warning(
+                    "SSD record %s has unreadable metadata (%s); dropped", record.key.hex(), exc
+                )
                 disk.delete(record.extent)
                 continue
-            entry = Entry(record.key, parent, self._intern(ns, recovering=True), num_tokens,
-                          self._disk_index, record.extent)  # type: ignore[arg-type]
+            entry = Entry(
+                record.key,
+                parent,
+                self._intern(ns, recovering=True),
+                num_tokens,
+                self._disk_index,
+                record.extent,
+            )  # type: ignore[arg-type]
             entry.ready = READY_ALL
             if fmt == FP8:
                 entry.flags |= FP8_ON_DISK
@@ -631,8 +747,7 @@ class TieredStore:
         eviction (neither does it by itself)."""
         for tier in self._tiers:
             if isinstance(tier, HostTier):
-                tier.release_free_memory(int(self.config.free_memory_kept *
-                                             tier.capacity_bytes))
+                tier.release_free_memory(int(self.config.free_memory_kept * tier.capacity_bytes))
         self._index.compact()
 
     def _intern(self, ns: Namespace, *, recovering: bool = False) -> Namespace:
@@ -675,10 +790,14 @@ class TieredStore:
         if entry is not None:
             return entry
         for other in self._index.any_with_key(key):
-            if (other.ns.model_id, other.ns.tenant_salt, other.ns.lora_id) == \
-                    (ns.model_id, ns.tenant_salt, ns.lora_id):
-                raise SpecMismatchError(f"{key.hex()} is stored with spec {other.ns.spec}, "
-                                        f"requested {ns.spec}")
+            if (other.ns.model_id, other.ns.tenant_salt, other.ns.lora_id) == (
+                ns.model_id,
+                ns.tenant_salt,
+                ns.lora_id,
+            ):
+                raise SpecMismatchError(
+                    f"{key.hex()} is stored with spec {other.ns.spec}, requested {ns.spec}"
+                )
         raise NotFoundError(f"no object {key.hex()} in this namespace")
 
     def _check_open(self) -> None:
@@ -695,33 +814,56 @@ class TieredStore:
                 extra: dict[str, Any] = {}
                 if isinstance(tier, DiskTier):
                     disk_stats = tier.stats()
-                    extra = {"corrupt_records": disk_stats.corrupt_records,
-                             "torn_records": disk_stats.torn_records,
-                             "degraded": disk_stats.degraded,
-                             "disk_errors": disk_stats.disk_errors,
-                             "refused_demotions": c.refused_demotions,
-                             "quota_refused_demotions": c.quota_refused_demotions,
-                             "tenant_bytes": self._placement.ssd.by_tenant()}
+                    extra = {
+                        "corrupt_records": disk_stats.corrupt_records,
+                        "torn_records": disk_stats.torn_records,
+                        "degraded": disk_stats.degraded,
+                        "disk_errors": disk_stats.disk_errors,
+                        "refused_demotions": c.refused_demotions,
+                        "quota_refused_demotions": c.quota_refused_demotions,
+                        "tenant_bytes": self._placement.ssd.by_tenant(),
+                    }
                 elif isinstance(tier, HostTier):
-                    extra = {"tenant_bytes": {t: tier.pool_used_bytes(t)
-                                              for t in self._tenancy.tenants}}
-                tiers.append(TierStats(
-                    name=self._names[i], kind=self.config.tiers[i].kind.value,
-                    capacity_bytes=tier.capacity_bytes, used_bytes=tier.used_bytes,
-                    objects=self._index.tier_count(i), hit_tokens=c.hit_tokens,
-                    hit_chunks=c.hit_chunks, evictions=c.evictions, promotions=c.promotions,
-                    demotions=c.demotions, bytes_in=c.bytes_in, bytes_out=c.bytes_out,
-                    bytes_saved=c.bytes_saved, **extra))
+                    extra = {
+                        "tenant_bytes": {t: tier.pool_used_bytes(t) for t in self._tenancy.tenants}
+                    }
+                tiers.append(
+                    TierStats(
+                        name=self._names[i],
+                        kind=self.config.tiers[i].kind.value,
+                        capacity_bytes=tier.capacity_bytes,
+                        used_bytes=tier.used_bytes,
+                        objects=self._index.tier_count(i),
+                        hit_tokens=c.hit_tokens,
+                        hit_chunks=c.hit_chunks,
+                        evictions=c.evictions,
+                        promotions=c.promotions,
+                        demotions=c.demotions,
+                        bytes_in=c.bytes_in,
+                        bytes_out=c.bytes_out,
+                        bytes_saved=c.bytes_saved,
+                        **extra,
+                    )
+                )
             count = self._count
             return StoreStats(
-                tiers=tuple(tiers), objects=len(self._index), lookups=count["lookups"],
-                lookup_tokens=count["lookup_tokens"], hit_tokens=count["hit_tokens"],
-                miss_tokens=count["miss_tokens"], peer_hit_tokens=count["peer_hit_tokens"],
-                puts=count["puts"], gets=count["gets"],
-                deletes=count["deletes"], expired_leases=count["expired"],
+                tiers=tuple(tiers),
+                objects=len(self._index),
+                lookups=count["lookups"],
+                lookup_tokens=count["lookup_tokens"],
+                hit_tokens=count["hit_tokens"],
+                miss_tokens=count["miss_tokens"],
+                peer_hit_tokens=count["peer_hit_tokens"],
+                puts=count["puts"],
+                gets=count["gets"],
+                deletes=count["deletes"],
+                expired_leases=count["expired"],
                 aborted_writes=count["aborted"],
-                namespaces=tuple(NamespaceStats(m, t, c.lookups, c.lookup_tokens, c.hit_tokens)
-                                 for (m, t), c in sorted(self._ns_counters.items())))
+                namespaces=tuple(
+                    NamespaceStats(m, t, c.lookups, c.lookup_tokens, c.hit_tokens)
+                    for (m, t), c in sorted(self._ns_counters.items())
+                ),
+            )
 
     def close(self) -> None:
         """Stop maintenance, write memory-resident objects to SSD (``persist_on_close``),
@@ -751,7 +893,7 @@ class TieredStore:
                     tier.close()
             self._cond.notify_all()
 
-    def __enter__(self) -> "TieredStore":
+    def __enter__(self) -> TieredStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -761,5 +903,3 @@ class TieredStore:
 def _check_key(name: str, key: bytes) -> None:
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
         raise SpecError(f"{name} must be {KEY_BYTES} bytes")
-
-

@@ -67,15 +67,23 @@ class ArenaInfo:
 class Tenancy:
     """The tenants' pools and arena ids over the store's tiers, and their quotas' counts."""
 
-    def __init__(self, config: StoreConfig, tiers: Sequence[Any], names: Sequence[str],
-                 index: LocalIndex, tenants: Iterable[str]) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        tiers: Sequence[Any],
+        names: Sequence[str],
+        index: LocalIndex,
+        tenants: Iterable[str],
+    ) -> None:
         self._config = config
         named = {t for t in config.quotas if t != ANY_TENANT}
         self.tenants = sorted({t for t in tenants if t} | named)
         host = [i for i, tier in enumerate(tiers) if isinstance(tier, HostTier)]
         if len(host) * (1 + len(self.tenants)) > MAX_ARENAS:
-            raise ConfigError(f"{len(self.tenants)} tenants with arenas of their own in "
-                              f"{len(host)} host tiers need more than {MAX_ARENAS} arenas")
+            raise ConfigError(
+                f"{len(self.tenants)} tenants with arenas of their own in "
+                f"{len(host)} host tiers need more than {MAX_ARENAS} arenas"
+            )
         self._quotas = {t: config.quota_for(t) for t in self.tenants}
         self._arenas: list[ArenaInfo] = []
         self._ids: dict[tuple[int, str | None], int] = {}
@@ -87,8 +95,7 @@ class Tenancy:
         for tenant in self.tenants:
             quota = self._quotas[tenant]
             for i, tier in enumerate(tiers):
-                limit = None if quota is None else quota.tier_bytes(names[i],
-                                                                    tier.capacity_bytes)
+                limit = None if quota is None else quota.tier_bytes(names[i], tier.capacity_bytes)
                 if isinstance(tier, DiskTier):
                     self.ssd_limits[tenant] = limit
                     if limit is not None:
@@ -96,8 +103,10 @@ class Tenancy:
                     continue
                 if not isinstance(tier, HostTier):
                     if limit is not None and isinstance(tier, PagedTier):
-                        raise ConfigError(f"quotas.{tenant}.{names[i]}: a device tier has no "
-                                          f"tenant arenas, so no quota")
+                        raise ConfigError(
+                            f"quotas.{tenant}.{names[i]}: a device tier has no "
+                            f"tenant arenas, so no quota"
+                        )
                     continue
                 tier.add_pool(tenant, tier.capacity_bytes if limit is None else limit)
                 self._add(i, names[i], tenant, tier.arenas[tenant], next_id)
@@ -107,11 +116,13 @@ class Tenancy:
         self._writers: dict[str, int] = {}
         self._namespaces: dict[str, int] = {}
 
-    def _add(self, tier_index: int, tier_name: str, tenant: str | None, arena: SharedArena,
-             arena_id: int) -> None:
+    def _add(
+        self, tier_index: int, tier_name: str, tenant: str | None, arena: SharedArena, arena_id: int
+    ) -> None:
         self._ids[(tier_index, tenant)] = arena_id
-        self._arenas.append(ArenaInfo(arena_id, tier_index, tier_name, tenant, arena,
-                                      arena.read_only_fd()))
+        self._arenas.append(
+            ArenaInfo(arena_id, tier_index, tier_name, tenant, arena, arena.read_only_fd())
+        )
 
     def arenas(self, tenant: Any = EVERY_TENANT) -> list[ArenaInfo]:
         """The arenas a session of ``tenant`` may map: its own (None: the default ones, a
@@ -147,8 +158,10 @@ class Tenancy:
             return
         held = self._writers.get(tenant, 0)
         if held >= quota.reservations:
-            raise QuotaExceededError(f"tenant {tenant!r} has {held} reservations in flight "
-                                     f"(its quota); commit or abort some first")
+            raise QuotaExceededError(
+                f"tenant {tenant!r} has {held} reservations in flight "
+                f"(its quota); commit or abort some first"
+            )
         if not check_only:
             self._writers[tenant] = held + 1
 
@@ -164,20 +177,24 @@ class Tenancy:
     def writes_in_flight(self, tenant: str) -> int:
         return self._writers.get(tenant, 0)
 
-    def add_namespace(self, ns: Namespace, *, check_only: bool = False,
-                      force: bool = False) -> None:
+    def add_namespace(
+        self, ns: Namespace, *, check_only: bool = False, force: bool = False
+    ) -> None:
         """Count a namespace ``ns``'s tenant starts holding data in; QuotaExceededError at
         its limit (``force``: count it anyway, as a restart finding it on SSD does)."""
         tenant = ns.tenant_salt
         if tenant not in self._quotas:
             return  # not a configured tenant: the store's own table limit applies
         quota = self._quotas[tenant]
-        limit = DEFAULT_NAMESPACES if quota is None or quota.namespaces is None \
-            else quota.namespaces
+        limit = (
+            DEFAULT_NAMESPACES if quota is None or quota.namespaces is None else quota.namespaces
+        )
         held = self._namespaces.get(tenant, 0)
         if held >= limit and not force:
-            raise QuotaExceededError(f"tenant {tenant!r} holds data in {held} namespaces (its "
-                                     f"quota); a new one needs an old one emptied first")
+            raise QuotaExceededError(
+                f"tenant {tenant!r} holds data in {held} namespaces (its "
+                f"quota); a new one needs an old one emptied first"
+            )
         if not check_only:
             self._namespaces[tenant] = held + 1
 

@@ -110,8 +110,9 @@ class PagedTier(ABC):
         """Pages of ``pool`` for ``nbytes``; :class:`CapacityError` (nothing taken) when they
         do not fit in the tier's budget or in the pool."""
         if nbytes > self.capacity_bytes:
-            raise CapacityError(f"{nbytes} bytes exceed the {self.name} tier's capacity "
-                                f"{self.capacity_bytes}")
+            raise CapacityError(
+                f"{nbytes} bytes exceed the {self.name} tier's capacity {self.capacity_bytes}"
+            )
         count = self.pages_for(nbytes)
         if count > self._budget - self._used:
             raise CapacityError(f"need {count} pages, {self._budget - self._used} free")

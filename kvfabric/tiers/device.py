@@ -15,8 +15,9 @@ from kvfabric.tiers.base import PagedTier, Pool, TierKind, View
 class DeviceTier(PagedTier):
     """``capacity_bytes`` of memory on ``device`` (``"cpu"``, ``"cuda:0"``, ...)."""
 
-    def __init__(self, name: str, capacity_bytes: int, page_size: int, *,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self, name: str, capacity_bytes: int, page_size: int, *, device: str = "cpu"
+    ) -> None:
         import torch  # the only tier that needs torch
 
         size = capacity_bytes - capacity_bytes % page_size
@@ -32,7 +33,7 @@ class DeviceTier(PagedTier):
 
     def _view(self, page_id: int, start: int, end: int) -> Any:
         base = page_id * self.page_size
-        return self._pool[base + start:base + end]
+        return self._pool[base + start : base + end]
 
     def close(self) -> None:
         self._pool = None  # type: ignore[assignment]

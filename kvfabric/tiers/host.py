@@ -23,15 +23,26 @@ from kvfabric.tiers.base import PagedTier, Pool, TierKind, View
 class HostTier(PagedTier):
     """DRAM or CXL memory that local processes can map (the arenas' memfds)."""
 
-    def __init__(self, name: str, kind: TierKind, capacity_bytes: int, page_size: int, *,
-                 numa_node: int | None = None, prefault: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        kind: TierKind,
+        capacity_bytes: int,
+        page_size: int,
+        *,
+        numa_node: int | None = None,
+        prefault: bool = False,
+    ) -> None:
         if kind not in (TierKind.DRAM, TierKind.CXL):
             raise ValueError(f"a host tier is dram or cxl, not {kind.value}")
         size = capacity_bytes - capacity_bytes % page_size
         self._numa_node = numa_node
         self.prefault = prefault  # the default arena only: tenants' arenas fill on demand
-        self.arenas: dict[Pool, SharedArena] = {None: SharedArena.create(
-            size, page_size, name=f"kvfabric-{name}", numa_node=numa_node, prefault=prefault)}
+        self.arenas: dict[Pool, SharedArena] = {
+            None: SharedArena.create(
+                size, page_size, name=f"kvfabric-{name}", numa_node=numa_node, prefault=prefault
+            )
+        }
         super().__init__(name, kind, size, page_size)
         self._views: dict[Pool, View] = {None: self._view_of(self.arenas[None].array)}
 
@@ -44,8 +55,9 @@ class HostTier(PagedTier):
         super().add_pool(tenant, capacity_bytes)
         size = self._pools[tenant].num_pages * self.page_size
         try:
-            arena = SharedArena.create(size, self.page_size, name=f"kvfabric-{self.name}-tenant",
-                                       numa_node=self._numa_node)
+            arena = SharedArena.create(
+                size, self.page_size, name=f"kvfabric-{self.name}-tenant", numa_node=self._numa_node
+            )
         except BaseException:
             del self._pools[tenant]
             raise
@@ -57,7 +69,8 @@ class HostTier(PagedTier):
 
         def view(page_id: int, start: int, end: int) -> np.ndarray:
             base = page_id * page_size
-            return flat[base + start:base + end]
+            return flat[base + start : base + end]
+
         return view
 
     def _viewer(self, pool: Pool) -> View:

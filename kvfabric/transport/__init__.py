@@ -11,16 +11,32 @@ import functools
 import logging
 
 from kvfabric.errors import ConfigError, UnavailableError
-from kvfabric.transport.base import (Peer, PeerDescriptor, ReadPiece, RegionInfo, Transport,
-                                     WritePiece)
+from kvfabric.transport.base import (
+    Peer,
+    PeerDescriptor,
+    ReadPiece,
+    RegionInfo,
+    Transport,
+    WritePiece,
+)
 from kvfabric.transport.socket_backend import SocketTransport
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "nixl", "socket")
 
-__all__ = ["BACKENDS", "Peer", "PeerDescriptor", "ReadPiece", "RegionInfo", "SocketTransport",
-           "Transport", "WritePiece", "nixl_unavailable_reason", "select_backend"]
+__all__ = [
+    "BACKENDS",
+    "Peer",
+    "PeerDescriptor",
+    "ReadPiece",
+    "RegionInfo",
+    "SocketTransport",
+    "Transport",
+    "WritePiece",
+    "nixl_unavailable_reason",
+    "select_backend",
+]
 
 
 @functools.cache
@@ -28,6 +44,7 @@ def nixl_unavailable_reason() -> str | None:
     """``None`` when NIXL works here, else why not (import failure, no UCX backend, ...)."""
     try:
         from nixl_cu12._api import nixl_agent, nixl_agent_config
+
         nixl_agent("kvfabric-probe", nixl_agent_config(backends=["UCX"]))
     except Exception as exc:  # ImportError, missing libs, backend creation failures
         return f"{type(exc).__name__}: {exc}"
@@ -43,9 +60,12 @@ def select_backend(preferred: str = "auto") -> type[Transport]:
     reason = nixl_unavailable_reason()
     if reason is None:
         from kvfabric.transport.nixl_backend import NixlTransport
+
         return NixlTransport
     if preferred == "nixl":
-        raise UnavailableError(f"transport 'nixl' is not available here: {reason} "
-                               "(install the kvfabric[nixl] extra: nixl-cu12 --no-deps)")
+        raise UnavailableError(
+            f"transport 'nixl' is not available here: {reason} "
+            "(install the kvfabric[nixl] extra: nixl-cu12 --no-deps)"
+        )
     log.info("NIXL unavailable (%s); using the socket transport", reason)
     return SocketTransport

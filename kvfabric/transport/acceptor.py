@@ -66,8 +66,10 @@ class AcceptLimits:
     max_connections: int = 512
 
     def __post_init__(self) -> None:
-        if self.handshake_timeout_s <= 0 or min(self.max_handshakes, self.max_per_ip,
-                                                self.max_connections) <= 0:
+        if (
+            self.handshake_timeout_s <= 0
+            or min(self.max_handshakes, self.max_per_ip, self.max_connections) <= 0
+        ):
             raise ValueError("accept limits must be positive")
 
 
@@ -96,10 +98,18 @@ class _ListenerGone(Exception):
 
 
 class Acceptor:
-    def __init__(self, listener: socket.socket, name: str, *, greet: Greet, finish: Finish,
-                 on_ready: OnReady, connections: Callable[[], int],
-                 limits: AcceptLimits = AcceptLimits(),
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        listener: socket.socket,
+        name: str,
+        *,
+        greet: Greet,
+        finish: Finish,
+        on_ready: OnReady,
+        connections: Callable[[], int],
+        limits: AcceptLimits = AcceptLimits(),
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self._listener = listener
         self._ssl = ssl_context
         self._greet, self._finish, self._on_ready = greet, finish, on_ready
@@ -117,8 +127,9 @@ class Acceptor:
         listener.setblocking(False)
         self._selector.register(listener, selectors.EVENT_READ)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"kvf-transport-{name}-accept")
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name=f"kvf-transport-{name}-accept"
+        )
         self._thread.start()
 
     @property
@@ -182,9 +193,8 @@ class Acceptor:
                 return
             else:
                 pending = self._pending.get(key.fileobj)  # type: ignore[call-overload]
-                if pending is not None:
-                    if pending.greeted or self._secure(pending):
-                        self._advance(pending)
+                if pending is not None and (pending.greeted or self._secure(pending)):
+                    self._advance(pending)
         now = time.monotonic()
         for pending in [p for p in self._pending.values() if p.deadline <= now]:
             self.stats.timed_out += 1
@@ -222,8 +232,7 @@ class Acceptor:
         try:
             sock.setblocking(False)
             if self._ssl is not None:  # the client speaks first (ClientHello); greet after
-                sock = self._ssl.wrap_socket(sock, server_side=True,
-                                             do_handshake_on_connect=False)
+                sock = self._ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
                 state, greeted = None, False
             else:
                 hello, state = self._greet()
@@ -234,8 +243,9 @@ class Acceptor:
             sock.close()
             return
         self.stats.accepted += 1
-        pending = _Pending(sock, ip, time.monotonic() + limits.handshake_timeout_s, state,
-                           greeted=greeted)
+        pending = _Pending(
+            sock, ip, time.monotonic() + limits.handshake_timeout_s, state, greeted=greeted
+        )
         self._pending[sock] = pending
         self._per_ip[ip] += 1
         self._selector.register(sock, selectors.EVENT_READ)
@@ -276,8 +286,7 @@ class Acceptor:
         while True:  # TLS: a record read may leave more decrypted in the buffer, unsignalled
             try:
                 data = pending.sock.recv(MAX_HANDSHAKE_FRAME + HEADER - len(pending.buffer))
-            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
-                    ssl.SSLWantWriteError):
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 return
             except OSError:
                 self._drop(pending)
@@ -296,15 +305,17 @@ class Acceptor:
         try:
             length = frame_length(bytes(pending.buffer[:HEADER]))
             if length > MAX_HANDSHAKE_FRAME:
-                raise ProtocolError(f"handshake frame of {length} bytes (limit "
-                                    f"{MAX_HANDSHAKE_FRAME})")
+                raise ProtocolError(
+                    f"handshake frame of {length} bytes (limit {MAX_HANDSHAKE_FRAME})"
+                )
             if len(pending.buffer) < HEADER + length:
                 return False
-            message = decode_body(bytes(pending.buffer[HEADER:HEADER + length]))
+            message = decode_body(bytes(pending.buffer[HEADER : HEADER + length]))
             if self._connections() >= self.limits.max_connections:
                 self.stats.refused += 1
-                reply = encode_frame({"ok": False, "kind": "unavailable",
-                                      "message": "too many peer connections"})
+                reply = encode_frame(
+                    {"ok": False, "kind": "unavailable", "message": "too many peer connections"}
+                )
                 name: str | None = None
             else:
                 reply, name = self._finish(pending.state, message)
@@ -359,5 +370,8 @@ class Acceptor:
         now = time.monotonic()
         if now - self._last_log >= _LOG_EVERY_S:
             self._last_log = now
-            log.warning("peer transport: " + message + " (%d accept errors so far)", *args,
-                        self.stats.accept_errors)
+            log.warning(
+                "peer transport: " + message + " (%d accept errors so far)",
+                *args,
+                self.stats.accept_errors,
+            )

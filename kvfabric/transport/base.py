@@ -43,8 +43,13 @@ from typing import Any, Self
 import msgpack
 import numpy as np
 
-from kvfabric.errors import (AuthError, DeadlineExceededError, ProtocolError,
-                             UnavailableError, UnsupportedVersionError)
+from kvfabric.errors import (
+    AuthError,
+    DeadlineExceededError,
+    ProtocolError,
+    UnavailableError,
+    UnsupportedVersionError,
+)
 from kvfabric.protocol.frames import decode_body
 from kvfabric.transport import auth
 
@@ -80,33 +85,51 @@ class PeerDescriptor:
         raise ProtocolError(f"peer {self.name!r} has no region {region_id}")
 
     def encode(self, secret: bytes | None) -> bytes:
-        body = msgpack.packb({"backend": self.backend, "name": self.name,
-                              "regions": [[r.region_id, r.address, r.nbytes]
-                                          for r in self.regions],
-                              "host": self.host, "port": self.port, "metadata": self.metadata,
-                              "tls": self.tls}, use_bin_type=True)
-        return msgpack.packb({"v": DESCRIPTOR_VERSION, "body": body,
-                              "mac": auth.sign(secret, _DESCRIPTOR_PURPOSE, body)},
-                             use_bin_type=True)
+        body = msgpack.packb(
+            {
+                "backend": self.backend,
+                "name": self.name,
+                "regions": [[r.region_id, r.address, r.nbytes] for r in self.regions],
+                "host": self.host,
+                "port": self.port,
+                "metadata": self.metadata,
+                "tls": self.tls,
+            },
+            use_bin_type=True,
+        )
+        return msgpack.packb(
+            {
+                "v": DESCRIPTOR_VERSION,
+                "body": body,
+                "mac": auth.sign(secret, _DESCRIPTOR_PURPOSE, body),
+            },
+            use_bin_type=True,
+        )
 
     @classmethod
     def decode(cls, data: bytes, secret: bytes | None) -> PeerDescriptor:
         """Parse and authenticate; ``ProtocolError`` / ``AuthError`` on anything wrong."""
         outer = decode_body(data)
         if outer.get("v") != DESCRIPTOR_VERSION:
-            raise UnsupportedVersionError(f"descriptor version {outer.get('v')!r}, "
-                                          f"this side speaks {DESCRIPTOR_VERSION}")
+            raise UnsupportedVersionError(
+                f"descriptor version {outer.get('v')!r}, this side speaks {DESCRIPTOR_VERSION}"
+            )
         body = outer.get("body")
         if not isinstance(body, bytes):
             raise ProtocolError("descriptor without a body")
         auth.verify(secret, outer.get("mac"), _DESCRIPTOR_PURPOSE, body)
         fields = decode_body(body)
         try:
-            regions = tuple(RegionInfo(int(r[0]), int(r[1]), int(r[2]))
-                            for r in fields["regions"])
-            return cls(backend=str(fields["backend"]), name=str(fields["name"]),
-                       regions=regions, host=str(fields["host"]), port=int(fields["port"]),
-                       metadata=bytes(fields["metadata"]), tls=fields.get("tls") is True)
+            regions = tuple(RegionInfo(int(r[0]), int(r[1]), int(r[2])) for r in fields["regions"])
+            return cls(
+                backend=str(fields["backend"]),
+                name=str(fields["name"]),
+                regions=regions,
+                host=str(fields["host"]),
+                port=int(fields["port"]),
+                metadata=bytes(fields["metadata"]),
+                tls=fields.get("tls") is True,
+            )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"malformed descriptor: {exc}") from None
 
@@ -206,8 +229,9 @@ class Transport(ABC):
 
     def region_infos(self) -> tuple[RegionInfo, ...]:
         with self._lock:
-            return tuple(RegionInfo(rid, address_of(v), len(v))
-                         for rid, v in sorted(self._regions.items()))
+            return tuple(
+                RegionInfo(rid, address_of(v), len(v)) for rid, v in sorted(self._regions.items())
+            )
 
     def region_view(self, region_id: int) -> memoryview | None:
         with self._lock:
@@ -221,8 +245,10 @@ class Transport(ABC):
                 base = address_of(region)
                 if base <= start and start + len(view) <= base + len(region):
                     return rid, start - base
-        raise ValueError(f"local buffer of {len(view)} bytes at {start:#x} is not inside a "
-                         "region registered on this transport")
+        raise ValueError(
+            f"local buffer of {len(view)} bytes at {start:#x} is not inside a "
+            "region registered on this transport"
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -231,8 +257,10 @@ class Transport(ABC):
     def _decode_descriptor(self, data: bytes) -> PeerDescriptor:
         descriptor = PeerDescriptor.decode(data, self._secret)
         if descriptor.backend != self.backend:
-            raise ProtocolError(f"peer {descriptor.name!r} uses the {descriptor.backend!r} "
-                                f"transport, this side {self.backend!r}")
+            raise ProtocolError(
+                f"peer {descriptor.name!r} uses the {descriptor.backend!r} "
+                f"transport, this side {self.backend!r}"
+            )
         if descriptor.name == self.name:
             raise AuthError(f"peer descriptor carries our own name {self.name!r}")
         return descriptor

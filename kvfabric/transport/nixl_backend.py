@@ -34,8 +34,17 @@ from typing import Any
 from nixl_cu12._api import nixl_agent, nixl_agent_config
 
 from kvfabric.errors import KVFabricError, ProtocolError, UnavailableError
-from kvfabric.transport.base import (Peer, PeerDescriptor, ReadPiece, Transport, WritePiece,
-                                     address_of, byte_view, end_time, remaining)
+from kvfabric.transport.base import (
+    Peer,
+    PeerDescriptor,
+    ReadPiece,
+    Transport,
+    WritePiece,
+    address_of,
+    byte_view,
+    end_time,
+    remaining,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +56,10 @@ def _check_remote(desc: PeerDescriptor, region_id: int, offset: int, length: int
     """The remote address of a piece, or ``ProtocolError`` when it is outside the region."""
     region = desc.region(region_id)
     if offset < 0 or length <= 0 or offset + length > region.nbytes:
-        raise ProtocolError(f"piece [{offset}, {offset + length}) outside region {region_id} "
-                            f"of {region.nbytes} bytes on {desc.name!r}")
+        raise ProtocolError(
+            f"piece [{offset}, {offset + length}) outside region {region_id} "
+            f"of {region.nbytes} bytes on {desc.name!r}"
+        )
     return region.address + offset
 
 
@@ -67,7 +78,8 @@ class NixlTransport(Transport):
     def _register(self, region_id: int, view: memoryview) -> None:
         with self._agent_lock:
             self._reg_handles[region_id] = self._agent.register_memory(
-                [(address_of(view), len(view), 0, "")], "DRAM")
+                [(address_of(view), len(view), 0, "")], "DRAM"
+            )
 
     def _unregister(self, region_id: int, view: memoryview) -> None:
         with self._agent_lock:
@@ -77,8 +89,9 @@ class NixlTransport(Transport):
         self._check_open()
         with self._agent_lock:
             metadata = self._agent.get_agent_metadata()
-        return PeerDescriptor(self.backend, self.name, self.region_infos(),
-                              metadata=metadata).encode(self._secret)
+        return PeerDescriptor(
+            self.backend, self.name, self.region_infos(), metadata=metadata
+        ).encode(self._secret)
 
     def connect(self, peer_descriptor: bytes, deadline: float) -> Peer:
         self._check_open()
@@ -91,25 +104,36 @@ class NixlTransport(Transport):
             try:
                 self._agent.add_remote_agent(desc.metadata)
             except Exception as exc:  # nixl raises its own binding types
-                raise UnavailableError(f"cannot load NIXL metadata of {desc.name!r}: {exc}") \
-                    from None
+                raise UnavailableError(
+                    f"cannot load NIXL metadata of {desc.name!r}: {exc}"
+                ) from None
             self._remote_names.add(desc.name)
         return Peer(desc)
 
     def read(self, peer: Peer, pieces: Sequence[ReadPiece], deadline: float) -> None:
         views = [byte_view(p.local, writable=True) for p in pieces]
-        remote = [(_check_remote(peer.descriptor, p.remote_region, p.remote_offset, len(v)),
-                   len(v), 0) for p, v in zip(pieces, views)]
+        remote = [
+            (_check_remote(peer.descriptor, p.remote_region, p.remote_offset, len(v)), len(v), 0)
+            for p, v in zip(pieces, views)
+        ]
         self._transfer("READ", peer, views, remote, deadline)
 
     def write(self, peer: Peer, pieces: Sequence[WritePiece], deadline: float) -> None:
         views = [byte_view(p.local, writable=False) for p in pieces]
-        remote = [(_check_remote(peer.descriptor, p.remote_region, p.remote_offset, len(v)),
-                   len(v), 0) for p, v in zip(pieces, views)]
+        remote = [
+            (_check_remote(peer.descriptor, p.remote_region, p.remote_offset, len(v)), len(v), 0)
+            for p, v in zip(pieces, views)
+        ]
         self._transfer("WRITE", peer, views, remote, deadline)
 
-    def _transfer(self, op: str, peer: Peer, views: list[memoryview],
-                  remote: list[tuple[int, int, int]], deadline: float) -> None:
+    def _transfer(
+        self,
+        op: str,
+        peer: Peer,
+        views: list[memoryview],
+        remote: list[tuple[int, int, int]],
+        deadline: float,
+    ) -> None:
         self._check_open()
         if not views:
             raise ValueError("a transfer needs at least one piece")
@@ -121,8 +145,11 @@ class NixlTransport(Transport):
         try:
             with self._agent_lock:
                 handle = self._agent.initialize_xfer(
-                    op, self._agent.get_xfer_descs(local, "DRAM"),
-                    self._agent.get_xfer_descs(remote, "DRAM"), peer.name)
+                    op,
+                    self._agent.get_xfer_descs(local, "DRAM"),
+                    self._agent.get_xfer_descs(remote, "DRAM"),
+                    peer.name,
+                )
                 state = self._agent.transfer(handle)
             spin_until = time.monotonic() + _SPIN_S
             while state not in ("DONE", "ERR"):
@@ -146,8 +173,7 @@ class NixlTransport(Transport):
             try:
                 self._agent.release_xfer_handle(handle)
             except Exception as exc:  # a still-posted transfer may refuse; log, do not mask
-                log.warning("transport %s: could not release a NIXL transfer: %s",
-                            self.name, exc)
+                log.warning("transport %s: could not release a NIXL transfer: %s", self.name, exc)
 
     def notify(self, peer: Peer, message: bytes, deadline: float) -> None:
         self._check_open()

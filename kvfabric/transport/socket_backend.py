@@ -49,13 +49,27 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvfabric.errors import (AuthError, DeadlineExceededError, KVFabricError, ProtocolError,
-                             UnavailableError, error_for_kind)
+from kvfabric.errors import (
+    AuthError,
+    DeadlineExceededError,
+    KVFabricError,
+    ProtocolError,
+    UnavailableError,
+    error_for_kind,
+)
 from kvfabric.protocol.frames import HEADER, decode_body, encode_frame, frame_length
 from kvfabric.transport import auth
 from kvfabric.transport.acceptor import AcceptLimits, Acceptor
-from kvfabric.transport.base import (Peer, PeerDescriptor, ReadPiece, Transport, WritePiece,
-                                     byte_view, end_time, remaining)
+from kvfabric.transport.base import (
+    Peer,
+    PeerDescriptor,
+    ReadPiece,
+    Transport,
+    WritePiece,
+    byte_view,
+    end_time,
+    remaining,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +105,11 @@ def _parse_pieces(raw: object) -> list[tuple[int, int, int]]:
         raise ProtocolError("pieces must be a non-empty list")
     pieces = []
     for item in raw:
-        if (not isinstance(item, list) or len(item) != 3
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
+        if (
+            not isinstance(item, list)
+            or len(item) != 3
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)
+        ):
             raise ProtocolError(f"a piece must be [region, offset, length], got {item!r}")
         pieces.append((item[0], item[1], item[2]))
     return pieces
@@ -112,12 +129,20 @@ class SocketTransport(Transport):
 
     backend = "socket"
 
-    def __init__(self, name: str, *, secret: bytes | None = None, host: str = "127.0.0.1",
-                 port: int = 0, advertise_host: str | None = None,
-                 io_timeout: float = 30.0, idle_timeout: float = 300.0,
-                 limits: AcceptLimits = AcceptLimits(),
-                 server_ssl: ssl.SSLContext | None = None,
-                 client_ssl: Callable[[], ssl.SSLContext] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        secret: bytes | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        io_timeout: float = 30.0,
+        idle_timeout: float = 300.0,
+        limits: AcceptLimits = AcceptLimits(),
+        server_ssl: ssl.SSLContext | None = None,
+        client_ssl: Callable[[], ssl.SSLContext] | None = None,
+    ) -> None:
         """Listen on ``host:port`` (0: any free port); peers are told ``advertise_host``
         (default: the bound address, which must then be reachable, i.e. not a wildcard).
         ``io_timeout`` bounds how long a peer may stall in the middle of a request,
@@ -132,7 +157,8 @@ class SocketTransport(Transport):
         self._io_timeout = io_timeout
         self._idle_timeout = idle_timeout
         self._notifications: collections.deque[tuple[str, bytes]] = collections.deque(
-            maxlen=MAX_NOTIFICATIONS)
+            maxlen=MAX_NOTIFICATIONS
+        )
         self._inbound: set[socket.socket] = set()
         self._peers: dict[str, SocketPeer] = {}
         self._listener = socket.create_server((host, port), backlog=1024)
@@ -141,15 +167,27 @@ class SocketTransport(Transport):
         if self._host in ("0.0.0.0", "::"):
             self._listener.close()
             raise ValueError("listening on a wildcard address needs an advertise_host")
-        self._acceptor = Acceptor(self._listener, name, greet=self._greet,
-                                  finish=self._finish_handshake, on_ready=self._start_serving,
-                                  connections=lambda: self.inbound_connections, limits=limits,
-                                  ssl_context=server_ssl)
+        self._acceptor = Acceptor(
+            self._listener,
+            name,
+            greet=self._greet,
+            finish=self._finish_handshake,
+            on_ready=self._start_serving,
+            connections=lambda: self.inbound_connections,
+            limits=limits,
+            ssl_context=server_ssl,
+        )
 
     # -- client side -------------------------------------------------------------------------
     def descriptor(self) -> bytes:
-        return PeerDescriptor(self.backend, self.name, self.region_infos(), host=self._host,
-                              port=self._port, tls=self.tls).encode(self._secret)
+        return PeerDescriptor(
+            self.backend,
+            self.name,
+            self.region_infos(),
+            host=self._host,
+            port=self._port,
+            tls=self.tls,
+        ).encode(self._secret)
 
     @property
     def tls(self) -> bool:
@@ -163,7 +201,8 @@ class SocketTransport(Transport):
             raise UnavailableError(
                 f"peer {peer.name!r} {'speaks' if peer.descriptor.tls else 'does not speak'} "
                 f"TLS on its transport and this node {'does' if self.tls else 'does not'}: "
-                "security.tls_planes (peer) must be the same on every node")
+                "security.tls_planes (peer) must be the same on every node"
+            )
         # One connection now, so a wrong secret or a dead peer surfaces here, not mid-transfer.
         sock = self._open(peer, end_time(deadline))
         peer.idle.append(sock)
@@ -178,8 +217,10 @@ class SocketTransport(Transport):
         views = [byte_view(p.local, writable=True) for p in pieces]
         for view in views:
             self.local_region_of(view)
-        request = {"op": "read", "pieces": [[p.remote_region, p.remote_offset, len(v)]
-                                            for p, v in zip(pieces, views)]}
+        request = {
+            "op": "read",
+            "pieces": [[p.remote_region, p.remote_offset, len(v)] for p, v in zip(pieces, views)],
+        }
 
         def exchange(sock: socket.socket, end: float) -> None:
             self._call(sock, request, end)
@@ -198,8 +239,10 @@ class SocketTransport(Transport):
         views = [byte_view(p.local, writable=False) for p in pieces]
         for view in views:
             self.local_region_of(view)
-        request = {"op": "write", "pieces": [[p.remote_region, p.remote_offset, len(v)]
-                                             for p, v in zip(pieces, views)]}
+        request = {
+            "op": "write",
+            "pieces": [[p.remote_region, p.remote_offset, len(v)] for p, v in zip(pieces, views)],
+        }
 
         def exchange(sock: socket.socket, end: float) -> None:
             self._call(sock, request, end)
@@ -213,8 +256,9 @@ class SocketTransport(Transport):
 
     def notify(self, peer: Peer, message: bytes, deadline: float) -> None:
         request = {"op": "notify", "message": bytes(message)}
-        self._with_connection(peer, lambda sock, end: self._call(sock, request, end),
-                              deadline, "notify")
+        self._with_connection(
+            peer, lambda sock, end: self._call(sock, request, end), deadline, "notify"
+        )
 
     @property
     def inbound_connections(self) -> int:
@@ -271,18 +315,21 @@ class SocketTransport(Transport):
     def _open(self, peer: SocketPeer, end: float) -> socket.socket:
         desc = peer.descriptor
         try:
-            sock = socket.create_connection((desc.host, desc.port),
-                                            timeout=remaining(end, "connect"))
+            sock = socket.create_connection(
+                (desc.host, desc.port), timeout=remaining(end, "connect")
+            )
         except TimeoutError:
             raise DeadlineExceededError(f"connect to {desc.name!r}: deadline passed") from None
         except OSError as exc:
-            raise UnavailableError(f"cannot reach peer {desc.name!r} at "
-                                   f"{desc.host}:{desc.port}: {exc}") from None
+            raise UnavailableError(
+                f"cannot reach peer {desc.name!r} at {desc.host}:{desc.port}: {exc}"
+            ) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._client_ssl is not None:
-                sock = self._client_ssl().wrap_socket(sock, server_hostname=desc.host,
-                                                      do_handshake_on_connect=False)
+                sock = self._client_ssl().wrap_socket(
+                    sock, server_hostname=desc.host, do_handshake_on_connect=False
+                )
                 sock.settimeout(remaining(end, "TLS handshake"))
                 sock.do_handshake()
             sock.settimeout(remaining(end, "handshake"))
@@ -291,20 +338,39 @@ class SocketTransport(Transport):
             if hello.get("v") != WIRE_VERSION or not isinstance(server_nonce, bytes):
                 raise ProtocolError(f"bad handshake from {desc.name!r}: {hello!r}")
             nonce = auth.new_nonce()
-            sock.sendall(encode_frame({
-                "v": WIRE_VERSION, "name": self.name, "nonce": nonce,
-                "mac": auth.sign(self._secret, _CLIENT_PURPOSE, server_nonce, nonce,
-                                 self.name.encode())}))
+            sock.sendall(
+                encode_frame(
+                    {
+                        "v": WIRE_VERSION,
+                        "name": self.name,
+                        "nonce": nonce,
+                        "mac": auth.sign(
+                            self._secret, _CLIENT_PURPOSE, server_nonce, nonce, self.name.encode()
+                        ),
+                    }
+                )
+            )
             reply = self._reply(sock, end)
-            auth.verify(self._secret, reply.get("mac"), _SERVER_PURPOSE, nonce, server_nonce,
-                        desc.name.encode())
+            auth.verify(
+                self._secret,
+                reply.get("mac"),
+                _SERVER_PURPOSE,
+                nonce,
+                server_nonce,
+                desc.name.encode(),
+            )
             return sock
         except Exception as exc:
             sock.close()
             raise self._translate(exc, desc.name, "handshake") from None
 
-    def _with_connection(self, peer: Peer, exchange: Callable[[socket.socket, float], object],
-                         deadline: float, what: str) -> None:
+    def _with_connection(
+        self,
+        peer: Peer,
+        exchange: Callable[[socket.socket, float], object],
+        deadline: float,
+        what: str,
+    ) -> None:
         if not isinstance(peer, SocketPeer):
             raise TypeError(f"not a socket peer: {peer!r}")
         self._check_open()
@@ -354,8 +420,10 @@ class SocketTransport(Transport):
         sock.settimeout(remaining(end, "reply"))
         reply = _recv_frame(sock)
         if reply.get("ok") is not True:
-            error = error_for_kind(str(reply.get("kind", "internal")),
-                                   str(reply.get("message", "peer refused the request")))
+            error = error_for_kind(
+                str(reply.get("kind", "internal")),
+                str(reply.get("message", "peer refused the request")),
+            )
             error.from_peer = True  # type: ignore[attr-defined]
             raise error
         return reply
@@ -367,10 +435,13 @@ class SocketTransport(Transport):
         if isinstance(exc, TimeoutError):  # socket.timeout is TimeoutError
             return DeadlineExceededError(f"{what} with peer {peer!r}: deadline passed")
         if isinstance(exc, ssl.SSLCertVerificationError):
-            return AuthError(f"TLS with peer {peer!r}: its certificate is not trusted: "
-                             f"{exc.verify_message or exc}")
+            return AuthError(
+                f"TLS with peer {peer!r}: its certificate is not trusted: "
+                f"{exc.verify_message or exc}"
+            )
         if isinstance(exc, ssl.SSLError) and not isinstance(
-                exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+            exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)
+        ):
             # an alert: the peer refused our certificate (TLS 1.3 says so at the first read)
             return AuthError(f"TLS with peer {peer!r} failed: {exc.reason or exc}")
         if isinstance(exc, OSError):
@@ -386,13 +457,23 @@ class SocketTransport(Transport):
         """The client's answer to our greeting -> (our reply, its name); KVFabricError
         (answered and closed by the acceptor) when it is malformed or not authentic."""
         name, client_nonce = hello.get("name"), hello.get("nonce")
-        if hello.get("v") != WIRE_VERSION or not isinstance(name, str) \
-                or not isinstance(client_nonce, bytes):
+        if (
+            hello.get("v") != WIRE_VERSION
+            or not isinstance(name, str)
+            or not isinstance(client_nonce, bytes)
+        ):
             raise ProtocolError("malformed handshake")
-        auth.verify(self._secret, hello.get("mac"), _CLIENT_PURPOSE, nonce, client_nonce,
-                    name.encode())
-        return encode_frame({"ok": True, "mac": auth.sign(
-            self._secret, _SERVER_PURPOSE, client_nonce, nonce, self.name.encode())}), name
+        auth.verify(
+            self._secret, hello.get("mac"), _CLIENT_PURPOSE, nonce, client_nonce, name.encode()
+        )
+        return encode_frame(
+            {
+                "ok": True,
+                "mac": auth.sign(
+                    self._secret, _SERVER_PURPOSE, client_nonce, nonce, self.name.encode()
+                ),
+            }
+        ), name
 
     def _start_serving(self, sock: socket.socket, peer_name: str) -> bool:
         """An authenticated connection gets its thread (False: refused, the caller closes)."""
@@ -401,8 +482,12 @@ class SocketTransport(Transport):
                 return False
             self._inbound.add(sock)
         try:
-            threading.Thread(target=self._serve, args=(sock, peer_name), daemon=True,
-                             name=f"kvf-transport-{self.name}-conn").start()
+            threading.Thread(
+                target=self._serve,
+                args=(sock, peer_name),
+                daemon=True,
+                name=f"kvf-transport-{self.name}-conn",
+            ).start()
         except RuntimeError as exc:  # can't start new thread: refuse this one, keep going
             log.warning("transport %s: no thread for peer %r: %s", self.name, peer_name, exc)
             with self._lock:
@@ -480,9 +565,11 @@ class SocketTransport(Transport):
             if region is None:
                 raise ProtocolError(f"unknown region {region_id} on {self.name!r}")
             if offset < 0 or length <= 0 or offset + length > len(region):
-                raise ProtocolError(f"piece [{offset}, {offset + length}) outside region "
-                                    f"{region_id} of {len(region)} bytes on {self.name!r}")
-            views.append(region[offset:offset + length])
+                raise ProtocolError(
+                    f"piece [{offset}, {offset + length}) outside region "
+                    f"{region_id} of {len(region)} bytes on {self.name!r}"
+                )
+            views.append(region[offset : offset + length])
         return views
 
 

@@ -71,8 +71,9 @@ def test_no_tenant_reads_another_tenants_bytes(chaos) -> None:
     Regression: on the old code every client, tenant-token clients included, was handed the
     whole arena: tenant A read tenant B's chunks in its own mapping."""
     assert chaos["cross_tenant_reads_api"] == 0, chaos["cross_samples"]
-    assert chaos["mapped_scans"] >= 10 and chaos["mapped_scan_own_pages"] > 0, \
+    assert chaos["mapped_scans"] >= 10 and chaos["mapped_scan_own_pages"] > 0, (
         "the memory scan saw nothing at all: it would not see another tenant's pages either"
+    )
     assert chaos["cross_tenant_mapped_pages"] == 0
 
 
@@ -89,8 +90,7 @@ def test_new_sessions_get_in_under_attack(chaos) -> None:
     assert abuse["flood"].get("control_opened", 0) >= 1000, abuse
     assert chaos["sessions_refused_to_legit_clients"] == 0, chaos["sessions_refused_by_kind"]
     assert chaos["legit_sessions_under_abuse"] >= 5, chaos["legit_sessions_under_abuse"]
-    assert chaos["legit_session_max_s_under_abuse"] <= 1.0, \
-        chaos["legit_session_max_s_under_abuse"]
+    assert chaos["legit_session_max_s_under_abuse"] <= 1.0, chaos["legit_session_max_s_under_abuse"]
 
 
 def test_control_pings_stay_fast_under_attack(chaos) -> None:
@@ -98,8 +98,10 @@ def test_control_pings_stay_fast_under_attack(chaos) -> None:
     socket for 13 s; later, parsed in the daemon's threads, a stream of them kept control
     pings at p99 126-295 ms (the GIL)."""
     assert chaos["ping_samples_under_abuse"] >= 50
-    assert chaos["ping_p99_ms_under_abuse"] <= 50, (chaos["ping_p99_ms_under_abuse"],
-                                                    chaos["ping_p99_ms_quiet"])
+    assert chaos["ping_p99_ms_under_abuse"] <= 50, (
+        chaos["ping_p99_ms_under_abuse"],
+        chaos["ping_p99_ms_quiet"],
+    )
 
 
 def test_kill_9_and_restart_keep_what_reached_ssd(chaos) -> None:

@@ -43,6 +43,7 @@ def test_an_admin_reader_is_flagged_as_reading_another_tenant(controls) -> None:
     readers = {c["worker"] for c in controls["cross_samples"]}
     assert readers == {"reader-admin"}, controls["cross_samples"]
     assert controls["cross_tenant_reads_api"] >= 1
-    assert all(c["how"] == "api_other_ns" and c["their_bytes"] for c in
-               controls["cross_samples"]), controls["cross_samples"]
+    assert all(
+        c["how"] == "api_other_ns" and c["their_bytes"] for c in controls["cross_samples"]
+    ), controls["cross_samples"]
     assert controls["cross_tenant_mapped_pages"] >= 1

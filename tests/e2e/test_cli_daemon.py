@@ -22,8 +22,18 @@ from kvfabric.spec import KVSpec, Namespace
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=16)
 NS = Namespace("e2e/model", SPEC, tenant_salt="team-a")
-NS_ARGS = ["--model", "e2e/model", "--layers", "2", "--kv-heads", "2", "--head-dim", "16",
-           "--chunk-tokens", "16"]
+NS_ARGS = [
+    "--model",
+    "e2e/model",
+    "--layers",
+    "2",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "16",
+    "--chunk-tokens",
+    "16",
+]
 PROMPT = np.arange(100, 140, dtype=np.int32)  # 2 full chunks + 8 tokens
 READY_TIMEOUT_S = 60
 STOP_TIMEOUT_S = 20
@@ -36,8 +46,14 @@ def _env() -> dict[str, str]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvfabric.cli", *args], check=False,
-                          capture_output=True, text=True, timeout=120, env=_env())
+    return subprocess.run(
+        [sys.executable, "-m", "kvfabric.cli", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
 
 
 def _wait_ready(daemon: subprocess.Popen[bytes], ready: Path, log: Path) -> dict[str, Any]:
@@ -56,11 +72,27 @@ def _serve(tmp_path: Path, *extra: str) -> Iterator[Started]:
     ready, log = tmp_path / "ready.json", tmp_path / "daemon.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvfabric.cli", "serve", "--data-dir", str(tmp_path / "d"),
-             "--http-port", "0", "--ready-file", str(ready),
-             "--set", "store.tiers.dram.capacity=64MiB",
-             "--set", "store.tiers.ssd.capacity=256MiB", *extra],
-            stdout=out, stderr=subprocess.STDOUT, env=_env())
+            [
+                sys.executable,
+                "-m",
+                "kvfabric.cli",
+                "serve",
+                "--data-dir",
+                str(tmp_path / "d"),
+                "--http-port",
+                "0",
+                "--ready-file",
+                str(ready),
+                "--set",
+                "store.tiers.dram.capacity=64MiB",
+                "--set",
+                "store.tiers.ssd.capacity=256MiB",
+                *extra,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+        )
     try:
         yield process, _wait_ready(process, ready, log)
     finally:
@@ -83,8 +115,7 @@ def _put_prompt(socket_path: str) -> None:
                 assert client.put(NS, ref.key, data, parent=ref.parent)
 
 
-def test_serve_status_lookup_and_sigterm(
-        daemon: Started, tmp_path: Path) -> None:
+def test_serve_status_lookup_and_sigterm(daemon: Started, tmp_path: Path) -> None:
     process, info = daemon
     sock = info["socket"]
     assert info["pid"] == process.pid and info["http_port"] and Path(sock).is_socket()
@@ -92,19 +123,33 @@ def test_serve_status_lookup_and_sigterm(
     prompt_file = tmp_path / "prompt.json"
     prompt_file.write_text(json.dumps(PROMPT.tolist()))
 
-    out = _cli("lookup", *NS_ARGS, "--tenant", "team-a", "--tokens-file", str(prompt_file),
-               "--socket", sock)
+    out = _cli(
+        "lookup",
+        *NS_ARGS,
+        "--tenant",
+        "team-a",
+        "--tokens-file",
+        str(prompt_file),
+        "--socket",
+        sock,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("matched 32 / 40 tokens")
     assert "2 / 2 full chunks of 16 tokens" in out.stdout
     assert out.stdout.splitlines()[1].split() == ["dram", "32", "tokens"]
 
-    out = _cli("lookup", *NS_ARGS, "--tokens", " ".join(map(str, PROMPT)), "--socket", sock,
-               "--json")  # no tenant: another namespace, nothing shared
+    out = _cli(
+        "lookup", *NS_ARGS, "--tokens", " ".join(map(str, PROMPT)), "--socket", sock, "--json"
+    )  # no tenant: another namespace, nothing shared
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == {"matched_tokens": 0, "total_tokens": 40,
-                                      "matched_chunks": 0, "requested_chunks": 2,
-                                      "chunk_tokens": 16, "tiers": {}}
+    assert json.loads(out.stdout) == {
+        "matched_tokens": 0,
+        "total_tokens": 40,
+        "matched_chunks": 0,
+        "requested_chunks": 2,
+        "chunk_tokens": 16,
+        "tiers": {},
+    }
 
     out = _cli("status", "--socket", sock)
     assert out.returncode == 0, out.stderr
@@ -144,8 +189,9 @@ def test_status_and_lookup_present_the_token(tmp_path: Path) -> None:
             out = _cli("status", *where, "--token", "e2e-secret", "--json")
             assert out.returncode == 0, out.stderr
             assert json.loads(out.stdout)["node_id"] == info["node_id"]
-        out = _cli("lookup", *NS_ARGS, "--tokens", "1 2 3", "--socket", info["socket"],
-                   "--token", "wrong")
+        out = _cli(
+            "lookup", *NS_ARGS, "--tokens", "1 2 3", "--socket", info["socket"], "--token", "wrong"
+        )
         assert out.returncode == 1 and "token" in out.stderr
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=STOP_TIMEOUT_S) == 0

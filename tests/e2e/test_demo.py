@@ -8,8 +8,12 @@ from pathlib import Path
 
 
 def test_demo_stores_through_every_tier_and_survives_restart(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "kvfabric.cli", "demo", "--data-dir",
-                          str(tmp_path)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvfabric.cli", "demo", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
     assert "read back 24/24 chunks byte-exact" in text

@@ -62,12 +62,18 @@ NOT_RUN: dict[tuple[str, ...], str] = {
     ("pip", "uninstall"): "would remove packages from the environment the suite runs in",
     ("bash", "tests/run.sh"): "runs the whole suite, of which this test is part",
     (".venv/bin/python", "-m", "pytest"): "runs tests/chaos (minutes, root for its disk "
-                                          "faults): part of tests/run.sh",
-    ("python", "-m", "vllm.entrypoints.openai.api_server"):
-        "starts a vLLM engine on a model (minutes); tests/e2e/vllm runs engines this way",
+    "faults): part of tests/run.sh",
+    (
+        "python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+    ): "starts a vLLM engine on a model (minutes); tests/e2e/vllm runs engines this way",
     ("vllm", "serve"): "the GPU build's vLLM CLI: needs a GPU",
-    ("python", "-m", "sglang.launch_server"):
-        "full SGLang needs a CUDA torch; tests/integration/sglang runs the backend",
+    (
+        "python",
+        "-m",
+        "sglang.launch_server",
+    ): "full SGLang needs a CUDA torch; tests/integration/sglang runs the backend",
 }
 
 
@@ -101,7 +107,7 @@ def check_of(command: ShellCommand) -> Check | None:
 
 
 def not_run_entry(argv: tuple[str, ...]) -> tuple[str, ...] | None:
-    return next((words for words in NOT_RUN if argv[:len(words)] == words), None)
+    return next((words for words in NOT_RUN if argv[: len(words)] == words), None)
 
 
 def commands_with(check: Check) -> list[ShellCommand]:
@@ -116,10 +122,16 @@ def test_readme_walker_splits_like_bash() -> None:
     """Would have caught a walker that ran a continued line as two commands, kept a trailing
     comment as arguments, cut a quoted JSON argument spanning lines, or ran `a && b` as one
     command."""
-    block = ("A=1 cmd --x \\\n  --y 'multi\nline # not a comment' # a comment\n"
-             "# a whole-line comment\nfirst && second; third\n")
-    assert split_shell(block) == [(0, "A=1 cmd --x    --y 'multi\nline # not a comment'"),
-                                  (4, "first"), (4, "second"), (4, "third")]
+    block = (
+        "A=1 cmd --x \\\n  --y 'multi\nline # not a comment' # a comment\n"
+        "# a whole-line comment\nfirst && second; third\n"
+    )
+    assert split_shell(block) == [
+        (0, "A=1 cmd --x    --y 'multi\nline # not a comment'"),
+        (4, "first"),
+        (4, "second"),
+        (4, "third"),
+    ]
     command = ShellCommand(1, split_shell(block)[0][1], 1)
     assert command.argv == ("cmd", "--x", "--y", "multi\nline # not a comment")
 
@@ -130,8 +142,7 @@ def test_every_readme_command_is_checked() -> None:
     README holds (a walker that found nothing would pass everything)."""
     commands = readme_commands()
     unchecked = [where(command) for command in commands if check_of(command) is None]
-    assert not unchecked, "README commands neither checked nor in NOT_RUN:\n" + \
-        "\n".join(unchecked)
+    assert not unchecked, "README commands neither checked nor in NOT_RUN:\n" + "\n".join(unchecked)
     assert len(commands) >= 25, [where(command) for command in commands]
 
 
@@ -145,8 +156,12 @@ def test_every_not_run_entry_is_used() -> None:
 def test_not_run_commands_json_arguments_parse() -> None:
     """The engine lines are not run, but a missing comma or brace in their JSON
     (--kv-transfer-config, --hicache-storage-backend-extra-config) would break them."""
-    arguments = [(command, arg) for command in commands_with(Check.NOT_RUN)
-                 for arg in command.argv if arg.startswith("{")]
+    arguments = [
+        (command, arg)
+        for command in commands_with(Check.NOT_RUN)
+        for arg in command.argv
+        if arg.startswith("{")
+    ]
     assert len(arguments) >= 3
     for command, arg in arguments:
         try:
@@ -174,11 +189,12 @@ def test_kvfabric_commands_parse() -> None:
 def test_pip_extras_exist() -> None:
     """`pip install -e '.[x]'` fails on a fresh clone when pyproject.toml has no extra x."""
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
+        "optional-dependencies"
+    ]
     for command in commands_with(Check.EXTRAS):
         for arg in command.argv:
             if ".[" in arg:
-                named = arg[arg.index("[") + 1:arg.rindex("]")].split(",")
+                named = arg[arg.index("[") + 1 : arg.rindex("]")].split(",")
                 assert set(named) <= set(extras), f"{where(command)}: extras {extras.keys()}"
 
 
@@ -206,8 +222,14 @@ def test_benchmark_commands_parse() -> None:
     for command in commands:
         script, flags = command.argv[1], command.argv[2:]
         assert (REPO / script).is_file(), where(command)
-        done = subprocess.run([sys.executable, "-c", PARSE_ONLY, script, *flags], cwd=REPO,
-                              capture_output=True, text=True, timeout=120, check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", PARSE_ONLY, script, *flags],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert done.returncode == 0, f"{where(command)}\n{done.stderr[-2000:]}"
         parsed = json.loads(done.stdout.strip().splitlines()[-1])
         for flag in (f for f in flags if f.startswith("--")):
@@ -235,8 +257,15 @@ class Sandbox:
         env = self.env
         if command.argv[1:2] == ("serve",):
             env = env | {"KVFABRIC_HTTP__PORT": str(free_port())}
-        return subprocess.run(["bash", "-c", command.text + then], cwd=self.root, env=env,
-                              capture_output=True, text=True, timeout=120, check=False)
+        return subprocess.run(
+            ["bash", "-c", command.text + then],
+            cwd=self.root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
 
     def serve(self, command: ShellCommand) -> None:
         """Start a `serve` in the background (stopping the one before) and wait for /readyz."""
@@ -245,18 +274,22 @@ class Sandbox:
         self.started += 1
         log = open(self.root / f"serve-{self.started}.log", "wb")
         self.daemon = subprocess.Popen(
-            ["bash", "-c", command.text], cwd=self.root, stdout=log, stderr=subprocess.STDOUT,
+            ["bash", "-c", command.text],
+            cwd=self.root,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             env=self.env | {"KVFABRIC_HTTP__PORT": str(self.http_port)},
-            start_new_session=True)
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + 60
         while True:
             if self.daemon.poll() is not None:
-                pytest.fail(f"{where(command)}\n  exited {self.daemon.returncode}: "
-                            f"{self.log()}")
+                pytest.fail(f"{where(command)}\n  exited {self.daemon.returncode}: {self.log()}")
             try:
                 with urllib.request.urlopen(
-                        f"http://127.0.0.1:{self.http_port}/readyz", timeout=1) as reply:
+                    f"http://127.0.0.1:{self.http_port}/readyz", timeout=1
+                ) as reply:
                     if reply.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -312,8 +345,13 @@ def test_readme_commands_run_in_order(sandbox: Sandbox) -> None:
             assert sandbox.daemon is not None, f"{where(command)}: no daemon is running"
             assert ":8790" in command.text, f"{where(command)}: which daemon is this for?"
             url_argv = [a.replace(":8790", f":{sandbox.http_port}") for a in argv]
-            done = subprocess.run([*url_argv, "-w", "\n%{http_code}"], capture_output=True,
-                                  text=True, timeout=30, check=False)
+            done = subprocess.run(
+                [*url_argv, "-w", "\n%{http_code}"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
             body, _, code = done.stdout.rpartition("\n")
             assert (done.returncode, code) == (0, "200"), f"{where(command)}\n{done.stdout}"
             assert "tiers" in json.loads(body), body

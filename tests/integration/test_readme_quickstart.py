@@ -31,8 +31,13 @@ def quickstart(tmp_path: Path, start_daemon):
     """A daemon on the embedded defaults in ``tmp_path`` (its socket at the default
     ./kvfabric-data/kvfabric.sock from there), auth on; and the clients' environment."""
     token = tmp_path / "admin-token"
-    made = subprocess.run([KVFABRIC, "token", "new", str(token)], capture_output=True,
-                          text=True, timeout=120, check=False)
+    made = subprocess.run(
+        [KVFABRIC, "token", "new", str(token)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert made.returncode == 0, made.stderr
     start_daemon(f"auth.token_file={token}", data_dir=tmp_path / "kvfabric-data")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFABRIC_")}
@@ -48,12 +53,21 @@ def test_engine_snippet_runs_as_written_twice(quickstart) -> None:
     script.write_text(_engine_snippet())
     outputs = []
     for _ in range(2):
-        done = subprocess.run([sys.executable, str(script)], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=300, check=False)
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
         outputs.append(done.stdout.strip())
-    assert outputs == ["0 of 1000 tokens were stored already",
-                       "768 of 1000 tokens were stored already"]
+    assert outputs == [
+        "0 of 1000 tokens were stored already",
+        "768 of 1000 tokens were stored already",
+    ]
 
 
 def test_quickstart_commands_show_a_hit(quickstart) -> None:
@@ -65,11 +79,20 @@ def test_quickstart_commands_show_a_hit(quickstart) -> None:
         for line in _quickstart_commands():
             argv = shlex.split(line.replace(".venv/bin/kvfabric", KVFABRIC))
             if "python3" in argv[0]:  # `python3 -c ... > prompt.json`: a shell line
-                done = subprocess.run(line, shell=True, cwd=cwd, env=env, capture_output=True,
-                                      text=True, timeout=120, check=False)
+                done = subprocess.run(
+                    line,
+                    shell=True,
+                    cwd=cwd,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                    check=False,
+                )
             else:
-                done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
-                                      timeout=120, check=False)
+                done = subprocess.run(
+                    argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False
+                )
             assert done.returncode == 0, f"{line}: {done.stderr}"
             outputs.append(done.stdout)
     first_put, first_lookup, status = outputs[1], outputs[2], outputs[3]

@@ -60,26 +60,51 @@ def _build_tokenizer(vocab: int, max_positions: int, seed: int):
     tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     # Every word once (so every id exists) plus random lines for realistic frequencies.
-    corpus = [" ".join(words)] + _corpus(words, 2000, seed)
-    trainer = trainers.WordLevelTrainer(vocab_size=vocab, min_frequency=1,
-                                        special_tokens=SPECIAL_TOKENS)
+    corpus = [" ".join(words), *_corpus(words, 2000, seed)]
+    trainer = trainers.WordLevelTrainer(
+        vocab_size=vocab, min_frequency=1, special_tokens=SPECIAL_TOKENS
+    )
     tokenizer.train_from_iterator(corpus, trainer=trainer)
     tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins with spaces
     assert tokenizer.get_vocab_size() == vocab, tokenizer.get_vocab_size()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        pad_token="<unk>", model_max_length=max_positions)
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
+        model_max_length=max_positions,
+    )
 
 
-def build_tiny_llama(out_dir: Path, *, layers: int = 4, hidden: int = 256, heads: int = 4,
-                     kv_heads: int = 2, head_dim: int = 64, intermediate: int = 512,
-                     vocab: int = 2048, max_positions: int = 8192, seed: int = 0,
-                     init_std: float = 0.3) -> Path:
+def build_tiny_llama(
+    out_dir: Path,
+    *,
+    layers: int = 4,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate: int = 512,
+    vocab: int = 2048,
+    max_positions: int = 8192,
+    seed: int = 0,
+    init_std: float = 0.3,
+) -> Path:
     """Write the checkpoint into `out_dir` (created) unless it is already there; return it."""
     out_dir = Path(out_dir)
-    params = _params(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                     head_dim=head_dim, intermediate=intermediate, vocab=vocab,
-                     max_positions=max_positions, seed=seed, init_std=init_std)
+    params = _params(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=intermediate,
+        vocab=vocab,
+        max_positions=max_positions,
+        seed=seed,
+        init_std=init_std,
+    )
     if is_built(out_dir, params):
         return out_dir
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MARKER).exists():
@@ -93,11 +118,23 @@ def build_tiny_llama(out_dir: Path, *, layers: int = 4, hidden: int = 256, heads
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim, max_position_embeddings=max_positions, initializer_range=init_std,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16")
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        initializer_range=init_std,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="bfloat16",
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)  # weights ~ N(0, init_std), norms 1
     model = model.to(torch.bfloat16).eval()
@@ -122,17 +159,33 @@ def build_tiny_llama(out_dir: Path, *, layers: int = 4, hidden: int = 256, heads
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
-    for name, default in [("layers", 4), ("hidden", 256), ("heads", 4), ("kv-heads", 2),
-                          ("head-dim", 64), ("intermediate", 512), ("vocab", 2048),
-                          ("max-positions", 8192), ("seed", 0)]:
+    for name, default in [
+        ("layers", 4),
+        ("hidden", 256),
+        ("heads", 4),
+        ("kv-heads", 2),
+        ("head-dim", 64),
+        ("intermediate", 512),
+        ("vocab", 2048),
+        ("max-positions", 8192),
+        ("seed", 0),
+    ]:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--init-std", type=float, default=0.3)
     args = parser.parse_args(argv)
-    path = build_tiny_llama(args.out_dir, layers=args.layers, hidden=args.hidden,
-                            heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                            intermediate=args.intermediate, vocab=args.vocab,
-                            max_positions=args.max_positions, seed=args.seed,
-                            init_std=args.init_std)
+    path = build_tiny_llama(
+        args.out_dir,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate=args.intermediate,
+        vocab=args.vocab,
+        max_positions=args.max_positions,
+        seed=args.seed,
+        init_std=args.init_std,
+    )
     print(path)
     return 0
 

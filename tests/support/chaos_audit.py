@@ -24,8 +24,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from chaos_common import Tail, is_audit_key, namespace
 
@@ -61,7 +62,7 @@ class EvictionLedger:
     def before_kill(self, node: str) -> None:
         try:
             self.poll(node)
-        except Exception:  # noqa: BLE001  (down or stopped: the last poll stands)
+        except Exception:
             pass
 
     def restarted(self, node: str) -> None:
@@ -71,11 +72,21 @@ class EvictionLedger:
 
 
 class Auditor(threading.Thread):
-    def __init__(self, sockets: dict[str, str], admin_token: str, logs: list[Path],
-                 ledger: EvictionLedger, tick_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        sockets: dict[str, str],
+        admin_token: str,
+        logs: list[Path],
+        ledger: EvictionLedger,
+        tick_s: float = 0.5,
+    ) -> None:
         super().__init__(name="chaos-auditor", daemon=True)
-        self.sockets, self.admin_token, self.ledger, self.tick_s = (sockets, admin_token,
-                                                                     ledger, tick_s)
+        self.sockets, self.admin_token, self.ledger, self.tick_s = (
+            sockets,
+            admin_token,
+            ledger,
+            tick_s,
+        )
         self._tails = [Tail(p) for p in logs]
         self.node_locks = {node: threading.RLock() for node in sockets}
         self._clients: dict[str, Client] = {}
@@ -97,8 +108,9 @@ class Auditor(threading.Thread):
 
     def client(self, node: str) -> Client:
         if node not in self._clients:
-            self._clients[node] = Client(self.sockets[node], token=self.admin_token,
-                                         timeout=5.0, reconnect_timeout=5.0)
+            self._clients[node] = Client(
+                self.sockets[node], token=self.admin_token, timeout=5.0, reconnect_timeout=5.0
+            )
         return self._clients[node]
 
     def run(self) -> None:
@@ -163,7 +175,7 @@ class Auditor(threading.Thread):
                 by_tenant[tenant].append(key)
         for tenant, keys in by_tenant.items():
             for i in range(0, len(keys), 512):
-                batch = keys[i:i + 512]
+                batch = keys[i : i + 512]
                 present = self.client(node).contains(namespace(tenant), batch)
                 missing = [k for k, there in zip(batch, present) if not there]
                 if missing:
@@ -182,8 +194,15 @@ class Auditor(threading.Thread):
             if total > stamp:
                 self.excused += 1
             else:
-                self.lost.append({"node": node, "tenant": tenant, "key": key.hex(),
-                                  "t": time.monotonic(), "ssd_evictions": total})
+                self.lost.append(
+                    {
+                        "node": node,
+                        "tenant": tenant,
+                        "key": key.hex(),
+                        "t": time.monotonic(),
+                        "ssd_evictions": total,
+                    }
+                )
 
     def finish(self) -> None:
         """Stop the thread, then one last pass over every node (callers: workers stopped)."""
@@ -196,6 +215,11 @@ class Auditor(threading.Thread):
         self._clients.clear()
 
     def summary(self) -> dict[str, Any]:
-        return {"ssd_known_total": self.ever_ssd_known, "ssd_known_at_end": len(self.ssd_known),
-                "lost": len(self.lost), "lost_samples": self.lost[:10],
-                "excused_by_counted_evictions": self.excused, "errors": dict(self.errors)}
+        return {
+            "ssd_known_total": self.ever_ssd_known,
+            "ssd_known_at_end": len(self.ssd_known),
+            "lost": len(self.lost),
+            "lost_samples": self.lost[:10],
+            "excused_by_counted_evictions": self.excused,
+            "errors": dict(self.errors),
+        }

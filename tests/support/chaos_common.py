@@ -57,7 +57,7 @@ def payload(tenant: str, key: bytes) -> np.ndarray:
     rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
     data = np.frombuffer(rng.bytes(CHUNK), dtype=np.uint8).copy()
     data[:MARKER_LEN] = np.frombuffer(marker(tenant), dtype=np.uint8)
-    data[MARKER_LEN:MARKER_LEN + 16] = np.frombuffer(key, dtype=np.uint8)
+    data[MARKER_LEN : MARKER_LEN + 16] = np.frombuffer(key, dtype=np.uint8)
     return data
 
 

@@ -58,7 +58,7 @@ def _wait(predicate: Any, timeout: float, step: float = 0.1) -> bool:
         try:
             if predicate():
                 return True
-        except Exception:  # noqa: BLE001  (a node restarting or stopped: try again)
+        except Exception:
             pass
         time.sleep(step)
     return False
@@ -78,7 +78,7 @@ def _probe_roundtrip(socket: str) -> bool:
         return False
 
 
-def kill9(h: "Harness", node: str) -> dict[str, Any]:
+def kill9(h: Harness, node: str) -> dict[str, Any]:
     daemon = h.daemons[node]
     with h.auditor.node_locks[node]:
         h.ledger.before_kill(node)
@@ -90,11 +90,16 @@ def kill9(h: "Harness", node: str) -> dict[str, Any]:
         back_s = time.monotonic() - t0
     lost = h.auditor.verify_node(node)
     roundtrip = _probe_roundtrip(daemon.socket)
-    return {"ok": lost == 0 and roundtrip, "t0": t0, "restart_s": round(back_s, 2),
-            "lost_after_restart": lost, "roundtrip": roundtrip}
+    return {
+        "ok": lost == 0 and roundtrip,
+        "t0": t0,
+        "restart_s": round(back_s, 2),
+        "lost_after_restart": lost,
+        "roundtrip": roundtrip,
+    }
 
 
-def sigstop(h: "Harness", node: str) -> dict[str, Any]:
+def sigstop(h: Harness, node: str) -> dict[str, Any]:
     daemon = h.daemons[node]
     assert daemon.child is not None
     t0 = time.monotonic()
@@ -102,25 +107,32 @@ def sigstop(h: "Harness", node: str) -> dict[str, Any]:
     time.sleep(h.settings.stop_s)
     daemon.child.signal(signal.SIGCONT)
     answered = _wait(lambda: daemon.health(timeout=2) in ("ok", "degraded"), 20)
-    return {"ok": answered and _probe_roundtrip(daemon.socket), "t0": t0,
-            "stopped_s": h.settings.stop_s}
+    return {
+        "ok": answered and _probe_roundtrip(daemon.socket),
+        "t0": t0,
+        "stopped_s": h.settings.stop_s,
+    }
 
 
 def _cluster_sees(observer: Any, owner: str, key: bytes) -> bool:
-    body = {"namespace": encode_namespace(PROBE_NS), "chunk_hashes": [key.hex()],
-            "scope": "cluster"}
+    body = {
+        "namespace": encode_namespace(PROBE_NS),
+        "chunk_hashes": [key.hex()],
+        "scope": "cluster",
+    }
     answer = observer.http("POST", "/v1/lookup", json=body, timeout=5).json()
     return any(n["node_id"] == owner for n in answer.get("nodes", []))
 
 
-def redis_restart(h: "Harness", node: str | None) -> dict[str, Any]:
+def redis_restart(h: Harness, node: str | None) -> dict[str, Any]:
     t0 = time.monotonic()
     h.redis.restart()
     owner, observer = sorted(h.daemons)
     key = os.urandom(16)
     try:
-        with Client(h.daemons[owner].socket, token=ADMIN_TOKEN, timeout=10,
-                    reconnect_timeout=20) as client:
+        with Client(
+            h.daemons[owner].socket, token=ADMIN_TOKEN, timeout=10, reconnect_timeout=20
+        ) as client:
             client.put(PROBE_NS, key, payload("a", key))
     except KVFabricError as exc:
         return {"ok": False, "t0": t0, "error": exc.kind}
@@ -128,7 +140,7 @@ def redis_restart(h: "Harness", node: str | None) -> dict[str, Any]:
     return {"ok": seen, "t0": t0, "seen_after_s": round(time.monotonic() - t0, 2)}
 
 
-def disk_fill(h: "Harness", node: str) -> dict[str, Any]:
+def disk_fill(h: Harness, node: str) -> dict[str, Any]:
     daemon, fs = h.daemons[node], h.disks.get(node)
     if fs is None:
         return {"ok": None, "t0": time.monotonic(), "skipped": h.disk_note}
@@ -142,31 +154,53 @@ def disk_fill(h: "Harness", node: str) -> dict[str, Any]:
     t_freed = time.monotonic()
     recovered = _wait(lambda: daemon.health() == "ok", 30)
     lost = lost_while_full + h.auditor.verify_node(node)
-    record = {"ok": degraded and recovered and lost == 0, "t0": t0, "degraded_seen": degraded,
-              "recovered_s": round(time.monotonic() - t_freed, 2) if recovered else None,
-              "lost": lost,
-              # counted, so not "lost"; but a full disk is no reason to drop what SSD holds
-              "ssd_evictions_during": h.ledger.poll(node) - evictions_before}
+    record = {
+        "ok": degraded and recovered and lost == 0,
+        "t0": t0,
+        "degraded_seen": degraded,
+        "recovered_s": round(time.monotonic() - t_freed, 2) if recovered else None,
+        "lost": lost,
+        # counted, so not "lost"; but a full disk is no reason to drop what SSD holds
+        "ssd_evictions_during": h.ledger.poll(node) - evictions_before,
+    }
     if not recovered:  # what the disk and the tier looked like, for the report
         vfs = os.statvfs(fs)
         ssd = next(t for t in daemon.stats()["tiers"] if t["kind"] == "ssd")
-        record.update(free_bytes=vfs.f_bavail * vfs.f_frsize, free_inodes=vfs.f_favail,
-                      files={str(p.relative_to(fs)): p.stat().st_size
-                             for p in sorted(fs.rglob("*")) if p.is_file()},
-                      ssd={k: ssd.get(k) for k in ("used_bytes", "capacity_bytes", "objects",
-                                                   "disk_errors", "degraded")})
+        record.update(
+            free_bytes=vfs.f_bavail * vfs.f_frsize,
+            free_inodes=vfs.f_favail,
+            files={
+                str(p.relative_to(fs)): p.stat().st_size
+                for p in sorted(fs.rglob("*"))
+                if p.is_file()
+            },
+            ssd={
+                k: ssd.get(k)
+                for k in ("used_bytes", "capacity_bytes", "objects", "disk_errors", "degraded")
+            },
+        )
     return record
 
 
-def abuse(h: "Harness", node: str) -> dict[str, Any]:
+def abuse(h: Harness, node: str) -> dict[str, Any]:
     daemon = h.daemons[node]
     name = f"flood-{len(h.records)}"
-    child = h.worker("flood", name, {
-        "socket": daemon.socket, "http_host": "127.0.0.1", "http_port": daemon.info["http_port"],
-        "tenant": "a", "token": TOKENS["a"], "connections": h.settings.flood_connections,
-        "reopen_per_s": h.settings.flood_reopen_per_s, "slowloris": h.settings.slowloris,
-        "http_threads": h.settings.http_abuse_threads,
-        "nice": h.settings.attacker_nice})
+    child = h.worker(
+        "flood",
+        name,
+        {
+            "socket": daemon.socket,
+            "http_host": "127.0.0.1",
+            "http_port": daemon.info["http_port"],
+            "tenant": "a",
+            "token": TOKENS["a"],
+            "connections": h.settings.flood_connections,
+            "reopen_per_s": h.settings.flood_reopen_per_s,
+            "slowloris": h.settings.slowloris,
+            "http_threads": h.settings.http_abuse_threads,
+            "nice": h.settings.attacker_nice,
+        },
+    )
     flooding = h.workdir / f"{name}.flooding"
     _wait(flooding.exists, 20, 0.05)
     t0 = time.monotonic()
@@ -180,17 +214,30 @@ def abuse(h: "Harness", node: str) -> dict[str, Any]:
             counts = event["counts"]
     t1 = time.monotonic()
     alive = _wait(lambda: daemon.health(timeout=2) in ("ok", "degraded"), 10)
-    return {"ok": alive, "t0": t0, "t1": t1, "flood": counts,
-            "daemon_cpu_share": h.monitor.cpu_share(node, t0, t1)}
+    return {
+        "ok": alive,
+        "t0": t0,
+        "t1": t1,
+        "flood": counts,
+        "daemon_cpu_share": h.monitor.cpu_share(node, t0, t1),
+    }
 
 
-def frozen_writer(h: "Harness", node: str) -> dict[str, Any]:
+def frozen_writer(h: Harness, node: str) -> dict[str, Any]:
     daemon, tenant = h.daemons[node], "a"
     ns = namespace(tenant)
     name = f"frozen-{len(h.records)}"
     t0 = time.monotonic()
-    child = h.worker("frozen", name, {"socket": daemon.socket, "tenant": tenant,
-                                      "token": TOKENS[tenant], "key": _odd_key().hex()})
+    child = h.worker(
+        "frozen",
+        name,
+        {
+            "socket": daemon.socket,
+            "tenant": tenant,
+            "token": TOKENS[tenant],
+            "key": _odd_key().hex(),
+        },
+    )
     events = Tail(h.workdir / f"{name}.jsonl")
     seen: list[dict[str, Any]] = []
 
@@ -200,13 +247,20 @@ def frozen_writer(h: "Harness", node: str) -> dict[str, Any]:
 
     if not _wait(lambda: has("reserved"), 30, 0.05):
         child.kill()
-        return {"ok": False, "t0": t0, "error": "the frozen writer never reserved",
-                "log": child.tail(800)}
+        return {
+            "ok": False,
+            "t0": t0,
+            "error": "the frozen writer never reserved",
+            "log": child.tail(800),
+        }
     expired0 = daemon.stats()["totals"]["expired_leases"]
     assert child.alive
     child.signal(signal.SIGSTOP)
-    reaped = _wait(lambda: daemon.stats()["totals"]["expired_leases"] > expired0,
-                   h.settings.lease_s * 3 + 10, 0.2)
+    reaped = _wait(
+        lambda: daemon.stats()["totals"]["expired_leases"] > expired0,
+        h.settings.lease_s * 3 + 10,
+        0.2,
+    )
     victims: dict[bytes, np.ndarray] = {}
     with Client(daemon.socket, token=TOKENS[tenant], timeout=10) as client:
         for _ in range(16):
@@ -227,14 +281,32 @@ def frozen_writer(h: "Harness", node: str) -> dict[str, Any]:
                 how = exc.kind
             verdicts[how] = verdicts.get(how, 0) + 1
             if how not in ("ok", "not_found"):
-                h.corrupt.append({"source": "frozen_victims", "node": node, "tenant": tenant,
-                                  "key": key.hex(), "how": how})
+                h.corrupt.append(
+                    {
+                        "source": "frozen_victims",
+                        "node": node,
+                        "tenant": tenant,
+                        "key": key.hex(),
+                        "how": how,
+                    }
+                )
     if child.wait(10) is None:
         child.kill()
     clean = verdicts.get("ok", 0) + verdicts.get("not_found", 0) == len(victims)
-    return {"ok": reaped and outcome == "lease_expired" and clean, "t0": t0,
-            "lease_reaped": reaped, "commit": outcome, "victims": verdicts}
+    return {
+        "ok": reaped and outcome == "lease_expired" and clean,
+        "t0": t0,
+        "lease_reaped": reaped,
+        "commit": outcome,
+        "victims": verdicts,
+    }
 
 
-EVENTS = {"kill9": kill9, "sigstop": sigstop, "redis_restart": redis_restart,
-          "disk_fill": disk_fill, "abuse": abuse, "frozen_writer": frozen_writer}
+EVENTS = {
+    "kill9": kill9,
+    "sigstop": sigstop,
+    "redis_restart": redis_restart,
+    "disk_fill": disk_fill,
+    "abuse": abuse,
+    "frozen_writer": frozen_writer,
+}

@@ -136,8 +136,7 @@ class Flood:
 
     def http_oversized(self, which: int) -> None:
         bodies = self.bodies_
-        token = {"Authorization": f"Bearer {self.cfg['token']}",
-                 "Content-Type": "application/json"}
+        token = {"Authorization": f"Bearer {self.cfg['token']}", "Content-Type": "application/json"}
         plain = {"Content-Type": "application/json"}
         i = which
         while not self.should_stop():
@@ -160,8 +159,10 @@ class Flood:
         host, port = self.cfg["http_host"], self.cfg["http_port"]
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         with socket.create_connection((host, port), 20, (OVERSIZED_FROM, 0)) as sock:
-            sock.sendall(f"POST /v1/lookup HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
-                         f"{head}Content-Length: {len(body)}\r\n\r\n".encode())
+            sock.sendall(
+                f"POST /v1/lookup HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+                f"{head}Content-Length: {len(body)}\r\n\r\n".encode()
+            )
             try:
                 sock.sendall(body)
             except OSError:
@@ -171,9 +172,11 @@ class Flood:
     def _lying_length(self) -> int:
         host, port = self.cfg["http_host"], self.cfg["http_port"]
         with socket.create_connection((host, port), 20, (OVERSIZED_FROM, 0)) as sock:
-            sock.sendall(f"POST /v1/lookup HTTP/1.1\r\nHost: {host}\r\n"
-                         f"Content-Length: {1 << 30}\r\nContent-Type: application/json\r\n"
-                         f"\r\n{{\"namespace\":".encode())
+            sock.sendall(
+                f"POST /v1/lookup HTTP/1.1\r\nHost: {host}\r\n"
+                f"Content-Length: {1 << 30}\r\nContent-Type: application/json\r\n"
+                f'\r\n{{"namespace":'.encode()
+            )
             return _status(sock)
 
     def slowloris(self) -> None:
@@ -200,8 +203,11 @@ class Flood:
                     continue
                 except OSError:
                     data = b""
-                self.count("slowloris_closed_by_daemon" if not data or data.startswith(
-                    b"HTTP/1.1 408") else "slowloris_other_reply")
+                self.count(
+                    "slowloris_closed_by_daemon"
+                    if not data or data.startswith(b"HTTP/1.1 408")
+                    else "slowloris_other_reply"
+                )
                 sock.close()
             socks = alive
             self.stopped.wait(0.5)
@@ -220,14 +226,18 @@ def _status(sock: socket.socket) -> int:
 
 
 def flood(cfg: dict[str, Any], workdir: Path, events: Events) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     attack = Flood(cfg, workdir)
     attack.bodies()
-    threads = [threading.Thread(target=attack.control, name="control"),
-               threading.Thread(target=attack.slowloris, name="slowloris"),
-               *(threading.Thread(target=attack.http_oversized, args=(i,), name=f"http{i}")
-                 for i in range(cfg["http_threads"]))]
+    threads = [
+        threading.Thread(target=attack.control, name="control"),
+        threading.Thread(target=attack.slowloris, name="slowloris"),
+        *(
+            threading.Thread(target=attack.http_oversized, args=(i,), name=f"http{i}")
+            for i in range(cfg["http_threads"])
+        ),
+    ]
     for thread in threads:
         thread.start()
     last = time.monotonic()

@@ -47,8 +47,18 @@ from typing import Any
 
 import pytest
 from chaos_audit import Auditor, EvictionLedger
-from chaos_common import (ADMIN_TOKEN, SALTS, TENANTS, TOKENS, Events, is_audit_key, namespace,
-                          payload, read_all, verify)
+from chaos_common import (
+    ADMIN_TOKEN,
+    SALTS,
+    TENANTS,
+    TOKENS,
+    Events,
+    is_audit_key,
+    namespace,
+    payload,
+    read_all,
+    verify,
+)
 from chaos_events import EVENTS
 from chaos_monitor import Monitor, rss_slope_mb_per_hour, socket_fds
 from chaos_procs import Child, Daemon, Redis, kill_all
@@ -94,37 +104,68 @@ class Settings:
     seed: int = 1
 
 
-CHAOS_KINDS = ("abuse@node-a", "kill9@node-b", "disk_fill@node-a", "sigstop@node-b",
-               "redis_restart", "frozen_writer@node-a")
+CHAOS_KINDS = (
+    "abuse@node-a",
+    "kill9@node-b",
+    "disk_fill@node-a",
+    "sigstop@node-b",
+    "redis_restart",
+    "frozen_writer@node-a",
+)
 # tests/chaos: every kind of fault once, a couple of minutes on two shared cores
-CI = Settings(schedule=CHAOS_KINDS, warmup_s=4.0, gap_s=(0.5, 1.0), abuse_s=6.0,
-              disk_full_s=6.0)
+CI = Settings(schedule=CHAOS_KINDS, warmup_s=4.0, gap_s=(0.5, 1.0), abuse_s=6.0, disk_full_s=6.0)
 # the negative controls: no faults, a planted corrupt chunk and an admin-token reader
 NEGATIVE = Settings(warmup_s=5.0, settle_s=4.0, negative_controls=True)
 # benchmarks/soak.py --quick: every kind once, then each node's turn at the others
-QUICK = Settings(schedule=CHAOS_KINDS + ("kill9@node-a", "disk_fill@node-b", "abuse@node-b",
-                                         "sigstop@node-a", "frozen_writer@node-b"),
-                 warmup_s=5.0, gap_s=(1.0, 2.0))
+QUICK = Settings(
+    schedule=(
+        *CHAOS_KINDS,
+        "kill9@node-a",
+        "disk_fill@node-b",
+        "abuse@node-b",
+        "sigstop@node-a",
+        "frozen_writer@node-b",
+    ),
+    warmup_s=5.0,
+    gap_s=(1.0, 2.0),
+)
 # benchmarks/soak.py: faults drawn at random for duration_s (every kind once first)
-SOAK = Settings(duration_s=900.0, warmup_s=10.0, gap_s=(3.0, 10.0), abuse_s=15.0,
-                stop_s=3.0, disk_full_s=8.0, rss_warmup_s=60.0)
+SOAK = Settings(
+    duration_s=900.0,
+    warmup_s=10.0,
+    gap_s=(3.0, 10.0),
+    abuse_s=15.0,
+    stop_s=3.0,
+    disk_full_s=8.0,
+    rss_warmup_s=60.0,
+)
 
 
-def _node_settings(name: str, redis_url: str, secret: Path, s: Settings,
-                   on_tmpfs: bool) -> list[str]:
+def _node_settings(
+    name: str, redis_url: str, secret: Path, s: Settings, on_tmpfs: bool
+) -> list[str]:
     settings = [
-        f"node_id={name}", "log_level=info",
-        f"store.tiers.dram.capacity={s.dram}", f"store.tiers.dram.page_size={PAGE}",
-        "store.tiers.dram.prefault=true", f"store.tiers.ssd.capacity={s.ssd}",
-        "store.maintenance_interval_s=0.1", f"store.reservation_timeout_s={s.lease_s}",
+        f"node_id={name}",
+        "log_level=info",
+        f"store.tiers.dram.capacity={s.dram}",
+        f"store.tiers.dram.page_size={PAGE}",
+        "store.tiers.dram.prefault=true",
+        f"store.tiers.ssd.capacity={s.ssd}",
+        "store.maintenance_interval_s=0.1",
+        f"store.reservation_timeout_s={s.lease_s}",
         f"auth.token={ADMIN_TOKEN}",
         *(f"auth.tenants.{TOKENS[t]}={SALTS[t]}" for t in TENANTS),
-        "cluster.index=redis", f"cluster.redis_url={redis_url}", "cluster.heartbeat_s=0.5",
-        "cluster.lease_ttl_s=5", f"cluster.secret_file={secret}", "tcp.port=0",
+        "cluster.index=redis",
+        f"cluster.redis_url={redis_url}",
+        "cluster.heartbeat_s=0.5",
+        "cluster.lease_ttl_s=5",
+        f"cluster.secret_file={secret}",
+        "tcp.port=0",
         "tcp.host=127.0.0.1",
         # the socket transport: the peer plane with a listening port (the one issue 11's
         # bounds are about), and no NIXL start-up in every restart
-        "cluster.transport=socket"]
+        "cluster.transport=socket",
+    ]
     if on_tmpfs:
         settings.append("store.tiers.ssd.path=disk/ssd")
     return settings
@@ -150,8 +191,9 @@ class Harness:
         cfg = {"name": name, "workdir": str(self.workdir), **cfg}
         path = self.workdir / f"{name}.json"
         path.write_text(json.dumps(cfg))
-        child = Child(name, [sys.executable, str(WORKERS), role, str(path)],
-                      self.workdir / f"{name}.log").start()
+        child = Child(
+            name, [sys.executable, str(WORKERS), role, str(path)], self.workdir / f"{name}.log"
+        ).start()
         self.children.append(child)
         return child
 
@@ -165,12 +207,17 @@ class Harness:
             data_dir.mkdir()
             try:
                 self.disks[node] = self._stack.enter_context(
-                    tmpfs(data_dir / "disk", size=s.disk, inodes=256))
+                    tmpfs(data_dir / "disk", size=s.disk, inodes=256)
+                )
             except pytest.skip.Exception as exc:
                 self.disk_note = f"disk faults skipped: {exc.msg}"
                 (data_dir / "disk").rmdir()
-            daemon = Daemon(node, data_dir, _node_settings(
-                node, self.redis.url, secret, s, node in self.disks), ADMIN_TOKEN)
+            daemon = Daemon(
+                node,
+                data_dir,
+                _node_settings(node, self.redis.url, secret, s, node in self.disks),
+                ADMIN_TOKEN,
+            )
             self.daemons[node] = daemon.start()
         if self.disk_note:
             self.notes.append(self.disk_note)
@@ -178,34 +225,75 @@ class Harness:
         time.sleep(1.0)  # cluster links up, arenas faulted in: what an idle daemon holds
         self.baseline_fds = {n: socket_fds(d) for n, d in self.daemons.items()}
         self.extra = {t: Events(self.workdir / f"extra-{t}.jsonl") for t in TENANTS}
-        logs = {t: [self.workdir / f"writer-{t}.jsonl", self.workdir / f"extra-{t}.jsonl"]
-                for t in TENANTS}
+        logs = {
+            t: [self.workdir / f"writer-{t}.jsonl", self.workdir / f"extra-{t}.jsonl"]
+            for t in TENANTS
+        }
         self.ledger = EvictionLedger(lambda node: self.daemons[node].stats(timeout=5))
-        self.auditor = Auditor({n: d.socket for n, d in self.daemons.items()}, ADMIN_TOKEN,
-                               [p for paths in logs.values() for p in paths], self.ledger)
+        self.auditor = Auditor(
+            {n: d.socket for n, d in self.daemons.items()},
+            ADMIN_TOKEN,
+            [p for paths in logs.values() for p in paths],
+            self.ledger,
+        )
         self.monitor = Monitor(self.daemons)
         sockets = {n: d.socket for n, d in self.daemons.items()}
         for i, tenant in enumerate(TENANTS):
             other = next(t for t in TENANTS if t != tenant)
-            self.worker("writer", f"writer-{tenant}", {
-                "tenant": tenant, "token": TOKENS[tenant], "sockets": sockets,
-                "rate": s.write_rate, "keep_chains": s.keep_chains, "seed": s.seed * 10 + i})
-            self.worker("reader", f"reader-{tenant}", {
-                "tenant": tenant, "token": TOKENS[tenant], "sockets": sockets,
-                "rate": s.read_rate, "seed": s.seed * 10 + i, "cross_share": 0.2,
-                "scan_every_s": 2.0, "own_logs": [str(p) for p in logs[tenant]],
-                "other_logs": [str(p) for p in logs[other]]})
+            self.worker(
+                "writer",
+                f"writer-{tenant}",
+                {
+                    "tenant": tenant,
+                    "token": TOKENS[tenant],
+                    "sockets": sockets,
+                    "rate": s.write_rate,
+                    "keep_chains": s.keep_chains,
+                    "seed": s.seed * 10 + i,
+                },
+            )
+            self.worker(
+                "reader",
+                f"reader-{tenant}",
+                {
+                    "tenant": tenant,
+                    "token": TOKENS[tenant],
+                    "sockets": sockets,
+                    "rate": s.read_rate,
+                    "seed": s.seed * 10 + i,
+                    "cross_share": 0.2,
+                    "scan_every_s": 2.0,
+                    "own_logs": [str(p) for p in logs[tenant]],
+                    "other_logs": [str(p) for p in logs[other]],
+                },
+            )
         if s.negative_controls:
-            self.worker("reader", "reader-admin", {
-                "tenant": "a", "token": ADMIN_TOKEN, "sockets": sockets, "rate": 10.0,
-                "seed": 99, "cross_share": 0.5, "scan_every_s": 1.0,
-                "own_logs": [str(p) for p in logs["a"]], "other_logs": [str(p) for p in logs["b"]]})
+            self.worker(
+                "reader",
+                "reader-admin",
+                {
+                    "tenant": "a",
+                    "token": ADMIN_TOKEN,
+                    "sockets": sockets,
+                    "rate": 10.0,
+                    "seed": 99,
+                    "cross_share": 0.5,
+                    "scan_every_s": 1.0,
+                    "own_logs": [str(p) for p in logs["a"]],
+                    "other_logs": [str(p) for p in logs["b"]],
+                },
+            )
         for node, daemon in self.daemons.items():
-            self.worker("pinger", f"pinger-{node}", {
-                "socket": daemon.socket, "token": TOKENS["a"], "interval_s": s.ping_interval_s})
-            self.worker("connector", f"connector-{node}", {
-                "socket": daemon.socket, "token": TOKENS["b"], "interval_s": 0.1,
-                "timeout": 10.0})
+            self.worker(
+                "pinger",
+                f"pinger-{node}",
+                {"socket": daemon.socket, "token": TOKENS["a"], "interval_s": s.ping_interval_s},
+            )
+            self.worker(
+                "connector",
+                f"connector-{node}",
+                {"socket": daemon.socket, "token": TOKENS["b"], "interval_s": 0.1, "timeout": 10.0},
+            )
         self.auditor.start()
         self.monitor.start()
 
@@ -225,8 +313,10 @@ class Harness:
     def plan(self) -> list[tuple[str, str | None]]:
         s = self.settings
         if s.schedule:
-            return [(item.split("@")[0], item.split("@")[1] if "@" in item else None)
-                    for item in s.schedule]
+            return [
+                (item.split("@")[0], item.split("@")[1] if "@" in item else None)
+                for item in s.schedule
+            ]
         return []  # drawn as it goes: see chaos()
 
     def run_event(self, kind: str, node: str | None) -> None:
@@ -237,11 +327,13 @@ class Harness:
         ended = time.monotonic()
         record.setdefault("t0", started)
         record.setdefault("t1", ended)
-        record.update(kind=kind, node=node, span=(started, ended),
-                      took_s=round(ended - started, 2))
+        record.update(kind=kind, node=node, span=(started, ended), took_s=round(ended - started, 2))
         self.records.append(record)
-        print(f"[chaos] {kind}@{node}: ok={record['ok']} ({record['took_s']} s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[chaos] {kind}@{node}: ok={record['ok']} ({record['took_s']} s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def chaos(self) -> None:
         s = self.settings
@@ -297,8 +389,9 @@ class Harness:
                     elif event["e"] == "del":
                         known.pop(key, None)
         verdicts: Counter = Counter()
-        clients = {n: Client(d.socket, token=ADMIN_TOKEN, timeout=10)
-                   for n, d in self.daemons.items()}
+        clients = {
+            n: Client(d.socket, token=ADMIN_TOKEN, timeout=10) for n, d in self.daemons.items()
+        }
         try:
             for key, (node, tenant) in known.items():
                 try:
@@ -310,9 +403,16 @@ class Harness:
                     how = f"error_{exc.kind}"
                 verdicts[how] += 1
                 if how in ("corrupt", "frozen", "foreign"):
-                    self.corrupt.append({"source": "final_sweep", "node": node,
-                                         "tenant": tenant, "key": key.hex(), "how": how,
-                                         "audit_key": is_audit_key(key)})
+                    self.corrupt.append(
+                        {
+                            "source": "final_sweep",
+                            "node": node,
+                            "tenant": tenant,
+                            "key": key.hex(),
+                            "how": how,
+                            "audit_key": is_audit_key(key),
+                        }
+                    )
         finally:
             for client in clients.values():
                 client.close()
@@ -329,8 +429,9 @@ class Harness:
                 if event["e"] == "err":
                     errors[event["kind"]] += 1
                 elif event["e"] == "corrupt":
-                    self.corrupt.append({"source": name, **{k: event[k] for k in (
-                        "node", "tenant", "key", "how")}})
+                    self.corrupt.append(
+                        {"source": name, **{k: event[k] for k in ("node", "tenant", "key", "how")}}
+                    )
                 elif event["e"] == "cross":
                     cross.append({"worker": name, **event})
                 elif event["e"] == "counts":
@@ -365,25 +466,31 @@ class Harness:
                     slowest = max(slowest, float(took))
                     if ok != "1":
                         refused[kind] += 1
-        return {"ping_p99_ms_under_abuse": _p99(under), "ping_samples_under_abuse": len(under),
-                "ping_max_ms_under_abuse": max(under, default=None),
-                "ping_p99_ms_quiet": _p99(quiet),
-                "sessions_refused_to_legit_clients": sum(refused.values()),
-                "sessions_refused_by_kind": dict(refused),
-                "legit_sessions_under_abuse": tried,
-                "legit_session_max_s_under_abuse": round(slowest, 3) if tried else None}
+        return {
+            "ping_p99_ms_under_abuse": _p99(under),
+            "ping_samples_under_abuse": len(under),
+            "ping_max_ms_under_abuse": max(under, default=None),
+            "ping_p99_ms_quiet": _p99(quiet),
+            "sessions_refused_to_legit_clients": sum(refused.values()),
+            "sessions_refused_by_kind": dict(refused),
+            "legit_sessions_under_abuse": tried,
+            "legit_session_max_s_under_abuse": round(slowest, 3) if tried else None,
+        }
 
     def end_state(self) -> dict[str, Any]:
         """Every client gone: sessions, descriptors and leases back to an idle daemon's."""
         sessions, fds, leases, pinned_bytes = {}, {}, 0, 0
         for node, daemon in self.daemons.items():
-            _settle(lambda: daemon.stats()["sessions"] == 0, 15)
+            _settle(lambda: daemon.stats()["sessions"] == 0, 15)  # noqa: B023 (called at once)
             stats = daemon.stats()
             sessions[node] = stats["sessions"]
             now = socket_fds(daemon)
             fds[node] = sum(now.values()) - sum(self.baseline_fds[node].values())
-            grown = {k: n - self.baseline_fds[node][k] for k, n in now.items()
-                     if n != self.baseline_fds[node][k]}
+            grown = {
+                k: n - self.baseline_fds[node][k]
+                for k, n in now.items()
+                if n != self.baseline_fds[node][k]
+            }
             if grown:
                 self.notes.append(f"{node}: descriptors at end minus idle: {grown}")
             evicted = daemon.http("POST", "/v1/admin/evict", json={}, timeout=60)
@@ -393,9 +500,13 @@ class Harness:
             pinned_bytes += sum(int(t["used_bytes"]) for t in memory)
             if evicted.status_code != 200:
                 self.notes.append(f"{node}: evict-all answered {evicted.status_code}")
-        return {"sessions_at_end": sum(sessions.values()),
-                "leaked_fds": sum(max(0, n) for n in fds.values()), "fd_delta_by_node": fds,
-                "leaked_leases": leases, "memory_bytes_held_after_evict_all": pinned_bytes}
+        return {
+            "sessions_at_end": sum(sessions.values()),
+            "leaked_fds": sum(max(0, n) for n in fds.values()),
+            "fd_delta_by_node": fds,
+            "leaked_leases": leases,
+            "memory_bytes_held_after_evict_all": pinned_bytes,
+        }
 
     def figures(self) -> dict[str, Any]:
         s = self.settings
@@ -408,18 +519,26 @@ class Harness:
         end = self.end_state()
         cross_api = [c for c in reports["cross"] if c["how"] != "mapped"]
         mapped = max((c["pages"] for c in reports["cross"] if c["how"] == "mapped"), default=0)
-        scans = sum(c.get("scans", 0) for n, c in reports["counts"].items()
-                    if n.startswith("reader"))
-        own_pages = max((c.get("scan_own_pages", 0) for n, c in reports["counts"].items()
-                         if n.startswith("reader")), default=0)
-        slopes = [rss_slope_mb_per_hour(self.monitor.samples[n], s.rss_warmup_s)
-                  for n in NODES]
+        scans = sum(
+            c.get("scans", 0) for n, c in reports["counts"].items() if n.startswith("reader")
+        )
+        own_pages = max(
+            (
+                c.get("scan_own_pages", 0)
+                for n, c in reports["counts"].items()
+                if n.startswith("reader")
+            ),
+            default=0,
+        )
+        slopes = [rss_slope_mb_per_hour(self.monitor.samples[n], s.rss_warmup_s) for n in NODES]
         kills = [r for r in self.records if r["kind"] == "kill9"]
         rounds = [r for r in self.records if r["kind"] == "disk_fill" and r["ok"] is not None]
-        acked = sum(c.get("acked", 0) for n, c in reports["counts"].items()
-                    if n.startswith("writer"))
-        reads_ok = sum(c.get("read_ok", 0) for n, c in reports["counts"].items()
-                       if n.startswith("reader"))
+        acked = sum(
+            c.get("acked", 0) for n, c in reports["counts"].items() if n.startswith("writer")
+        )
+        reads_ok = sum(
+            c.get("read_ok", 0) for n, c in reports["counts"].items() if n.startswith("reader")
+        )
         audit = self.auditor.summary()
         frozen = [c for c in self.corrupt if c["how"] == "frozen"]
         planted = [c for c in self.corrupt if c["key"] == self.planted]
@@ -436,20 +555,29 @@ class Harness:
             "rss_growth_mb_per_hour": max((x for x in slopes if x is not None), default=None),
             "rss_peak_mb": round(self.monitor.peak_rss_mb(), 1),
             **end,
-            "kills_survived": sum(1 for r in kills if r["ok"]), "kills_total": len(kills),
+            "kills_survived": sum(1 for r in kills if r["ok"]),
+            "kills_total": len(kills),
             "enospc_rounds_survived": sum(1 for r in rounds if r["ok"]),
             "enospc_rounds_total": len(rounds),
-            "client_internal_errors": sum(n for k, n in reports["errors"].items()
-                                          if "internal" in k or "untyped" in k),
+            "client_internal_errors": sum(
+                n for k, n in reports["errors"].items() if "internal" in k or "untyped" in k
+            ),
             "engine_outputs_identical": None,
-            "acked_puts": acked, "verified_reads": reads_ok,
-            "final_sweep": sweep, "ssd_audit": audit,
-            "mapped_scans": scans, "mapped_scan_own_pages": own_pages,
-            "client_errors": dict(reports["errors"]), "worker_crashes": reports["crashed"],
-            "events": [{k: v for k, v in r.items() if k not in ("t0", "t1", "span")}
-                       for r in self.records],
-            "corrupt_samples": self.corrupt[:10], "cross_samples": cross_api[:10],
-            "planted_key": self.planted, "notes": self.notes,
+            "acked_puts": acked,
+            "verified_reads": reads_ok,
+            "final_sweep": sweep,
+            "ssd_audit": audit,
+            "mapped_scans": scans,
+            "mapped_scan_own_pages": own_pages,
+            "client_errors": dict(reports["errors"]),
+            "worker_crashes": reports["crashed"],
+            "events": [
+                {k: v for k, v in r.items() if k not in ("t0", "t1", "span")} for r in self.records
+            ],
+            "corrupt_samples": self.corrupt[:10],
+            "cross_samples": cross_api[:10],
+            "planted_key": self.planted,
+            "notes": self.notes,
             "settings": asdict(self.settings),
         }
 

@@ -60,17 +60,27 @@ class Monitor(threading.Thread):
                 continue
             memory, cpu = child.memory_mb(), child.cpu_s()
             if "VmRSS" in memory and cpu is not None:
-                self.samples[name].append(Sample(time.monotonic(), daemon.incarnation,
-                                                 memory["VmRSS"], memory.get("RssAnon", 0.0),
-                                                 sum(socket_fds(daemon).values()), cpu))
+                self.samples[name].append(
+                    Sample(
+                        time.monotonic(),
+                        daemon.incarnation,
+                        memory["VmRSS"],
+                        memory.get("RssAnon", 0.0),
+                        sum(socket_fds(daemon).values()),
+                        cpu,
+                    )
+                )
 
     def stop(self) -> None:
         self._halt.set()
         self.join(10)
 
     def dump(self) -> list[dict[str, object]]:
-        return [{"node": node, **vars(sample)} for node, samples in self.samples.items()
-                for sample in samples]
+        return [
+            {"node": node, **vars(sample)}
+            for node, samples in self.samples.items()
+            for sample in samples
+        ]
 
     def cpu_share(self, node: str, t0: float, t1: float) -> float | None:
         """Share of one core the node's daemon used between ``t0`` and ``t1`` (one

@@ -35,29 +35,36 @@ from redis_servers import free_port
 
 # Sets the parent-death signal, checks the parent is still there (it may have died before
 # prctl ran), then becomes the real program (same pid, same process group).
-LAUNCH = ("import ctypes, os, signal, sys\n"
-          "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
-          "os.getppid() == int(sys.argv[1]) or os._exit(70)\n"
-          "os.execvp(sys.argv[2], sys.argv[2:])\n")
+LAUNCH = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "os.getppid() == int(sys.argv[1]) or os._exit(70)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
-_live: set["Child"] = set()
+_live: set[Child] = set()
 _live_lock = threading.Lock()
 
 
 class Child:
     """One launched program in its own process group, its output appended to ``log_path``."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name, self.argv, self.log_path, self.env = name, argv, log_path, env
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "Child":
+    def start(self) -> Child:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", LAUNCH, str(os.getpid()), *self.argv],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self.env, start_new_session=True)
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
         with _live_lock:
             _live.add(self)
         return self
@@ -150,7 +157,7 @@ def kill_all() -> None:
     for child in children:
         try:
             child.kill()
-        except Exception:  # noqa: BLE001  (best effort at exit: kill the rest regardless)
+        except Exception:
             pass
 
 
@@ -177,12 +184,25 @@ class Daemon:
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.info['http_port']}"
 
-    def start(self, timeout: float = 90.0) -> "Daemon":
+    def start(self, timeout: float = 90.0) -> Daemon:
         ready = self.data_dir / "ready.json"
         ready.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "kvfabric.cli", "serve", "--ready-file", str(ready),
-                "--set", f"store.data_dir={self.data_dir}", "--set", "http.host=127.0.0.1",
-                "--set", "http.port=0", "--set", f"socket_path={self.socket}"]
+        argv = [
+            sys.executable,
+            "-m",
+            "kvfabric.cli",
+            "serve",
+            "--ready-file",
+            str(ready),
+            "--set",
+            f"store.data_dir={self.data_dir}",
+            "--set",
+            "http.host=127.0.0.1",
+            "--set",
+            "http.port=0",
+            "--set",
+            f"socket_path={self.socket}",
+        ]
         for item in self.settings:
             argv += ["--set", item]
         self.ready = False
@@ -204,13 +224,21 @@ class Daemon:
         self.ready = False
         self.child.kill()
 
-    def http(self, method: str, path: str, *, token: str | None = "admin", timeout: float = 10,
-             **kwargs: Any) -> httpx.Response:
+    def http(
+        self,
+        method: str,
+        path: str,
+        *,
+        token: str | None = "admin",
+        timeout: float = 10,
+        **kwargs: Any,
+    ) -> httpx.Response:
         """One request (``token="admin"``: the admin token; None: no Authorization)."""
         token = self.admin_token if token == "admin" else token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.request(method, f"{self.http_url}{path}", headers=headers,
-                             timeout=timeout, **kwargs)
+        return httpx.request(
+            method, f"{self.http_url}{path}", headers=headers, timeout=timeout, **kwargs
+        )
 
     def stats(self, timeout: float = 10) -> dict[str, Any]:
         response = self.http("GET", "/v1/stats", timeout=timeout)
@@ -236,10 +264,24 @@ class Redis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "Redis":
-        self.child = Child("redis", [self.binary, "--port", str(self.port), "--bind",
-                                     "127.0.0.1", "--save", "", "--appendonly", "no", "--dir",
-                                     str(self.workdir)], self.workdir / "redis.log").start()
+    def start(self) -> Redis:
+        self.child = Child(
+            "redis",
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            self.workdir / "redis.log",
+        ).start()
         client = redis.Redis(port=self.port, socket_timeout=0.2, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 15
         try:
@@ -249,8 +291,9 @@ class Redis:
                     return self
                 except redis.exceptions.ConnectionError:
                     if not self.child.alive or time.monotonic() > deadline:
-                        raise RuntimeError(f"redis-server did not start on {self.port}: "
-                                           f"{self.child.tail()}") from None
+                        raise RuntimeError(
+                            f"redis-server did not start on {self.port}: {self.child.tail()}"
+                        ) from None
                     time.sleep(0.02)
         finally:
             client.close()

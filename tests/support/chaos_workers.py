@@ -37,8 +37,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from chaos_common import (CHUNK, FROZEN_FILL, MARKER_LEN, SPEC, TENANTS, Events, Tail,
-                          is_audit_key, marker, namespace, payload, stop_requested, verify)
+from chaos_common import (
+    CHUNK,
+    FROZEN_FILL,
+    MARKER_LEN,
+    SPEC,
+    TENANTS,
+    Events,
+    Tail,
+    is_audit_key,
+    marker,
+    namespace,
+    payload,
+    stop_requested,
+    verify,
+)
 from chaos_flood import flood
 
 from kvfabric.client import Client
@@ -86,7 +99,7 @@ def writer(cfg: dict[str, Any], workdir: Path, events: Events) -> None:
                 counts[exc.kind] += 1
                 events.emit("err", op="put", kind=exc.kind, node=node, msg=str(exc)[:200])
                 break
-            except Exception as exc:  # noqa: BLE001  (counted: the client must not raise it)
+            except Exception as exc:
                 _untyped(counts, exc)
                 break
             if stored:
@@ -102,7 +115,7 @@ def writer(cfg: dict[str, Any], workdir: Path, events: Events) -> None:
                     counts["deleted"] += 1
                 except KVFabricError as exc:
                     counts[f"delete_{exc.kind}"] += 1
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     _untyped(counts, exc)
         if chain_no % 16 == 0:
             events.emit("counts", counts=dict(counts))
@@ -160,7 +173,7 @@ def scan_mapped(markers: dict[str, bytes]) -> Counter:
             except OSError:
                 continue
             pages = len(data) // PAGE
-            heads = np.frombuffer(data, dtype=np.uint8)[:pages * PAGE].reshape(pages, PAGE)
+            heads = np.frombuffer(data, dtype=np.uint8)[: pages * PAGE].reshape(pages, PAGE)
             words = heads[:, :MARKER_LEN].copy().view("<u8").ravel()
             for tenant, word in wanted.items():
                 found[tenant] += int(np.count_nonzero(words == word))
@@ -195,7 +208,7 @@ def reader(cfg: dict[str, Any], workdir: Path, events: Events) -> None:
                 counts["not_found"] += 1
             except KVFabricError as exc:
                 counts[exc.kind] += 1
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 _untyped(counts, exc)
         if rng.random() < cfg["cross_share"]:
             theirs.update()
@@ -217,16 +230,25 @@ def reader(cfg: dict[str, Any], workdir: Path, events: Events) -> None:
         client.close()
 
 
-def _cross_tenant(clients: dict[str, Client], picked: tuple[bytes, str] | None, ns: Any,
-                  other_ns: Any, other: str, counts: Counter, events: Events) -> None:
+def _cross_tenant(
+    clients: dict[str, Client],
+    picked: tuple[bytes, str] | None,
+    ns: Any,
+    other_ns: Any,
+    other: str,
+    counts: Counter,
+    events: Events,
+) -> None:
     """Another tenant's chunk through the API: its namespace must be refused, and its raw
     key in this tenant's own namespace must be a miss. Anything read is a cross-tenant read
     (and counted as such whatever its bytes)."""
     if picked is None:
         return
     key, node = picked
-    for how, target, expected in (("api_other_ns", other_ns, ForbiddenError),
-                                  ("api_own_ns", ns, NotFoundError)):
+    for how, target, expected in (
+        ("api_other_ns", other_ns, ForbiddenError),
+        ("api_own_ns", ns, NotFoundError),
+    ):
         counts[f"cross_tries_{how}"] += 1
         try:
             with clients[node].get(target, key) as handle:
@@ -237,12 +259,13 @@ def _cross_tenant(clients: dict[str, Client], picked: tuple[bytes, str] | None, 
         except KVFabricError as exc:
             counts[f"cross_{how}_{exc.kind}"] += 1
             continue
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             _untyped(counts, exc)
             continue
         counts[f"cross_read_{how}"] += 1
-        events.emit("cross", how=how, node=node, key=key.hex(),
-                    their_bytes=verify(other, key, data) == "ok")
+        events.emit(
+            "cross", how=how, node=node, key=key.hex(), their_bytes=verify(other, key, data) == "ok"
+        )
 
 
 def pinger(cfg: dict[str, Any], workdir: Path, events: Events) -> None:
@@ -257,7 +280,7 @@ def pinger(cfg: dict[str, Any], workdir: Path, events: Events) -> None:
                 client.ping()
             except KVFabricError:
                 ok = 0
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 ok = 0
                 _untyped(Counter(), exc)
             out.write(f"{start:.6f} {(time.monotonic() - start) * 1e3:.3f} {ok}\n")
@@ -274,19 +297,20 @@ def connector(cfg: dict[str, Any], workdir: Path, events: Events) -> None:
         while not stop_requested(workdir):
             start, kind = time.monotonic(), "ok"
             try:
-                with Client(cfg["socket"], token=cfg["token"], timeout=cfg["timeout"],
-                            reconnect=False) as client:
+                with Client(
+                    cfg["socket"], token=cfg["token"], timeout=cfg["timeout"], reconnect=False
+                ) as client:
                     client.ping()
             except KVFabricError as exc:
                 kind = exc.kind
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 kind = f"untyped:{type(exc).__name__}"
             out.write(f"{start:.6f} {time.monotonic() - start:.4f} {int(kind == 'ok')} {kind}\n")
             time.sleep(cfg["interval_s"])
 
 
 def frozen(cfg: dict[str, Any], workdir: Path, events: Events) -> None:
-    tenant, ns = cfg["tenant"], namespace(cfg["tenant"])
+    _tenant, ns = cfg["tenant"], namespace(cfg["tenant"])
     client = _client(cfg["socket"], cfg["token"])
     key = bytes.fromhex(cfg["key"])
     writer_ = client.reserve(ns, key)
@@ -299,7 +323,7 @@ def frozen(cfg: dict[str, Any], workdir: Path, events: Events) -> None:
     written = 0
     for view in views:  # what a writer that was stalled mid-copy does when it resumes
         flat = view.reshape(-1).view(np.uint8)
-        flat[:] = fill[:flat.size]
+        flat[:] = fill[: flat.size]
         written += flat.size
     try:
         writer_.commit()
@@ -310,8 +334,14 @@ def frozen(cfg: dict[str, Any], workdir: Path, events: Events) -> None:
     client.close()
 
 
-ROLES = {"writer": writer, "reader": reader, "pinger": pinger, "connector": connector,
-         "frozen": frozen, "flood": flood}
+ROLES = {
+    "writer": writer,
+    "reader": reader,
+    "pinger": pinger,
+    "connector": connector,
+    "frozen": frozen,
+    "flood": flood,
+}
 
 
 def main() -> None:

@@ -52,8 +52,9 @@ def position_diff(a: dict[str, float], b: dict[str, float]) -> float:
         floor = min(theirs.values())
         for token, logprob in mine.items():
             other = theirs.get(token)
-            worst = max(worst, abs(logprob - other) if other is not None
-                        else max(0.0, logprob - floor))
+            worst = max(
+                worst, abs(logprob - other) if other is not None else max(0.0, logprob - floor)
+            )
     return worst
 
 
@@ -63,11 +64,11 @@ def top2_margin(output: dict, position: int) -> float:
     return top[0] - top[1] if len(top) > 1 else float("inf")
 
 
-def largest_diff(references: list[dict], others: list[dict], positions: int | None = None
-                 ) -> float:
+def largest_diff(references: list[dict], others: list[dict], positions: int | None = None) -> float:
     """The largest logprob difference over prompts (each up to its first differing token)."""
-    return max((compare(a, b, positions).max_logprob_diff
-                for a, b in zip(references, others)), default=0.0)
+    return max(
+        (compare(a, b, positions).max_logprob_diff for a, b in zip(references, others)), default=0.0
+    )
 
 
 def deciding_diffs(reference: dict, other: dict) -> tuple[list[float], int | None]:
@@ -76,12 +77,17 @@ def deciding_diffs(reference: dict, other: dict) -> tuple[list[float], int | Non
     between) moved in the other run; and that first differing position (None if none)."""
     diffs: list[float] = []
     for position, (token_ref, token_other) in enumerate(
-            zip(reference["token_ids"], other["token_ids"])):
+        zip(reference["token_ids"], other["token_ids"])
+    ):
         lp_ref, lp_other = reference["logprobs"][position], other["logprobs"][position]
         leading = dict(sorted(lp_ref.items(), key=lambda item: -item[1])[:2])
         floor = min(lp_other.values())
-        diffs.append(max(abs(lp - lp_other[t]) if t in lp_other else max(0.0, lp - floor)
-                         for t, lp in leading.items()))
+        diffs.append(
+            max(
+                abs(lp - lp_other[t]) if t in lp_other else max(0.0, lp - floor)
+                for t, lp in leading.items()
+            )
+        )
         if token_ref != token_other:
             return diffs, position
     return diffs, None

@@ -21,11 +21,29 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 SHELL_LANGUAGES = frozenset({"bash", "sh", "shell"})
 # The first word of an inline code span that makes it a command rather than a name
 # (`kvfabric serve` is a command; `kvfabric_connectors.vllm` and `serve --check` are not).
-PROGRAMS = frozenset({
-    "kvfabric", ".venv/bin/kvfabric", "python", "python3", ".venv/bin/python", "pip",
-    ".venv/bin/pip", "curl", "bash", "sh", "export", "vllm", "docker", "helm", "kubectl",
-    "systemctl", "sudo", "apt-get", "redis-server",
-})
+PROGRAMS = frozenset(
+    {
+        "kvfabric",
+        ".venv/bin/kvfabric",
+        "python",
+        "python3",
+        ".venv/bin/python",
+        "pip",
+        ".venv/bin/pip",
+        "curl",
+        "bash",
+        "sh",
+        "export",
+        "vllm",
+        "docker",
+        "helm",
+        "kubectl",
+        "systemctl",
+        "sudo",
+        "apt-get",
+        "redis-server",
+    }
+)
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
@@ -38,8 +56,8 @@ class Block:
 
 @dataclass(frozen=True)
 class ShellCommand:
-    line: int          # README line the command starts on
-    text: str          # what bash runs: continuations joined, comments dropped
+    line: int  # README line the command starts on
+    text: str  # what bash runs: continuations joined, comments dropped
     block: int | None  # the line of the fenced block it is in; None: inline in prose
 
     @property
@@ -51,8 +69,9 @@ class ShellCommand:
         return tuple(words)
 
 
-def fenced_blocks(language: str | None = None, after: str | None = None,
-                  markdown: str | None = None) -> list[Block]:
+def fenced_blocks(
+    language: str | None = None, after: str | None = None, markdown: str | None = None
+) -> list[Block]:
     """The README's fenced blocks (of one language), those after the heading ``after``."""
     text = README.read_text() if markdown is None else markdown
     start = 0 if after is None else text.index(after)
@@ -100,7 +119,7 @@ def split_shell(text: str) -> list[tuple[int, str]]:
             # a continuation joins the lines; any other escape stays for the shell
             if text[i + 1] != "\n":
                 begin = i if begin < 0 else begin
-            current.append(" " if text[i + 1] == "\n" else text[i:i + 2])
+            current.append(" " if text[i + 1] == "\n" else text[i : i + 2])
             i += 1
         elif char == "#" and (not current or current[-1].isspace()):
             end = text.find("\n", i)
@@ -123,12 +142,14 @@ def split_shell(text: str) -> list[tuple[int, str]]:
 def readme_commands(markdown: str | None = None) -> list[ShellCommand]:
     """Every command in the README's shell blocks and its inline commands, in README order."""
     text = README.read_text() if markdown is None else markdown
-    commands = [ShellCommand(block.line + offset, command, block.line)
-                for block in fenced_blocks(markdown=text) if block.language in SHELL_LANGUAGES
-                for offset, command in split_shell(block.body)]
+    commands = [
+        ShellCommand(block.line + offset, command, block.line)
+        for block in fenced_blocks(markdown=text)
+        if block.language in SHELL_LANGUAGES
+        for offset, command in split_shell(block.body)
+    ]
     # inline spans in the prose: blank the fenced blocks out, keeping the line count
-    prose = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text,
-                   flags=re.M | re.S)
+    prose = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.M | re.S)
     for match in re.finditer(r"`([^`]+)`", prose):
         span = " ".join(match.group(1).split())
         words = span.split()

@@ -19,8 +19,10 @@ class RedisServer:
     def __init__(self, workdir: Path, extra_args: tuple[str, ...] = ()) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
-            pytest.fail("redis-server is not on PATH: install it (e.g. apt-get install "
-                        "redis-server) to run the global index tests")
+            pytest.fail(
+                "redis-server is not on PATH: install it (e.g. apt-get install "
+                "redis-server) to run the global index tests"
+            )
         self.binary, self.workdir = binary, workdir
         self.port = free_port()
         self.extra_args = extra_args
@@ -32,9 +34,23 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir), *self.extra_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+                *self.extra_args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis(port=self.port, socket_timeout=0.2, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
         while True:
@@ -43,7 +59,7 @@ class RedisServer:
                 return self
             except redis.exceptions.ConnectionError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}")
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
                 time.sleep(0.02)
             finally:
                 client.close()
@@ -70,8 +86,14 @@ class RedisClusterServers:
         for _ in range(masters):
             server = RedisServer(workdir)
             server.port = free_cluster_port()
-            server.extra_args = ("--cluster-enabled", "yes", "--cluster-config-file",
-                                 f"nodes-{server.port}.conf", "--cluster-node-timeout", "5000")
+            server.extra_args = (
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{server.port}.conf",
+                "--cluster-node-timeout",
+                "5000",
+            )
             self.servers.append(server)
 
     @property
@@ -83,10 +105,19 @@ class RedisClusterServers:
             for server in self.servers:
                 server.start()
             subprocess.run(
-                [str(self.cli), "--cluster", "create",
-                 *(f"127.0.0.1:{s.port}" for s in self.servers),
-                 "--cluster-replicas", "0", "--cluster-yes"],
-                check=True, capture_output=True, timeout=30)
+                [
+                    str(self.cli),
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{s.port}" for s in self.servers),
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=30,
+            )
             self._wait_ok()
         except BaseException:
             self.kill()

@@ -15,8 +15,11 @@ def scrape(http_url: str, token: str | None = None) -> Samples:
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     text = urllib.request.urlopen(request, timeout=10).read().decode()
-    return {(sample.name, frozenset(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def sample(samples: Samples, name: str, **labels: str) -> float:

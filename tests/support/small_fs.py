@@ -19,11 +19,24 @@ def tmpfs(path: Path, *, size: str = "8m", inodes: int = 64) -> Iterator[Path]:
     """Mount a tmpfs of ``size`` with ``inodes`` inodes at ``path`` (created if missing)."""
     path.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes},mode=0700", "tmpfs",
-         str(path)], capture_output=True, text=True, check=False)
+        [
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            f"size={size},nr_inodes={inodes},mode=0700",
+            "tmpfs",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs at {path} (needs root or CAP_SYS_ADMIN): "
-                    f"{(result.stderr or result.stdout).strip()}")
+        pytest.skip(
+            f"cannot mount a tmpfs at {path} (needs root or CAP_SYS_ADMIN): "
+            f"{(result.stderr or result.stdout).strip()}"
+        )
     try:
         yield path
     finally:

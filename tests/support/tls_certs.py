@@ -20,17 +20,24 @@ class CA:
     def __init__(self, name: str = "kvfabric test CA") -> None:
         self.key = ec.generate_private_key(ec.SECP256R1())
         self.name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        self.cert = (self._builder(self.name, self.key.public_key()).issuer_name(self.name)
-                     .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-                     .sign(self.key, hashes.SHA256()))
+        self.cert = (
+            self._builder(self.name, self.key.public_key())
+            .issuer_name(self.name)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(self.key, hashes.SHA256())
+        )
 
     @staticmethod
     def _builder(subject: x509.Name, public_key: object) -> x509.CertificateBuilder:
-        now = datetime.datetime.now(datetime.timezone.utc)
-        return (x509.CertificateBuilder().subject_name(subject).public_key(public_key)
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=1)))
+        now = datetime.datetime.now(datetime.UTC)
+        return (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
 
     def issue(self, path: Path, common_name: str, *, server: bool = True) -> int:
         """A leaf certificate and its key in one PEM file at ``path``; returns its serial.
@@ -40,14 +47,22 @@ class CA:
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
         builder = self._builder(subject, key.public_key()).issuer_name(self.name)
         if server:
-            builder = builder.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                False)
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                False,
+            )
         cert = builder.sign(self.key, hashes.SHA256())
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption()))
+        tmp.write_bytes(
+            cert.public_bytes(serialization.Encoding.PEM)
+            + key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
         os.replace(tmp, path)  # atomically, as an operator's tooling would
         return cert.serial_number
 

@@ -16,8 +16,15 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _python(code: str, **kwargs) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=False, cwd=BENCHMARKS, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=BENCHMARKS,
+        **kwargs,
+    )
 
 
 REPORT = """
@@ -85,8 +92,13 @@ def _alive(pid: int) -> bool:
 def test_sigterm_leaves_no_child_process_behind() -> None:
     """Regression: on the old code a SIGTERM killed the benchmark without running its
     finally blocks, and its engine process (a session of its own) was orphaned."""
-    proc = subprocess.Popen([sys.executable, "-c", SPAWNER], cwd=BENCHMARKS,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SPAWNER],
+        cwd=BENCHMARKS,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         pids = [int(p) for p in proc.stdout.readline().split()]
@@ -115,8 +127,7 @@ def test_every_benchmark_returns_reports_status() -> None:
 
 def test_run_as_a_script_installs_the_cleanup() -> None:
     """A script of benchmarks/ gets the handlers at import; pytest or `python -c` do not."""
-    code = ("import sys; sys.path.insert(0, '.'); import _common; "
-            "print(_common._cleanup_installed)")
+    code = "import sys; sys.path.insert(0, '.'); import _common; print(_common._cleanup_installed)"
     as_script = _python(f"import sys; sys.argv = ['store_bench.py']; {code}")
     assert as_script.stdout.strip() == "True", as_script.stderr
     outside = _python(code)

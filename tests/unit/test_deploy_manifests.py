@@ -138,15 +138,22 @@ def test_entry_point_script_honours_kvfabric_python(tmp_path: Path) -> None:
     python.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFABRIC_")}
     env["KVFABRIC_PYTHON"] = str(python)  # also a KVFABRIC_* variable: serve must ignore it
-    out = subprocess.run([str(script), "--data-dir", str(tmp_path), "--print-config"],
-                         check=False, capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [str(script), "--data-dir", str(tmp_path), "--print-config"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout)["store"]["data_dir"] == str(tmp_path)
     assert (tmp_path / "ran").read_text().split()[:3] == ["-m", "kvfabric.cli", "serve"]
 
 
 def test_configmap_config_passes_the_bind_rule_with_its_token_secret_mounted(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Regression: on the old manifests HTTP listened on the pod IP with auth off; the daemon
     now refuses that, so the ConfigMap turns tokens on and the DaemonSet mounts the Secret."""
     from kvfabric.config import check_binds
@@ -177,7 +184,12 @@ def test_daemonset_raises_the_file_limit_or_refuses_to_start(tmp_path: Path) -> 
     fake.write_text('#!/bin/sh\necho "ran $*"\n')
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-    low = subprocess.run(["sh", "-c", f"ulimit -n 4096 && {command[2]}"], env=env,
-                         capture_output=True, text=True, timeout=30)
+    low = subprocess.run(
+        ["sh", "-c", f"ulimit -n 4096 && {command[2]}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert low.returncode == 2 and "file limit 4096" in low.stderr
     assert "ran" not in low.stdout

@@ -21,8 +21,11 @@ NS = Namespace("tiny-llama", SPEC)
 
 # Pinned: changing these breaks every stored object and every peer's index.
 GOLDEN_SEED = "c544d438caeccb6b245f98ce5a4f9918"
-GOLDEN_0_40 = ["f643716c730a62090d72c18137cc293c", "c5606c7f24b4b2c94434938e4950663e",
-               "d0d91219aa769da6bb1201b0934fe64e"]
+GOLDEN_0_40 = [
+    "f643716c730a62090d72c18137cc293c",
+    "c5606c7f24b4b2c94434938e4950663e",
+    "d0d91219aa769da6bb1201b0934fe64e",
+]
 GOLDEN_TENANT_A = "92621d218d5e602a3942926854a88897"
 
 
@@ -31,7 +34,7 @@ def reference_chain(ns: Namespace, tokens: list[int]) -> list[bytes]:
     out, prev = [], ROOT
     step = ns.spec.chunk_tokens
     for start in range(0, len(tokens), step):
-        chunk = tokens[start:start + step]
+        chunk = tokens[start : start + step]
         body = b"".join(struct.pack("<i", t) for t in chunk)
         prev = xxhash.xxh3_128_digest(prev + ns.seed + struct.pack("<I", len(chunk)) + body)
         out.append(prev)
@@ -52,12 +55,19 @@ def test_matches_reference_definition(tokens: list[int]) -> None:
 
 
 def test_stable_across_processes_and_hash_seeds() -> None:
-    code = ("from kvfabric.spec import KVSpec, Namespace; from kvfabric.hashing import chunk_keys;"
-            "ns = Namespace('tiny-llama', KVSpec(4, 2, 64, 'bfloat16', chunk_tokens=16));"
-            "print(','.join(k.hex() for k in chunk_keys(ns, list(range(40)))))")
+    code = (
+        "from kvfabric.spec import KVSpec, Namespace; from kvfabric.hashing import chunk_keys;"
+        "ns = Namespace('tiny-llama', KVSpec(4, 2, 64, 'bfloat16', chunk_tokens=16));"
+        "print(','.join(k.hex() for k in chunk_keys(ns, list(range(40)))))"
+    )
     for seed in ("0", "4242"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             check=True, env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+        ).stdout
         assert out.strip().split(",") == GOLDEN_0_40
 
 
@@ -93,8 +103,11 @@ def test_one_token_change_changes_that_chunk_and_all_after() -> None:
 
 def test_array_and_list_inputs_agree() -> None:
     tokens = np.arange(1000, dtype=np.int64) * 7
-    assert chunk_keys(NS, tokens) == chunk_keys(NS, tokens.tolist()) == \
-        chunk_keys(NS, tokens.astype("<i4"))
+    assert (
+        chunk_keys(NS, tokens)
+        == chunk_keys(NS, tokens.tolist())
+        == chunk_keys(NS, tokens.astype("<i4"))
+    )
 
 
 def test_big_prompt_is_one_call() -> None:

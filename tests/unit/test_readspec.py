@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvfabric.errors import SpecError
@@ -17,7 +19,7 @@ MLA = KVSpec(4, 1, 576, "bfloat16", kind="mla", chunk_tokens=16)
 def test_ranks_that_divide_the_heads_partition_them(tp: int) -> None:
     ranges = [tp_head_range(GQA4, rank, tp) for rank in range(tp)]
     assert ranges[0][0] == 0 and ranges[-1][1] == 4
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     assert all(tp_writes(GQA4, rank, tp) for rank in range(tp))
 
 
@@ -58,10 +60,20 @@ def test_a_spec_the_namespace_cannot_serve_is_refused() -> None:
         ReadSpec(dtype=KVDtype.FLOAT8_E4M3).check(GQA4)
 
 
-@pytest.mark.parametrize("raw", [
-    [], {"dtype": 3}, {"dtype": "int8"}, {"heads": [2, 1]}, {"heads": [0, True]},
-    {"heads": "0:2"}, {"layout": "khd"}, {"layout": 1}, {"color": "red"},
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [],
+        {"dtype": 3},
+        {"dtype": "int8"},
+        {"heads": [2, 1]},
+        {"heads": [0, True]},
+        {"heads": "0:2"},
+        {"layout": "khd"},
+        {"layout": 1},
+        {"color": "red"},
+    ],
+)
 def test_malformed_wire_forms_are_spec_errors(raw: object) -> None:
     with pytest.raises(SpecError):
         ReadSpec.from_wire(raw)

@@ -59,17 +59,31 @@ def test_mla_has_one_latent_plane() -> None:
 def test_fingerprint_is_stable_across_processes() -> None:
     # Pinned value: the fingerprint is part of every key, it must never drift.
     assert SPEC.fingerprint.hex() == "afdf935853218a429825e17bc9ea5df7"
-    code = ("from kvfabric.spec import KVSpec;"
-            "print(KVSpec(4, 2, 64, 'bfloat16', chunk_tokens=16).fingerprint.hex())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "123", "PATH": ""}).stdout.strip()
+    code = (
+        "from kvfabric.spec import KVSpec;"
+        "print(KVSpec(4, 2, 64, 'bfloat16', chunk_tokens=16).fingerprint.hex())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "123", "PATH": ""},
+    ).stdout.strip()
     assert out == SPEC.fingerprint.hex()
 
 
 def test_fingerprint_changes_with_every_field() -> None:
-    variants = [SPEC.to_dict() | change for change in (
-        {"num_layers": 5}, {"num_kv_heads": 4}, {"head_dim": 128}, {"dtype": "float16"},
-        {"chunk_tokens": 32})]
+    variants = [
+        SPEC.to_dict() | change
+        for change in (
+            {"num_layers": 5},
+            {"num_kv_heads": 4},
+            {"head_dim": 128},
+            {"dtype": "float16"},
+            {"chunk_tokens": 32},
+        )
+    ]
     prints = {KVSpec(**v).fingerprint for v in variants} | {SPEC.fingerprint}
     assert len(prints) == len(variants) + 1
 
@@ -89,9 +103,10 @@ def test_layout_is_layer_major_then_plane_then_head() -> None:
     assert layout.layer_range(2) == (2 * layout.layer_bytes, layout.layer_bytes)
     # head 1 of layer 1: one run in the K plane, one in the V plane
     base = layout.layer_bytes
-    assert layout.head_ranges(1, 1, 2) == [(base + layout.head_bytes, layout.head_bytes),
-                                           (base + layout.plane_bytes + layout.head_bytes,
-                                            layout.head_bytes)]
+    assert layout.head_ranges(1, 1, 2) == [
+        (base + layout.head_bytes, layout.head_bytes),
+        (base + layout.plane_bytes + layout.head_bytes, layout.head_bytes),
+    ]
 
 
 def test_partial_chunk_layout_and_bounds() -> None:
@@ -108,9 +123,12 @@ def test_partial_chunk_layout_and_bounds() -> None:
 
 def test_namespace_seed_separates_every_component() -> None:
     base = Namespace("m", SPEC)
-    others = [Namespace("m2", SPEC), Namespace("m", SPEC, tenant_salt="t"),
-              Namespace("m", SPEC, lora_id="l"),
-              Namespace("m", KVSpec(**(SPEC.to_dict() | {"dtype": "float16"})))]
+    others = [
+        Namespace("m2", SPEC),
+        Namespace("m", SPEC, tenant_salt="t"),
+        Namespace("m", SPEC, lora_id="l"),
+        Namespace("m", KVSpec(**(SPEC.to_dict() | {"dtype": "float16"}))),
+    ]
     assert len({base.seed, *(o.seed for o in others)}) == 5
     # length prefixes: moving a byte between fields changes the seed
     assert Namespace("ab", SPEC, tenant_salt="c").seed != Namespace("a", SPEC, "bc").seed

@@ -35,8 +35,13 @@ def errno_name(exc: BaseException) -> str:
 class DiskHealth:
     """Degraded flag, error counts by errno and the rate-limited log of one disk tier."""
 
-    def __init__(self, where: str, *, retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
-                 log_interval_s: float = DEFAULT_LOG_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        where: str,
+        *,
+        retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+        log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
+    ) -> None:
         self.where = where
         self.retry_interval_s = retry_interval_s
         self.log_interval_s = log_interval_s
@@ -59,8 +64,10 @@ class DiskHealth:
             self.retry_at = time.monotonic() + self.retry_interval_s
         self.reason = name
         self.need = max(self.need, need)
-        self._log(f"disk tier {self.where} degraded: {what} failed ({exc}); no new SSD "
-                  f"records until writes succeed again")
+        self._log(
+            f"disk tier {self.where} degraded: {what} failed ({exc}); no new SSD "
+            f"records until writes succeed again"
+        )
 
     def failed_read(self, exc: BaseException, what: str) -> None:
         name = errno_name(exc)

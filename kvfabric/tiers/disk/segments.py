@@ -373,8 +373,11 @@ def recover(dir_fd: int) -> Recovery:
         elif not result.records and _next_magic(file, 0, result.file_size) == result.file_size:
             # not a single record page: a foreign file under our name. Never used (as a
             # mostly-dead segment, compaction would unlink it) and never deleted.
-            log.warning("ignoring %r: not a segment (no record in %d bytes)",
-                        segment_name(segment_id), result.file_size)
+            log.warning(
+                "ignoring %r: not a segment (no record in %d bytes)",
+                segment_name(segment_id),
+                result.file_size,
+            )
             file.retire()
             ignored += 1
         else:

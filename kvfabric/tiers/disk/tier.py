@@ -48,7 +48,6 @@ counted (and degrades the tier), not raised.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import threading
@@ -60,6 +59,11 @@ from typing import TYPE_CHECKING, NoReturn
 import xxhash
 
 from kvfabric.errors import CapacityError, ConfigError, CorruptRecordError, KVFabricError
+from kvfabric.tiers.disk.health import (
+    DEFAULT_LOG_INTERVAL_S,
+    DEFAULT_RETRY_INTERVAL_S,
+    DiskHealth,
+)
 from kvfabric.tiers.disk.records import (
     ALIGN,
     DEAD,
@@ -73,11 +77,6 @@ from kvfabric.tiers.disk.records import (
     payload_checksum,
     record_span,
     validate_fields,
-)
-from kvfabric.tiers.disk.health import (
-    DEFAULT_LOG_INTERVAL_S,
-    DEFAULT_RETRY_INTERVAL_S,
-    DiskHealth,
 )
 from kvfabric.tiers.disk.segments import (
     MAX_SEGMENT_ID,
@@ -210,8 +209,9 @@ class DiskTier:
         self._used = self._live = self._records = 0
         self._corrupt = self._torn = self._ignored = 0
         self._writes = self._reads = self._bytes_written = self._bytes_read = self._compactions = 0
-        self._health = DiskHealth(str(self.path), retry_interval_s=retry_interval_s,
-                                  log_interval_s=log_interval_s)
+        self._health = DiskHealth(
+            str(self.path), retry_interval_s=retry_interval_s, log_interval_s=log_interval_s
+        )
         self._taken_ids: set[int] = set()  # names a stray file holds: never created over
 
     @property
@@ -482,8 +482,9 @@ class DiskTier:
             self._kill(st, extent)
         except OSError as exc:
             with self._lock:
-                self._health.failed_write(exc, f"marking a record of segment "
-                                               f"{extent.segment_id} DEAD")
+                self._health.failed_write(
+                    exc, f"marking a record of segment {extent.segment_id} DEAD"
+                )
         finally:
             st.file.unpin()
 
@@ -512,8 +513,9 @@ class DiskTier:
         got = 0
         for i, batch in enumerate(_batches(views, HASH_BATCH)):
             # a short read means end of file: later ones read nothing, the record is refused
-            got += st.file.readv([memoryview(head), *batch] if i == 0 else batch,
-                                 extent.offset + got)
+            got += st.file.readv(
+                [memoryview(head), *batch] if i == 0 else batch, extent.offset + got
+            )
             for view in batch:
                 hasher.update(view)
         if got < ALIGN + extent.payload_len:
@@ -797,7 +799,7 @@ def _batches(views: Sequence[memoryview], limit: int) -> list[list[memoryview]]:
             if size == limit:
                 batches.append([])
                 size = 0
-            part = view[start:start + limit - size]
+            part = view[start : start + limit - size]
             batches[-1].append(part)
             size += len(part)
             start += len(part)

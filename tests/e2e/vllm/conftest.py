@@ -10,6 +10,7 @@ tiny model and a per-test temp dir.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -51,6 +52,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).resolve().is_relative_to(HERE):
             item.add_marker(pytest.mark.timeout(0))
+
 
 def _load_builder():
     spec = importlib.util.spec_from_file_location("kvfabric_tests_build_tiny_llama", BUILDER)
@@ -95,13 +97,15 @@ class EngineResult(dict):
         return self.engine(name)["connector_totals"]
 
 
-def run_job(model: Path, workdir: Path, job: dict, timeout: float | None = None
-            ) -> EngineResult:
+def run_job(model: Path, workdir: Path, job: dict, timeout: float | None = None) -> EngineResult:
     """Run one engine_runner job in ``workdir``; fails the test if the child fails."""
     workdir.mkdir(parents=True, exist_ok=True)
     job = {"model": str(model), "scratch_dir": str(workdir / "scratch"), **job}
-    job_file, result_file, log_file = (workdir / "job.json", workdir / "result.json",
-                                       workdir / "log")
+    job_file, result_file, log_file = (
+        workdir / "job.json",
+        workdir / "result.json",
+        workdir / "log",
+    )
     job_file.write_text(json.dumps(job, indent=1))
     limit = timeout or stall_limit_s()
     progress_file = result_file.with_suffix(".progress")
@@ -109,9 +113,13 @@ def run_job(model: Path, workdir: Path, job: dict, timeout: float | None = None
     started = time.monotonic()
     with open(log_file, "wb") as log:
         # own session so a timeout kills the engine core / worker children too
-        proc = subprocess.Popen([sys.executable, str(RUNNER), str(job_file),
-                                 str(result_file)], stdout=log, stderr=subprocess.STDOUT,
-                                cwd=REPO_ROOT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(RUNNER), str(job_file), str(result_file)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
         try:
             rc = _wait_while_moving(proc, progress_file, limit)
         finally:
@@ -120,8 +128,10 @@ def run_job(model: Path, workdir: Path, job: dict, timeout: float | None = None
         if rc is None:
             os.killpg(proc.pid, 9)
             proc.wait(10)
-            pytest.fail(f"engine_runner made no progress for {limit:.0f}s (derived from the "
-                        f"slowest step so far); log tail:\n{_tail(log_file)}")
+            pytest.fail(
+                f"engine_runner made no progress for {limit:.0f}s (derived from the "
+                f"slowest step so far); log tail:\n{_tail(log_file)}"
+            )
     _slowest_step_s.append(_slowest_step(progress_file, started))
     # vLLM children of a finished job must not outlive it
     try:
@@ -129,18 +139,18 @@ def run_job(model: Path, workdir: Path, job: dict, timeout: float | None = None
     except ProcessLookupError:
         pass
     if not result_file.exists():
-        pytest.fail(f"engine_runner exited {rc} without a result; log tail:\n"
-                    f"{_tail(log_file)}")
+        pytest.fail(f"engine_runner exited {rc} without a result; log tail:\n{_tail(log_file)}")
     result = EngineResult(json.loads(result_file.read_text()))
     if rc != 0 or not result.get("ok"):
-        pytest.fail(f"engine_runner failed (rc={rc}): {result.get('error')}\n"
-                    f"{result.get('traceback', '')}\nlog tail:\n{_tail(log_file)}")
+        pytest.fail(
+            f"engine_runner failed (rc={rc}): {result.get('error')}\n"
+            f"{result.get('traceback', '')}\nlog tail:\n{_tail(log_file)}"
+        )
     result["wall_s"] = time.monotonic() - started
     return result
 
 
-def _wait_while_moving(proc: subprocess.Popen, progress_file: Path, limit: float
-                       ) -> int | None:
+def _wait_while_moving(proc: subprocess.Popen, progress_file: Path, limit: float) -> int | None:
     """The job's exit code, or None once it went ``limit`` seconds without a progress line."""
     last = time.monotonic()
     size = 0
@@ -163,8 +173,8 @@ def _slowest_step(progress_file: Path, started_monotonic: float) -> float:
     except (OSError, ValueError, KeyError):
         return 0.0
     start = time.time() - (time.monotonic() - started_monotonic)
-    points = [start] + times
-    return max((b - a for a, b in zip(points, points[1:])), default=0.0)
+    points = [start, *times]
+    return max((b - a for a, b in itertools.pairwise(points)), default=0.0)
 
 
 @pytest.fixture(scope="session")
@@ -174,8 +184,9 @@ def job_runner(tiny_model: Path) -> Callable[..., EngineResult]:
 
 
 @pytest.fixture
-def run_engines(job_runner: Callable[..., EngineResult], tmp_path: Path
-                ) -> Callable[..., EngineResult]:
+def run_engines(
+    job_runner: Callable[..., EngineResult], tmp_path: Path
+) -> Callable[..., EngineResult]:
     """run_engines(job, timeout=None) -> result, each job in its own dir under tmp_path."""
     calls = 0
 
@@ -185,5 +196,3 @@ def run_engines(job_runner: Callable[..., EngineResult], tmp_path: Path
         return job_runner(tmp_path / f"vllm-job{calls}", job, timeout)
 
     return run
-
-

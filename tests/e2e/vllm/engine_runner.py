@@ -108,8 +108,11 @@ def progress(event: str, **fields: object) -> None:
 
 def _setup_env(job: dict) -> None:
     scratch = Path(job["scratch_dir"]).resolve()
-    dirs = {"TMPDIR": scratch / "tmp", "VLLM_CACHE_ROOT": scratch / "cache",
-            "VLLM_CONFIG_ROOT": scratch / "config"}
+    dirs = {
+        "TMPDIR": scratch / "tmp",
+        "VLLM_CACHE_ROOT": scratch / "cache",
+        "VLLM_CONFIG_ROOT": scratch / "config",
+    }
     for path in dirs.values():
         path.mkdir(parents=True, exist_ok=True)
     # zmq's ipc:// sockets live here: a Unix socket path must stay under 108 bytes
@@ -142,7 +145,8 @@ def _setup_env(job: dict) -> None:
     # processes, whatever the start method.
     # (and this directory: the no-op control connector, ``noop_connector``)
     paths = [str(REPO_ROOT), str(Path(__file__).resolve().parent)] + [
-        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
+    ]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
@@ -160,8 +164,13 @@ def _per_prompt(value, count: int, default):
 
 def _timing(metrics) -> dict:
     """Per-request latencies from RequestOutput.metrics (RequestStateStats in vLLM 0.32)."""
-    empty = {"ttft_s": None, "engine_ttft_s": None, "queued_s": None, "prefill_s": None,
-             "decode_s": None}
+    empty = {
+        "ttft_s": None,
+        "engine_ttft_s": None,
+        "queued_s": None,
+        "prefill_s": None,
+        "decode_s": None,
+    }
     if metrics is None:
         return empty
 
@@ -170,11 +179,13 @@ def _timing(metrics) -> dict:
         return b - a if a and b else None
 
     latency = getattr(metrics, "first_token_latency", 0.0)
-    return {"ttft_s": latency or None,
-            "engine_ttft_s": interval("queued_ts", "first_token_ts"),
-            "queued_s": interval("queued_ts", "scheduled_ts"),
-            "prefill_s": interval("scheduled_ts", "first_token_ts"),
-            "decode_s": interval("first_token_ts", "last_token_ts")}
+    return {
+        "ttft_s": latency or None,
+        "engine_ttft_s": interval("queued_ts", "first_token_ts"),
+        "queued_s": interval("queued_ts", "scheduled_ts"),
+        "prefill_s": interval("scheduled_ts", "first_token_ts"),
+        "decode_s": interval("first_token_ts", "last_token_ts"),
+    }
 
 
 def _output_record(output, generate_s: float) -> dict:
@@ -187,9 +198,12 @@ def _output_record(output, generate_s: float) -> dict:
         "num_prompt_tokens": len(output.prompt_token_ids or []),
         "kv_transfer_params": output.kv_transfer_params,
         "generate_s": generate_s,
-        "logprobs": None if completion.logprobs is None else [
+        "logprobs": None
+        if completion.logprobs is None
+        else [
             {str(token): float(entry.logprob) for token, entry in position.items()}
-            for position in completion.logprobs],
+            for position in completion.logprobs
+        ],
         **_timing(output.metrics),
     }
 
@@ -226,24 +240,37 @@ def _run_engine(spec: dict, index: int, model: str, previous: dict[str, dict]) -
     max_tokens = _per_prompt(spec.get("max_tokens"), len(prompts), 8)
     params = _kv_params(spec, len(prompts), previous)
     salts = _per_prompt(spec.get("cache_salt"), len(prompts), None)
-    inputs = [TokensPrompt(prompt_token_ids=p, cache_salt=salt) if salt else
-              TokensPrompt(prompt_token_ids=p) for p, salt in zip(prompts, salts)]
+    inputs = [
+        TokensPrompt(prompt_token_ids=p, cache_salt=salt)
+        if salt
+        else TokensPrompt(prompt_token_ids=p)
+        for p, salt in zip(prompts, salts)
+    ]
     ignore_eos = bool(spec.get("ignore_eos", True))
     logprobs = spec.get("logprobs")
     sampling = []
     for count, kv_params in zip(max_tokens, params):
         extra = {"kv_transfer_params": dict(kv_params)} if kv_params is not None else None
-        sampling.append(SamplingParams(temperature=0.0, max_tokens=int(count),
-                                       ignore_eos=ignore_eos, extra_args=extra,
-                                       logprobs=None if logprobs is None else int(logprobs)))
+        sampling.append(
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=int(count),
+                ignore_eos=ignore_eos,
+                extra_args=extra,
+                logprobs=None if logprobs is None else int(logprobs),
+            )
+        )
 
-    kwargs = {"model": model, "dtype": spec.get("dtype", "bfloat16"),
-              "max_model_len": int(spec.get("max_model_len", 4096)),
-              "block_size": int(spec.get("block_size", 128)),
-              "enable_prefix_caching": bool(spec.get("enable_prefix_caching", True)),
-              "enforce_eager": bool(spec.get("enforce_eager", True)),
-              "seed": int(spec.get("seed", 0)),
-              "disable_log_stats": False}  # RequestOutput.metrics is None otherwise
+    kwargs = {
+        "model": model,
+        "dtype": spec.get("dtype", "bfloat16"),
+        "max_model_len": int(spec.get("max_model_len", 4096)),
+        "block_size": int(spec.get("block_size", 128)),
+        "enable_prefix_caching": bool(spec.get("enable_prefix_caching", True)),
+        "enforce_eager": bool(spec.get("enforce_eager", True)),
+        "seed": int(spec.get("seed", 0)),
+        "disable_log_stats": False,
+    }  # RequestOutput.metrics is None otherwise
     if spec.get("max_num_batched_tokens") is not None:
         kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
         kwargs["enable_chunked_prefill"] = True
@@ -289,8 +316,11 @@ def _run_engine(spec: dict, index: int, model: str, previous: dict[str, dict]) -
 
 def run_job(job: dict) -> dict:
     _setup_env(job)
-    result: dict = {"ok": False, "multiprocessing": bool(job.get("multiprocessing", False)),
-                    "engines": []}
+    result: dict = {
+        "ok": False,
+        "multiprocessing": bool(job.get("multiprocessing", False)),
+        "engines": [],
+    }
     try:
         started = time.perf_counter()
         import vllm
@@ -304,7 +334,7 @@ def run_job(job: dict) -> dict:
             previous[record["name"]] = record
             result["engines"].append(record)
         result["ok"] = True
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent test
+    except BaseException as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()
         print(result["traceback"], file=sys.stderr, flush=True)

@@ -19,12 +19,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 class NoopConnector(KVConnectorBase_V1):
     """Matches nothing, loads nothing, saves nothing."""
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: Any, blocks: Any,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         pass
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -36,8 +36,9 @@ class NoopConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         pass
 
     def wait_for_save(self) -> None:

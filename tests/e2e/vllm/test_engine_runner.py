@@ -14,8 +14,12 @@ def test_two_engines_greedy_and_local_prefix_cache(run_engines) -> None:
     a, b = _prompt(1), _prompt(2)
     # block 32: an 80-token prompt has two full blocks the local prefix cache can reuse
     engine = {"block_size": 32, "max_model_len": 512, "prompts": [a, b, a], "max_tokens": 8}
-    result = run_engines({"multiprocessing": False,
-                          "engines": [dict(engine, name="first"), dict(engine, name="second")]})
+    result = run_engines(
+        {
+            "multiprocessing": False,
+            "engines": [dict(engine, name="first"), dict(engine, name="second")],
+        }
+    )
 
     first, second = result["engines"]
     assert [e["name"] for e in result["engines"]] == ["first", "second"]
@@ -28,5 +32,4 @@ def test_two_engines_greedy_and_local_prefix_cache(run_engines) -> None:
         assert outputs[2]["token_ids"] == outputs[0]["token_ids"]
         assert all(o["prefill_s"] is not None and o["prefill_s"] > 0 for o in outputs)
     # fresh engines, same weights, greedy: identical outputs
-    assert [o["token_ids"] for o in first["outputs"]] == [o["token_ids"] for o in
-                                                           second["outputs"]]
+    assert [o["token_ids"] for o in first["outputs"]] == [o["token_ids"] for o in second["outputs"]]

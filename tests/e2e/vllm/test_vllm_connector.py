@@ -39,16 +39,20 @@ P4 = prompt(4)
 
 
 def connector(role: str, socket: str, **extra: object) -> dict:
-    return {"kv_connector": "KVFabricConnector",
-            "kv_connector_module_path": "kvfabric_connectors.vllm", "kv_role": role,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket_path": socket, **extra}}
+    return {
+        "kv_connector": "KVFabricConnector",
+        "kv_connector_module_path": "kvfabric_connectors.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket_path": socket, **extra},
+    }
 
 
 def namespace(model: Path, tenant: str = "") -> Namespace:
     """The namespace the connector derives for the tiny model (served name = its path)."""
-    return namespace_for(str(model), AutoConfig.from_pretrained(model), chunk_tokens=CHUNK,
-                         tenant_salt=tenant)
+    return namespace_for(
+        str(model), AutoConfig.from_pretrained(model), chunk_tokens=CHUNK, tenant_salt=tenant
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,24 +64,51 @@ def node(start_module_daemon):
 def reuse_job(node, job_runner, tmp_path_factory) -> dict:
     """One job, fresh engines one after another against one daemon (see each test)."""
     both = connector("kv_both", node.socket)
-    return job_runner(tmp_path_factory.mktemp("reuse"), {"engines": [
-        {"name": "plain", "prompts": [P1, P2, P3, P4]},
-        {"name": "store", "kv_transfer_config": both, "prompts": [P1]},
-        {"name": "reuse", "kv_transfer_config": both, "prompts": [P1, P2],
-         "reset_prefix_cache_after": [0]},
-        {"name": "chunked-store", "kv_transfer_config": both, "prompts": [P3],
-         "max_num_batched_tokens": 128},
-        {"name": "chunked-reuse", "kv_transfer_config": both, "prompts": [P3],
-         "max_num_batched_tokens": 128},
-        {"name": "other-tenant", "kv_transfer_config": both, "prompts": [P1],
-         "cache_salt": "tenant-b"},
-        {"name": "no-daemon", "kv_transfer_config": connector(
-            "kv_both", str(node.data_dir / "nobody-listens.sock")), "prompts": [P1]},
-    ]})
+    return job_runner(
+        tmp_path_factory.mktemp("reuse"),
+        {
+            "engines": [
+                {"name": "plain", "prompts": [P1, P2, P3, P4]},
+                {"name": "store", "kv_transfer_config": both, "prompts": [P1]},
+                {
+                    "name": "reuse",
+                    "kv_transfer_config": both,
+                    "prompts": [P1, P2],
+                    "reset_prefix_cache_after": [0],
+                },
+                {
+                    "name": "chunked-store",
+                    "kv_transfer_config": both,
+                    "prompts": [P3],
+                    "max_num_batched_tokens": 128,
+                },
+                {
+                    "name": "chunked-reuse",
+                    "kv_transfer_config": both,
+                    "prompts": [P3],
+                    "max_num_batched_tokens": 128,
+                },
+                {
+                    "name": "other-tenant",
+                    "kv_transfer_config": both,
+                    "prompts": [P1],
+                    "cache_salt": "tenant-b",
+                },
+                {
+                    "name": "no-daemon",
+                    "kv_transfer_config": connector(
+                        "kv_both", str(node.data_dir / "nobody-listens.sock")
+                    ),
+                    "prompts": [P1],
+                },
+            ]
+        },
+    )
 
 
-def test_prefix_reuse_across_fresh_engines_gives_identical_outputs(reuse_job, node,
-                                                                     tiny_model) -> None:
+def test_prefix_reuse_across_fresh_engines_gives_identical_outputs(
+    reuse_job, node, tiny_model
+) -> None:
     assert reuse_job.tokens("store") == reuse_job.tokens("plain")[:1]
     assert reuse_job.cached("store") == [0]
     assert reuse_job.totals("store")["saved_chunks"] == 3  # the partial last chunk too
@@ -98,8 +129,11 @@ def test_chunked_prefill_saves_and_loads(reuse_job) -> None:
     assert reuse_job.cached("chunked-store") == [0]
     assert reuse_job.totals("chunked-store")["saved_chunks"] == 3
     assert reuse_job.cached("chunked-reuse") == [PROMPT_LEN - 1]
-    assert reuse_job.tokens("chunked-store") == reuse_job.tokens("chunked-reuse") == \
-        reuse_job.tokens("plain")[2:3]
+    assert (
+        reuse_job.tokens("chunked-store")
+        == reuse_job.tokens("chunked-reuse")
+        == reuse_job.tokens("plain")[2:3]
+    )
 
 
 def test_another_tenant_gets_no_hit(reuse_job) -> None:
@@ -112,8 +146,9 @@ def test_engine_serves_without_a_daemon(reuse_job) -> None:
     assert reuse_job.tokens("no-daemon") == reuse_job.tokens("plain")[:1]
 
 
-def test_negative_control_corrupted_kv_changes_the_output(reuse_job, node, tiny_model,
-                                                         job_runner, tmp_path) -> None:
+def test_negative_control_corrupted_kv_changes_the_output(
+    reuse_job, node, tiny_model, job_runner, tmp_path
+) -> None:
     ns = namespace(tiny_model)
     noise = torch.Generator().manual_seed(0)
     with Client(node.socket) as client:
@@ -121,30 +156,45 @@ def test_negative_control_corrupted_kv_changes_the_output(reuse_job, node, tiny_
             assert client.delete(ns, ref.key)
             values = ns.spec.layout(ref.num_tokens).nbytes // 2
             payload = torch.randn(values, generator=noise).to(torch.bfloat16)  # plausible KV
-            assert client.put(ns, ref.key, payload, parent=ref.parent,
-                              num_tokens=ref.num_tokens)
-    result = job_runner(tmp_path, {"engines": [
-        {"name": "corrupt", "kv_transfer_config": connector("kv_both", node.socket),
-         "prompts": [P1]}]})
+            assert client.put(ns, ref.key, payload, parent=ref.parent, num_tokens=ref.num_tokens)
+    result = job_runner(
+        tmp_path,
+        {
+            "engines": [
+                {
+                    "name": "corrupt",
+                    "kv_transfer_config": connector("kv_both", node.socket),
+                    "prompts": [P1],
+                }
+            ]
+        },
+    )
     assert result.cached("corrupt") == [PROMPT_LEN - 1]  # the noise was loaded
     assert result.tokens("corrupt") != reuse_job.tokens("plain")[:1]
 
 
-def test_a_load_that_fails_is_recomputed(start_daemon, tiny_model, job_runner,
-                                         tmp_path) -> None:
+def test_a_load_that_fails_is_recomputed(start_daemon, tiny_model, job_runner, tmp_path) -> None:
     """The fabric says it holds the prompt, but a chunk is unreadable when the worker loads
     it (its SSD record is damaged): vLLM recomputes those blocks, the output is unchanged."""
     daemon = start_daemon(*SMALL)
     both = connector("kv_both", daemon.socket)
-    first = job_runner(tmp_path / "store", {"engines": [
-        {"name": "plain", "prompts": [P3]},
-        {"name": "store", "kv_transfer_config": both, "prompts": [P3]}]})
+    first = job_runner(
+        tmp_path / "store",
+        {
+            "engines": [
+                {"name": "plain", "prompts": [P3]},
+                {"name": "store", "kv_transfer_config": both, "prompts": [P3]},
+            ]
+        },
+    )
     assert daemon.stop() == 0  # memory-resident chunks go to SSD on shutdown
     key = chunk_hashes(namespace(tiny_model), P3)[1].key
     damage_ssd_record(daemon.data_dir, key)
     daemon.start()
-    result = job_runner(tmp_path / "load", {"engines": [
-        {"name": "load", "kv_transfer_config": both, "prompts": [P3]}]})
+    result = job_runner(
+        tmp_path / "load",
+        {"engines": [{"name": "load", "kv_transfer_config": both, "prompts": [P3]}]},
+    )
     assert result.tokens("load") == first.tokens("plain")
     assert result.totals("load")["load_errors"] >= 1
 
@@ -165,9 +215,20 @@ def damage_ssd_record(data_dir: Path, key: bytes) -> None:
 
 def test_two_process_engine_saves_and_loads(node, job_runner, tmp_path, reuse_job) -> None:
     """The default engine: scheduler and worker connectors live in different processes."""
-    result = job_runner(tmp_path, {"multiprocessing": True, "engines": [
-        {"name": "mp", "kv_transfer_config": connector("kv_both", node.socket),
-         "prompts": [P4, P4], "reset_prefix_cache_after": [0]}]})
+    result = job_runner(
+        tmp_path,
+        {
+            "multiprocessing": True,
+            "engines": [
+                {
+                    "name": "mp",
+                    "kv_transfer_config": connector("kv_both", node.socket),
+                    "prompts": [P4, P4],
+                    "reset_prefix_cache_after": [0],
+                }
+            ],
+        },
+    )
     assert result.cached("mp") == [0, PROMPT_LEN - 1]
     first, second = result.tokens("mp")
     assert first == second == reuse_job.tokens("plain")[3]

@@ -22,32 +22,56 @@ def prompt(seed: int) -> list[int]:
 
 
 def node(start_daemon, redis_url: str, name: str, transport: str):
-    return start_daemon("store.tiers.dram.capacity=256MiB", "store.tiers.ssd.capacity=1GiB",
-                        f"node_id={name}", "cluster.index=redis",
-                        f"cluster.redis_url={redis_url}", "cluster.heartbeat_s=0.2",
-                        "tcp.port=0", f"cluster.transport={transport}")
+    return start_daemon(
+        "store.tiers.dram.capacity=256MiB",
+        "store.tiers.ssd.capacity=1GiB",
+        f"node_id={name}",
+        "cluster.index=redis",
+        f"cluster.redis_url={redis_url}",
+        "cluster.heartbeat_s=0.2",
+        "tcp.port=0",
+        f"cluster.transport={transport}",
+    )
 
 
 def connector(role: str, socket: str) -> dict:
-    return {"kv_connector": "KVFabricConnector",
-            "kv_connector_module_path": "kvfabric_connectors.vllm", "kv_role": role,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket_path": socket}}
+    return {
+        "kv_connector": "KVFabricConnector",
+        "kv_connector_module_path": "kvfabric_connectors.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket_path": socket},
+    }
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_prefill_then_decode_by_pull(start_daemon, redis_server, job_runner, tmp_path,
-                                     transport: str) -> None:
+def test_prefill_then_decode_by_pull(
+    start_daemon, redis_server, job_runner, tmp_path, transport: str
+) -> None:
     prefill = node(start_daemon, redis_server.url, "prefill-a", transport)
     decode = node(start_daemon, redis_server.url, "decode-b", transport)
     tokens = prompt(11)
-    result = job_runner(tmp_path, {"engines": [
-        {"name": "monolithic", "prompts": [tokens], "max_tokens": 8},
-        {"name": "prefill", "kv_transfer_config": connector("kv_producer", prefill.socket),
-         "prompts": [tokens], "max_tokens": 1},
-        {"name": "decode", "kv_transfer_config": connector("kv_consumer", decode.socket),
-         "prompts": [tokens], "max_tokens": 8, "kv_transfer_params_from": "prefill"},
-    ]})
+    result = job_runner(
+        tmp_path,
+        {
+            "engines": [
+                {"name": "monolithic", "prompts": [tokens], "max_tokens": 8},
+                {
+                    "name": "prefill",
+                    "kv_transfer_config": connector("kv_producer", prefill.socket),
+                    "prompts": [tokens],
+                    "max_tokens": 1,
+                },
+                {
+                    "name": "decode",
+                    "kv_transfer_config": connector("kv_consumer", decode.socket),
+                    "prompts": [tokens],
+                    "max_tokens": 8,
+                    "kv_transfer_params_from": "prefill",
+                },
+            ]
+        },
+    )
     (monolithic,) = result.outputs("monolithic")
     (first,) = result.outputs("prefill")
     (decoded,) = result.outputs("decode")
@@ -61,27 +85,46 @@ def test_prefill_then_decode_by_pull(start_daemon, redis_server, job_runner, tmp
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_prefill_then_decode_by_push(start_daemon, redis_server, job_runner, tmp_path,
-                                     transport: str) -> None:
+def test_prefill_then_decode_by_push(
+    start_daemon, redis_server, job_runner, tmp_path, transport: str
+) -> None:
     """The prefill node is gone before the decode starts: the KV can only have come by
     push (a producer's engine shuts down only once its pushes have ended)."""
     prefill = node(start_daemon, redis_server.url, "prefill-a", transport)
     decode = node(start_daemon, redis_server.url, "decode-b", transport)
     tokens = prompt(12)
-    first = job_runner(tmp_path / "prefill", {"engines": [
-        {"name": "monolithic", "prompts": [tokens], "max_tokens": 8},
-        {"name": "prefill", "kv_transfer_config": connector("kv_producer", prefill.socket),
-         "prompts": [tokens], "max_tokens": 1,
-         "kv_transfer_params": [{"kvfabric": {"push_to": "decode-b"}}]},
-    ]})
+    first = job_runner(
+        tmp_path / "prefill",
+        {
+            "engines": [
+                {"name": "monolithic", "prompts": [tokens], "max_tokens": 8},
+                {
+                    "name": "prefill",
+                    "kv_transfer_config": connector("kv_producer", prefill.socket),
+                    "prompts": [tokens],
+                    "max_tokens": 1,
+                    "kv_transfer_params": [{"kvfabric": {"push_to": "decode-b"}}],
+                },
+            ]
+        },
+    )
     prefill.kill()
     (monolithic,) = first.outputs("monolithic")
     (handoff,) = first.outputs("prefill")
-    second = job_runner(tmp_path / "decode", {"engines": [
-        {"name": "decode", "kv_transfer_config": connector("kv_consumer", decode.socket),
-         "prompts": [tokens], "max_tokens": 8,
-         "kv_transfer_params": [handoff["kv_transfer_params"]]},
-    ]})
+    second = job_runner(
+        tmp_path / "decode",
+        {
+            "engines": [
+                {
+                    "name": "decode",
+                    "kv_transfer_config": connector("kv_consumer", decode.socket),
+                    "prompts": [tokens],
+                    "max_tokens": 8,
+                    "kv_transfer_params": [handoff["kv_transfer_params"]],
+                },
+            ]
+        },
+    )
     (decoded,) = second.outputs("decode")
     assert decoded["token_ids"] == monolithic["token_ids"]
     assert decoded["num_cached_tokens"] == PROMPT_LEN - 1

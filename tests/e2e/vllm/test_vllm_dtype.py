@@ -22,22 +22,41 @@ def prompt(seed: int) -> list[int]:
 
 
 def connector(role: str, socket: str, **extra: object) -> dict:
-    return {"kv_connector": "KVFabricConnector",
-            "kv_connector_module_path": "kvfabric_connectors.vllm", "kv_role": role,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket_path": socket, **extra}}
+    return {
+        "kv_connector": "KVFabricConnector",
+        "kv_connector_module_path": "kvfabric_connectors.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket_path": socket, **extra},
+    }
 
 
 def test_bf16_producer_feeds_an_fp32_consumer(start_daemon, job_runner, tmp_path) -> None:
     daemon = start_daemon("store.tiers.dram.capacity=256MiB")
     prompts = [prompt(seed) for seed in (21, 22, 23, 24)]
-    result = job_runner(tmp_path, {"engines": [
-        {"name": "fp32", "dtype": "float32", "prompts": prompts, "max_tokens": 8},
-        {"name": "bf16-prefill", "kv_transfer_config": connector("kv_producer", daemon.socket),
-         "prompts": prompts, "max_tokens": 1},
-        {"name": "fp32-decode", "dtype": "float32", "prompts": prompts, "max_tokens": 8,
-         "kv_transfer_config": connector("kv_consumer", daemon.socket, kv_dtype="bfloat16")},
-    ]})
+    result = job_runner(
+        tmp_path,
+        {
+            "engines": [
+                {"name": "fp32", "dtype": "float32", "prompts": prompts, "max_tokens": 8},
+                {
+                    "name": "bf16-prefill",
+                    "kv_transfer_config": connector("kv_producer", daemon.socket),
+                    "prompts": prompts,
+                    "max_tokens": 1,
+                },
+                {
+                    "name": "fp32-decode",
+                    "dtype": "float32",
+                    "prompts": prompts,
+                    "max_tokens": 8,
+                    "kv_transfer_config": connector(
+                        "kv_consumer", daemon.socket, kv_dtype="bfloat16"
+                    ),
+                },
+            ]
+        },
+    )
     engines = {e["name"]: e["outputs"] for e in result["engines"]}
     for own, decoded in zip(engines["fp32"], engines["fp32-decode"]):
         assert decoded["num_cached_tokens"] == PROMPT_LEN - 1  # the bf16 KV was found

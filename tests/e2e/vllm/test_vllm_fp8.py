@@ -27,8 +27,8 @@ the prompts, of how far that consumer puts the monolithic first token below its 
 (3) Negative controls: for a control prompt the fabric holds fp8 noise of a plausible
 magnitude (planted with the same write path before the engines run): the consumers load it
 (all but the last prompt token cached), their first token differs from the monolithic
-run's and lies more than ``G`` below their choice, and the drift check of (1) rejects it; the drift check also rejects the real fp8 KV
-read with a layout mistake (K/V heads swapped).
+run's and lies more than ``G`` below their choice, and the drift check of (1) rejects it;
+the drift check also rejects the real fp8 KV read with a layout mistake (K/V heads swapped).
 """
 
 from __future__ import annotations
@@ -70,19 +70,25 @@ CONTROL = prompt(CONTROL_SEED)
 
 
 def connector(role: str, socket: str, **extra: object) -> dict:
-    return {"kv_connector": "KVFabricConnector",
-            "kv_connector_module_path": "kvfabric_connectors.vllm", "kv_role": role,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket_path": socket, "chunk_tokens": CHUNK,
-                                          **extra}}
+    return {
+        "kv_connector": "KVFabricConnector",
+        "kv_connector_module_path": "kvfabric_connectors.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket_path": socket, "chunk_tokens": CHUNK, **extra},
+    }
 
 
 def namespace(model: Path, dtype: str, tenant: str = "") -> Namespace:
     """The namespace KVFabricConnector derives with ``kv_dtype`` = dtype."""
     config = json.loads((model / "config.json").read_text())
-    spec = KVSpec(num_layers=config["num_hidden_layers"],
-                  num_kv_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
-                  dtype=dtype, chunk_tokens=CHUNK)
+    spec = KVSpec(
+        num_layers=config["num_hidden_layers"],
+        num_kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        dtype=dtype,
+        chunk_tokens=CHUNK,
+    )
     return Namespace(str(model), spec, tenant_salt=tenant)
 
 
@@ -95,8 +101,9 @@ def plant_at_bound(socket: str, model: Path) -> None:
         for tokens in PROMPTS:
             chunks = read_kv(socket, source, tokens)
             for ref, kv in zip(chunk_hashes(target, tokens), chunks):
-                with client.reserve(target, ref.key, parent=ref.parent,
-                                    num_tokens=ref.num_tokens) as writer:
+                with client.reserve(
+                    target, ref.key, parent=ref.parent, num_tokens=ref.num_tokens
+                ) as writer:
                     for layer, x in enumerate(kv):
                         bound = fp8.error_bound(x, fp8.compute_scales(x), torch.bfloat16)
                         sign = torch.randint(0, 2, x.shape, generator=signs) * 2 - 1
@@ -121,15 +128,17 @@ def plant_noise(socket: str, ns: Namespace) -> None:
         for ref in chunk_hashes(ns, CONTROL):
             shape = (spec.num_layers, 2, spec.num_kv_heads, ref.num_tokens, spec.head_dim)
             noise = (torch.randn(shape, generator=gen) * 2).to(torch.bfloat16)
-            with client.reserve(ns, ref.key, parent=ref.parent,
-                                num_tokens=ref.num_tokens) as writer:
+            with client.reserve(
+                ns, ref.key, parent=ref.parent, num_tokens=ref.num_tokens
+            ) as writer:
                 for layer in range(spec.num_layers):
                     write_layer(writer, layer, noise[layer])
                 writer.commit()
 
 
-def read_kv(socket: str, ns: Namespace, tokens: list[int], dtype: torch.dtype | None = None
-            ) -> list[torch.Tensor]:
+def read_kv(
+    socket: str, ns: Namespace, tokens: list[int], dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
     """Each chunk of ``tokens`` as ``[layers, 2, heads, tokens, dim]`` through read_payload."""
     out = []
     with Client(socket) as client:
@@ -163,34 +172,65 @@ def run(start_module_daemon, job_runner, tiny_model, tmp_path_factory) -> dict:
     bf16 producer's; job 2: the consumers."""
     daemon = start_module_daemon("fp8-node", "store.tiers.dram.capacity=256MiB")
     plant_noise(daemon.socket, namespace(tiny_model, "float8_e4m3fn"))
-    every = PROMPTS + [CONTROL]
+    every = [*PROMPTS, CONTROL]
     fp8_at, bf16_at = {"kv_dtype": "float8_e4m3"}, {"kv_dtype": "bfloat16"}
-    result = job_runner(tmp_path_factory.mktemp("fp8-produce"), {"engines": [
-        {"name": "bf16", "prompts": every, "max_tokens": MAX_TOKENS, "logprobs": TOP_K},
-        {"name": "fp32", "dtype": "float32", "prompts": every, "max_tokens": MAX_TOKENS,
-         "logprobs": TOP_K},
-        {"name": "prefill-bf16", "prompts": every, "max_tokens": 1,
-         "kv_transfer_config": connector("kv_producer", daemon.socket)},
-        {"name": "prefill-fp8", "prompts": PROMPTS, "max_tokens": 1,
-         "kv_transfer_config": connector("kv_producer", daemon.socket, **fp8_at)},
-    ]})
+    result = job_runner(
+        tmp_path_factory.mktemp("fp8-produce"),
+        {
+            "engines": [
+                {"name": "bf16", "prompts": every, "max_tokens": MAX_TOKENS, "logprobs": TOP_K},
+                {
+                    "name": "fp32",
+                    "dtype": "float32",
+                    "prompts": every,
+                    "max_tokens": MAX_TOKENS,
+                    "logprobs": TOP_K,
+                },
+                {
+                    "name": "prefill-bf16",
+                    "prompts": every,
+                    "max_tokens": 1,
+                    "kv_transfer_config": connector("kv_producer", daemon.socket),
+                },
+                {
+                    "name": "prefill-fp8",
+                    "prompts": PROMPTS,
+                    "max_tokens": 1,
+                    "kv_transfer_config": connector("kv_producer", daemon.socket, **fp8_at),
+                },
+            ]
+        },
+    )
     plant_at_bound(daemon.socket, tiny_model)
-    consume = job_runner(tmp_path_factory.mktemp("fp8-consume"), {"engines": [
-        {"name": f"{name}-{kind}", "dtype": dtype, "prompts": prompts,
-         "max_tokens": MAX_TOKENS, "logprobs": TOP_K,
-         **({"cache_salt": AT_BOUND} if kind == "at-bound" else {}),
-         "kv_transfer_config": connector("kv_consumer", daemon.socket,
-                                         **(fp8_at if kind == "decode" else bf16_at))}
-        for name, dtype in (("bf16", "bfloat16"), ("fp32", "float32"))
-        for kind, prompts in (("decode", every), ("at-bound", PROMPTS))]})
+    consume = job_runner(
+        tmp_path_factory.mktemp("fp8-consume"),
+        {
+            "engines": [
+                {
+                    "name": f"{name}-{kind}",
+                    "dtype": dtype,
+                    "prompts": prompts,
+                    "max_tokens": MAX_TOKENS,
+                    "logprobs": TOP_K,
+                    **({"cache_salt": AT_BOUND} if kind == "at-bound" else {}),
+                    "kv_transfer_config": connector(
+                        "kv_consumer", daemon.socket, **(fp8_at if kind == "decode" else bf16_at)
+                    ),
+                }
+                for name, dtype in (("bf16", "bfloat16"), ("fp32", "float32"))
+                for kind, prompts in (("decode", every), ("at-bound", PROMPTS))
+            ]
+        },
+    )
     result["engines"] += consume["engines"]
     MEASURED["vllm_job_wall_s"] = round(result["wall_s"] + consume["wall_s"], 1)
     return {"result": result, "socket": daemon.socket}
 
 
 def test_the_producer_saved_fp8_objects(run, tiny_model) -> None:
-    totals = next(e for e in run["result"]["engines"]
-                  if e["name"] == "prefill-fp8")["connector_totals"]
+    totals = next(e for e in run["result"]["engines"] if e["name"] == "prefill-fp8")[
+        "connector_totals"
+    ]
     assert totals["saved_chunks"] == 3 * len(PROMPTS)
     ns = namespace(tiny_model, "float8_e4m3fn")
     bf16 = namespace(tiny_model, "bfloat16")
@@ -211,12 +251,14 @@ def test_drift_of_the_loaded_kv_stays_inside_the_bound(run, tiny_model, dtype) -
     ns, bf16 = namespace(tiny_model, "float8_e4m3fn"), namespace(tiny_model, "bfloat16")
     worst_ratio, worst_abs, rel_l2 = 0.0, 0.0, 0.0
     for tokens in PROMPTS:
-        for got, reference in zip(read_kv(run["socket"], ns, tokens, dtype),
-                                  read_kv(run["socket"], bf16, tokens)):
+        for got, reference in zip(
+            read_kv(run["socket"], ns, tokens, dtype), read_kv(run["socket"], bf16, tokens)
+        ):
             assert violations(got, reference, dtype) == 0.0
             # and exactly the format's definition applied to the bf16 producer's KV
-            assert torch.equal(got, torch.stack(
-                [fp8.dequantize(*fp8.quantize(x), dtype=dtype) for x in reference]))
+            assert torch.equal(
+                got, torch.stack([fp8.dequantize(*fp8.quantize(x), dtype=dtype) for x in reference])
+            )
             for layer, x in enumerate(reference):
                 error = (got[layer].double() - x.double()).abs()
                 bound = fp8.error_bound(x, fp8.compute_scales(x), dtype)
@@ -224,17 +266,23 @@ def test_drift_of_the_loaded_kv_stays_inside_the_bound(run, tiny_model, dtype) -
                 worst_abs = max(worst_abs, float(error.max()))
                 rel_l2 = max(rel_l2, float(error.norm() / x.double().norm()))
     MEASURED[f"drift_{dtype}".replace("torch.", "")] = {
-        "max_abs_error": round(worst_abs, 5), "max_error_over_bound": round(worst_ratio, 4),
-        "max_relative_l2_per_layer": round(rel_l2, 5)}
+        "max_abs_error": round(worst_abs, 5),
+        "max_error_over_bound": round(worst_ratio, 4),
+        "max_relative_l2_per_layer": round(rel_l2, 5),
+    }
     # negative controls: noise under the control prompt's keys, and a layout mistake
     noise = read_kv(run["socket"], ns, CONTROL, dtype)
     truth = read_kv(run["socket"], bf16, CONTROL)
     noise_off = min(violations(g, r, dtype) for g, r in zip(noise, truth))
     real = read_kv(run["socket"], ns, PROMPTS[0], dtype)
-    swapped_off = min(violations(g.flip(2), r, dtype)
-                      for g, r in zip(real, read_kv(run["socket"], bf16, PROMPTS[0])))
+    swapped_off = min(
+        violations(g.flip(2), r, dtype)
+        for g, r in zip(real, read_kv(run["socket"], bf16, PROMPTS[0]))
+    )
     MEASURED[f"control_outside_bound_{dtype}".replace("torch.", "")] = {
-        "noise": round(noise_off, 3), "heads_swapped": round(swapped_off, 3)}
+        "noise": round(noise_off, 3),
+        "heads_swapped": round(swapped_off, 3),
+    }
     assert noise_off > 0.5 and swapped_off > 0.5
 
 
@@ -253,16 +301,16 @@ def test_first_token_matches_the_consumers_monolithic_run(run, engine) -> None:
     own, decoded = result.outputs(engine), result.outputs(f"{engine}-decode")
     bound = first_token_bound(result, engine)
     gaps, agree = [], []
-    for mono, dec in zip(own[:len(PROMPTS)], decoded[:len(PROMPTS)]):
+    for mono, dec in zip(own[: len(PROMPTS)], decoded[: len(PROMPTS)]):
         assert dec["num_cached_tokens"] == PROMPT_LEN - 1  # the fp8 KV was loaded
         gaps.append(gap_of_reference_token(mono, dec))
         agree.append(leading_equal(dec["token_ids"], mono["token_ids"]))
-    MEASURED[f"{engine}_first_token"] = {"G": round(bound, 4),
-                                         "gaps": [round(g, 4) for g in gaps]}
+    MEASURED[f"{engine}_first_token"] = {"G": round(bound, 4), "gaps": [round(g, 4) for g in gaps]}
     MEASURED[f"{engine}_consumer_leading_tokens_equal"] = agree
     MEASURED["bf16_vs_fp32_monolithic_leading_tokens_equal"] = [
         leading_equal(a["token_ids"], b["token_ids"])
-        for a, b in zip(result.outputs("bf16"), result.outputs("fp32"))]
+        for a, b in zip(result.outputs("bf16"), result.outputs("fp32"))
+    ]
     assert all(g <= bound for g in gaps), MEASURED[f"{engine}_first_token"]
     # negative control: the planted noise is loaded; the first token moves far past G
     control_mono, control_dec = own[len(PROMPTS)], decoded[len(PROMPTS)]

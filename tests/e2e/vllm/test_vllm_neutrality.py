@@ -58,27 +58,43 @@ MEASURED: dict[str, object] = {}
 def _prompts() -> list[list[int]]:
     rng = random.Random(19)
     prefixes = [[rng.randrange(10, 2000) for _ in range(PREFIX_LEN)] for _ in range(PREFIXES)]
-    return [prefix + [rng.randrange(10, 2000) for _ in range(SUFFIX_LEN)]
-            for _ in range(SUFFIXES) for prefix in prefixes]
+    return [
+        prefix + [rng.randrange(10, 2000) for _ in range(SUFFIX_LEN)]
+        for _ in range(SUFFIXES)
+        for prefix in prefixes
+    ]
 
 
 PROMPTS = _prompts()
 
 
 def _engine(name: str, connector: dict | None = None, **extra: object) -> dict:
-    return {"name": name, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "block_size": BLOCK,
-            "logprobs": TOP_K, "kv_transfer_config": connector, **extra}
+    return {
+        "name": name,
+        "prompts": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "block_size": BLOCK,
+        "logprobs": TOP_K,
+        "kv_transfer_config": connector,
+        **extra,
+    }
 
 
 def _kvfabric(socket: str) -> dict:
-    return {"kv_connector": "KVFabricConnector",
-            "kv_connector_module_path": "kvfabric_connectors.vllm", "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket_path": socket}}
+    return {
+        "kv_connector": "KVFabricConnector",
+        "kv_connector_module_path": "kvfabric_connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket_path": socket},
+    }
 
 
-NOOP = {"kv_connector": "NoopConnector", "kv_connector_module_path": "noop_connector",
-        "kv_role": "kv_both"}
+NOOP = {
+    "kv_connector": "NoopConnector",
+    "kv_connector_module_path": "noop_connector",
+    "kv_role": "kv_both",
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -91,16 +107,20 @@ def report():
 def run(start_module_daemon, job_runner, tmp_path_factory) -> dict:
     daemon = start_module_daemon("neutral-node", "store.tiers.dram.capacity=512MiB")
     fabric = _kvfabric(daemon.socket)
-    result = job_runner(tmp_path_factory.mktemp("neutrality"), {
-        "multiprocessing": True,
-        "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": None},  # the user's default
-        "engines": [
-            _engine("plain"),
-            _engine("fabric", fabric),
-            _engine("noop", NOOP),
-            _engine("fabric-loads", fabric),
-            _engine("plain-cold", enable_prefix_caching=False),
-        ]})
+    result = job_runner(
+        tmp_path_factory.mktemp("neutrality"),
+        {
+            "multiprocessing": True,
+            "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": None},  # the user's default
+            "engines": [
+                _engine("plain"),
+                _engine("fabric", fabric),
+                _engine("noop", NOOP),
+                _engine("fabric-loads", fabric),
+                _engine("plain-cold", enable_prefix_caching=False),
+            ],
+        },
+    )
     MEASURED["generate_s"] = {e["name"]: round(e["generate_s"], 2) for e in result["engines"]}
     return result
 
@@ -110,8 +130,11 @@ def test_nothing_loaded_is_bit_identical(run) -> None:
     # every hit came from vLLM's own prefix cache: the fabric's match is shorter
     assert run.cached("fabric") == run.cached("plain")
     assert sum(c > 0 for c in run.cached("plain")) == PREFIXES * (SUFFIXES - 1)
-    differing = [i for i, (a, b) in enumerate(zip(plain, fabric))
-                 if (a["token_ids"], a["logprobs"]) != (b["token_ids"], b["logprobs"])]
+    differing = [
+        i
+        for i, (a, b) in enumerate(zip(plain, fabric))
+        if (a["token_ids"], a["logprobs"]) != (b["token_ids"], b["logprobs"])
+    ]
     MEASURED["fabric_outputs_differing"] = len(differing)
     assert differing == [], [compare(plain[i], fabric[i]) for i in differing[:5]]
 
@@ -133,7 +156,12 @@ def test_loaded_kv_stays_within_the_engines_own_split_effect(run) -> None:
     bound = SPLIT_FACTOR * largest_diff(plain, cold)
     comparisons = [compare(a, b) for a, b in zip(plain, loads)]
     MEASURED["loaded"] = {
-        "bound": bound, "max_logprob_diff": max(c.max_logprob_diff for c in comparisons),
-        "flips": [(i, c.first_difference, c.reference_margin)
-                  for i, c in enumerate(comparisons) if c.first_difference is not None]}
+        "bound": bound,
+        "max_logprob_diff": max(c.max_logprob_diff for c in comparisons),
+        "flips": [
+            (i, c.first_difference, c.reference_margin)
+            for i, c in enumerate(comparisons)
+            if c.first_difference is not None
+        ],
+    }
     assert all(c.within(bound) for c in comparisons), MEASURED["loaded"]

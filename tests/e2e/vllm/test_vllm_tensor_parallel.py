@@ -57,6 +57,7 @@ CLOSE = 0.1
 TOP_K = 5
 TP_FACTOR = 2.0  # tau: twice the mean TP effect per position
 
+
 def prompt(seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(10, 2000) for _ in range(PROMPT_LEN)]
@@ -67,10 +68,13 @@ BUILDER = Path(__file__).resolve().parents[2] / "models" / "build_tiny_llama.py"
 
 
 def connector(socket: str) -> dict:
-    return {"kv_connector": "KVFabricConnector",
-            "kv_connector_module_path": "kvfabric_connectors.vllm", "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket_path": socket}}
+    return {
+        "kv_connector": "KVFabricConnector",
+        "kv_connector_module_path": "kvfabric_connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket_path": socket},
+    }
 
 
 def tp2(engine: dict) -> dict:
@@ -89,8 +93,9 @@ def tp2_env() -> dict:
 
 def namespace(model: Path, tenant: str = "") -> Namespace:
     """The namespace the connector derives for the tiny model (served name = its path)."""
-    return namespace_for(str(model), AutoConfig.from_pretrained(model), chunk_tokens=CHUNK,
-                         tenant_salt=tenant)
+    return namespace_for(
+        str(model), AutoConfig.from_pretrained(model), chunk_tokens=CHUNK, tenant_salt=tenant
+    )
 
 
 def stored_kv(socket: str, ns: Namespace, tokens_: list[int]) -> torch.Tensor:
@@ -112,8 +117,7 @@ def corrupt(socket: str, ns: Namespace, tokens_: list[int]) -> None:
             assert client.delete(ns, ref.key)
             values = ns.spec.layout(ref.num_tokens).nbytes // 2
             payload = torch.randn(values, generator=noise).to(torch.bfloat16)
-            assert client.put(ns, ref.key, payload, parent=ref.parent,
-                              num_tokens=ref.num_tokens)
+            assert client.put(ns, ref.key, payload, parent=ref.parent, num_tokens=ref.num_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -127,25 +131,56 @@ def runs(node, job_runner, tiny_model, tmp_path_factory) -> dict:
     producers, then (after PC's KV is corrupted) a fresh TP=2 consumer."""
     both = connector(node.socket)
     env = tp2_env()
-    first = job_runner(tmp_path_factory.mktemp("tp2-produce"), {"env": env, "engines": [
-        tp2(scored({"name": "plain2", "prompts": [PA, PB, PC]})),
-        tp2({"name": "store2", "kv_transfer_config": both, "prompts": [PA]}),
-    ]})
-    second = job_runner(tmp_path_factory.mktemp("tp1"), {"engines": [
-        scored({"name": "plain1", "prompts": [PA]}),
-        scored({"name": "reuse1", "kv_transfer_config": both, "prompts": [PA]}),
-        {"name": "reference1", "kv_transfer_config": both, "prompts": [PA],
-         "cache_salt": REFERENCE_TENANT},
-        {"name": "store1", "kv_transfer_config": both, "prompts": [PB, PC]},
-    ]})
+    first = job_runner(
+        tmp_path_factory.mktemp("tp2-produce"),
+        {
+            "env": env,
+            "engines": [
+                tp2(scored({"name": "plain2", "prompts": [PA, PB, PC]})),
+                tp2({"name": "store2", "kv_transfer_config": both, "prompts": [PA]}),
+            ],
+        },
+    )
+    second = job_runner(
+        tmp_path_factory.mktemp("tp1"),
+        {
+            "engines": [
+                scored({"name": "plain1", "prompts": [PA]}),
+                scored({"name": "reuse1", "kv_transfer_config": both, "prompts": [PA]}),
+                {
+                    "name": "reference1",
+                    "kv_transfer_config": both,
+                    "prompts": [PA],
+                    "cache_salt": REFERENCE_TENANT,
+                },
+                {"name": "store1", "kv_transfer_config": both, "prompts": [PB, PC]},
+            ]
+        },
+    )
     corrupt(node.socket, namespace(tiny_model), PC)
-    third = job_runner(tmp_path_factory.mktemp("tp2-consume"), {"env": env, "engines": [
-        tp2(scored({"name": "reuse2", "kv_transfer_config": both, "prompts": [PA, PB, PC],
-                    "reset_prefix_cache_after": [0, 1]})),
-    ]})
-    return {**{e["name"]: first for e in first["engines"]},
-            **{e["name"]: second for e in second["engines"]},
-            **{e["name"]: third for e in third["engines"]}}
+    third = job_runner(
+        tmp_path_factory.mktemp("tp2-consume"),
+        {
+            "env": env,
+            "engines": [
+                tp2(
+                    scored(
+                        {
+                            "name": "reuse2",
+                            "kv_transfer_config": both,
+                            "prompts": [PA, PB, PC],
+                            "reset_prefix_cache_after": [0, 1],
+                        }
+                    )
+                ),
+            ],
+        },
+    )
+    return {
+        **{e["name"]: first for e in first["engines"]},
+        **{e["name"]: second for e in second["engines"]},
+        **{e["name"]: third for e in third["engines"]},
+    }
 
 
 def test_tp2_producer_saves_without_changing_its_output(runs, node, tiny_model) -> None:
@@ -162,8 +197,9 @@ MEASURED_TP: dict[str, object] = {}
 
 def tau(runs) -> float:
     """Twice the mean per-position move of the leading logprobs, TP=1 vs TP=2, on PA."""
-    own, _ = deciding_diffs(runs["plain1"].outputs("plain1")[0],
-                            runs["plain2"].outputs("plain2")[0])
+    own, _ = deciding_diffs(
+        runs["plain1"].outputs("plain1")[0], runs["plain2"].outputs("plain2")[0]
+    )
     MEASURED_TP["tp1_vs_tp2_leading_logprob_moves"] = [round(d, 3) for d in own]
     assert max(own) > 0  # the two parallelisms do differ: tau is not vacuous
     return TP_FACTOR * sum(own) / len(own)
@@ -172,17 +208,23 @@ def tau(runs) -> float:
 def within_tp_effect(reference: dict, other: dict, limit: float) -> bool:
     diffs, first = deciding_diffs(reference, other)
     MEASURED_TP.setdefault("consumers", []).append(
-        {"moves": [round(d, 3) for d in diffs], "first_difference": first,
-         "margin": None if first is None else round(top2_margin(reference, first), 3),
-         "tau": round(limit, 3)})
+        {
+            "moves": [round(d, 3) for d in diffs],
+            "first_difference": first,
+            "margin": None if first is None else round(top2_margin(reference, first), 3),
+            "tau": round(limit, 3),
+        }
+    )
     return sum(diffs) / len(diffs) <= limit and (
-        first is None or top2_margin(reference, first) <= limit)
+        first is None or top2_margin(reference, first) <= limit
+    )
 
 
 def test_tp1_consumer_loads_tp2_kv(runs) -> None:
     assert runs["reuse1"].cached("reuse1") == [PROMPT_LEN - 1]
-    assert within_tp_effect(runs["plain1"].outputs("plain1")[0],
-                            runs["reuse1"].outputs("reuse1")[0], tau(runs)), MEASURED_TP
+    assert within_tp_effect(
+        runs["plain1"].outputs("plain1")[0], runs["reuse1"].outputs("reuse1")[0], tau(runs)
+    ), MEASURED_TP
 
 
 def test_tp2_consumer_loads_tp2_and_tp1_kv(runs) -> None:
@@ -190,15 +232,17 @@ def test_tp2_consumer_loads_tp2_and_tp1_kv(runs) -> None:
     assert runs["reuse2"].cached("reuse2") == [PROMPT_LEN - 1] * 3
     limit = tau(runs)
     for index in (0, 1):  # PA from the TP=2 producer, PB from a TP=1 producer
-        assert within_tp_effect(runs["plain2"].outputs("plain2")[index],
-                                runs["reuse2"].outputs("reuse2")[index], limit), MEASURED_TP
+        assert within_tp_effect(
+            runs["plain2"].outputs("plain2")[index], runs["reuse2"].outputs("reuse2")[index], limit
+        ), MEASURED_TP
 
 
 def test_negative_control_corrupted_kv_changes_the_tp2_output(runs) -> None:
     assert runs["reuse2"].tokens("reuse2")[2] != runs["plain2"].tokens("plain2")[2]
     # and the criterion the consumers pass rejects it
-    assert not within_tp_effect(runs["plain2"].outputs("plain2")[2],
-                                runs["reuse2"].outputs("reuse2")[2], tau(runs))
+    assert not within_tp_effect(
+        runs["plain2"].outputs("plain2")[2], runs["reuse2"].outputs("reuse2")[2], tau(runs)
+    )
 
 
 def test_each_rank_wrote_its_own_heads(runs, node, tiny_model) -> None:
@@ -228,13 +272,26 @@ def single_kv_head_model(tmp_path_factory) -> Path:
 
 
 def test_replicated_kv_head_is_saved_by_rank_zero_and_loaded_by_both(
-        node, job_runner, single_kv_head_model, tmp_path) -> None:
+    node, job_runner, single_kv_head_model, tmp_path
+) -> None:
     tokens_ = prompt(24)
-    result = job_runner(tmp_path, {"model": str(single_kv_head_model), "env": tp2_env(),
-                                   "engines": [
-        tp2({"name": "mqa", "kv_transfer_config": connector(node.socket),
-             "prompts": [tokens_, tokens_], "reset_prefix_cache_after": [0]}),
-    ]})
+    result = job_runner(
+        tmp_path,
+        {
+            "model": str(single_kv_head_model),
+            "env": tp2_env(),
+            "engines": [
+                tp2(
+                    {
+                        "name": "mqa",
+                        "kv_transfer_config": connector(node.socket),
+                        "prompts": [tokens_, tokens_],
+                        "reset_prefix_cache_after": [0],
+                    }
+                ),
+            ],
+        },
+    )
     assert result.cached("mqa") == [0, PROMPT_LEN - 1]
     first, second = result.tokens("mqa")
     assert first == second  # the first computed everything: no-connector output

@@ -80,12 +80,13 @@ def test_slowloris_connections_are_closed_at_the_deadline(start_daemon) -> None:
         all_closed = lambda: all(closed_by_server(s) for s in loris)  # noqa: E731
         other = httpx.HTTPTransport(local_address="127.0.0.2")
         with httpx.Client(timeout=5, transport=other) as http:
+
             def closed_or_late() -> bool:
                 start = time.perf_counter()
                 assert http.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
                 health.append(time.perf_counter() - start)
                 late = time.monotonic() - opened > DEADLINE_S + 5
-                return late or time.monotonic() - opened > DEADLINE_S + 1 and all_closed()
+                return late or (time.monotonic() - opened > DEADLINE_S + 1 and all_closed())
 
             samples = pings(daemon.socket, closed_or_late)
         assert all_closed(), "slowloris sockets outlived the deadline"
@@ -117,11 +118,16 @@ def test_a_million_bad_token_ids_do_not_stall_the_control_socket(start_daemon) -
     results: dict[str, httpx.Response] = {}
 
     def post(name: str, body: bytes) -> None:
-        results[name] = httpx.post(f"{daemon.http_url}/v1/lookup", content=body, timeout=60,
-                                   headers={"Content-Type": "application/json"})
+        results[name] = httpx.post(
+            f"{daemon.http_url}/v1/lookup",
+            content=body,
+            timeout=60,
+            headers={"Content-Type": "application/json"},
+        )
 
-    senders = [threading.Thread(target=post, args=(n, b)) for n, b in
-               (("bad", bad), ("huge", huge))]
+    senders = [
+        threading.Thread(target=post, args=(n, b)) for n, b in (("bad", bad), ("huge", huge))
+    ]
     for sender in senders:
         sender.start()
     started = time.monotonic()
@@ -156,7 +162,8 @@ def children_of(pid: int) -> list[int]:
 
 
 def test_million_id_lookups_cost_the_daemon_process_a_fraction_of_parsing_them(
-        start_daemon) -> None:
+    start_daemon,
+) -> None:
     """Three million-bad-id lookups, on a daemon with parse workers (the default) and on one
     parsing in its own threads (``limits.http_parse_workers=0``): the same 422 from both,
     and the first daemon's own process spends under a third of the CPU the second's does;
@@ -183,8 +190,10 @@ def test_million_id_lookups_cost_the_daemon_process_a_fraction_of_parsing_them(
             assert workers_seen, "no parse worker process"
             assert daemon.stop() == 0
             for pid in workers_seen:
-                assert not os.path.exists(f"/proc/{pid}") or \
-                    open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+                assert (
+                    not os.path.exists(f"/proc/{pid}")
+                    or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+                )
     assert spent["2"] < spent["0"] / 3, spent
 
 
@@ -227,8 +236,11 @@ def test_one_address_cannot_take_every_http_connection(start_daemon) -> None:
 
     Regression: on the old code there was no per-address bound: the 20 extra connections of
     127.0.0.1 filled the 8 global slots and 127.0.0.2 got uvicorn's 503 as well."""
-    daemon = start_daemon("limits.http_max_connections_per_ip=4",
-                          "limits.http_max_connections=8", "limits.http_request_timeout_s=60")
+    daemon = start_daemon(
+        "limits.http_max_connections_per_ip=4",
+        "limits.http_max_connections=8",
+        "limits.http_request_timeout_s=60",
+    )
     port = daemon.info["http_port"]
     held = [connect_from("127.0.0.1", port) for _ in range(4)]  # silent: admitted, held
     flood = [connect_from("127.0.0.1", port) for _ in range(20)]
@@ -259,8 +271,15 @@ def test_one_address_cannot_take_every_http_connection(start_daemon) -> None:
             time.sleep(0.05)
         assert status == 200
         samples = scrape(daemon.http_url)  # from 127.0.0.1, in the freed slot
-        assert sample(samples, "kvfabric_control_connections_closed_total",
-                      listener="http", reason="per_ip_limit") == refused
+        assert (
+            sample(
+                samples,
+                "kvfabric_control_connections_closed_total",
+                listener="http",
+                reason="per_ip_limit",
+            )
+            == refused
+        )
     finally:
         for sock in held + flood:
             sock.close()

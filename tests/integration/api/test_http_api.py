@@ -26,9 +26,14 @@ CT = SPEC.chunk_tokens
 # DRAM holds 8 chunks of 16 KiB: a longer prompt spills its oldest chunks to SSD. Watermarks
 # at 1: only puts move chunks (make room), never the background pass between two of a
 # test's calls (on a loaded host it demoted a chunk between a lookup and its check)
-SETTINGS = ["store.tiers.dram.capacity=128KiB", "store.tiers.dram.page_size=16KiB",
-            "store.tiers.ssd.capacity=32MiB", "node_id=api-node-1",
-            "store.high_watermark=1.0", "store.low_watermark=1.0"]
+SETTINGS = [
+    "store.tiers.dram.capacity=128KiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=32MiB",
+    "node_id=api-node-1",
+    "store.high_watermark=1.0",
+    "store.low_watermark=1.0",
+]
 
 
 @pytest.fixture
@@ -40,7 +45,6 @@ def daemon(start_daemon):
 def http(daemon):
     with httpx.Client(base_url=daemon.http_url, timeout=60) as client:
         yield client
-
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,8 @@ def shared_http(shared):
 
 def payload(key: bytes) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, SPEC.chunk_bytes, dtype=np.uint8)
+        0, 256, SPEC.chunk_bytes, dtype=np.uint8
+    )
 
 
 def put_prompt(client: Client, n_chunks: int, start: int = 0) -> list[bytes]:
@@ -86,6 +91,7 @@ def lookup_body(ns: Namespace = NS, **form) -> dict:
 
 
 # ---------------------------------------------------------------------- probes
+
 
 def test_healthz(daemon, http) -> None:
     response = http.get("/healthz")
@@ -136,6 +142,7 @@ def _ignore(fn, *args) -> None:
 
 # ---------------------------------------------------------------------- metrics
 
+
 def test_metrics_token_counters_move_by_exact_amounts(daemon, http) -> None:
     with Client(daemon.socket) as client:
         keys = put_prompt(client, 12)  # 12 chunks of 16 KiB into 8 chunks of DRAM
@@ -158,60 +165,94 @@ def test_metrics_token_counters_move_by_exact_amounts(daemon, http) -> None:
         after_http = samples(http)
 
     t = "acme"
-    assert value(after_socket, "kvfabric_lookups_total", tenant=t) - \
-        value(before, "kvfabric_lookups_total", tenant=t) == 1
-    assert value(after_socket, "kvfabric_lookup_tokens_total", tenant=t) - \
-        value(before, "kvfabric_lookup_tokens_total", tenant=t) == 14 * CT
-    assert value(after_socket, "kvfabric_miss_tokens_total", tenant=t) - \
-        value(before, "kvfabric_miss_tokens_total", tenant=t) == 2 * CT
+    assert (
+        value(after_socket, "kvfabric_lookups_total", tenant=t)
+        - value(before, "kvfabric_lookups_total", tenant=t)
+        == 1
+    )
+    assert (
+        value(after_socket, "kvfabric_lookup_tokens_total", tenant=t)
+        - value(before, "kvfabric_lookup_tokens_total", tenant=t)
+        == 14 * CT
+    )
+    assert (
+        value(after_socket, "kvfabric_miss_tokens_total", tenant=t)
+        - value(before, "kvfabric_miss_tokens_total", tenant=t)
+        == 2 * CT
+    )
     for tier, tokens in hit.tier_tokens.items():
-        assert value(after_socket, "kvfabric_hit_tokens_total", tier=tier, tenant=t) - \
-            value(before, "kvfabric_hit_tokens_total", tier=tier, tenant=t) == tokens
+        assert (
+            value(after_socket, "kvfabric_hit_tokens_total", tier=tier, tenant=t)
+            - value(before, "kvfabric_hit_tokens_total", tier=tier, tenant=t)
+            == tokens
+        )
 
     assert http_hit["requested_chunks"] == 11 and http_hit["matched_chunks"] == 10
     assert http_hit["matched_tokens"] == 10 * CT and http_hit["requested_tokens"] is None
     assert sum(http_hit["tiers"].values()) == 10 * CT
-    assert value(after_http, "kvfabric_lookups_total", tenant=t) - \
-        value(after_socket, "kvfabric_lookups_total", tenant=t) == 1
-    assert value(after_http, "kvfabric_lookup_tokens_total", tenant=t) - \
-        value(after_socket, "kvfabric_lookup_tokens_total", tenant=t) == 11 * CT
-    assert value(after_http, "kvfabric_miss_tokens_total", tenant=t) - \
-        value(after_socket, "kvfabric_miss_tokens_total", tenant=t) == CT
+    assert (
+        value(after_http, "kvfabric_lookups_total", tenant=t)
+        - value(after_socket, "kvfabric_lookups_total", tenant=t)
+        == 1
+    )
+    assert (
+        value(after_http, "kvfabric_lookup_tokens_total", tenant=t)
+        - value(after_socket, "kvfabric_lookup_tokens_total", tenant=t)
+        == 11 * CT
+    )
+    assert (
+        value(after_http, "kvfabric_miss_tokens_total", tenant=t)
+        - value(after_socket, "kvfabric_miss_tokens_total", tenant=t)
+        == CT
+    )
     for tier in ("dram", "ssd"):
-        assert value(after_http, "kvfabric_hit_tokens_total", tier=tier, tenant=t) - \
-            value(after_socket, "kvfabric_hit_tokens_total", tier=tier, tenant=t) == \
-            http_hit["tiers"].get(tier, 0)
+        assert value(after_http, "kvfabric_hit_tokens_total", tier=tier, tenant=t) - value(
+            after_socket, "kvfabric_hit_tokens_total", tier=tier, tenant=t
+        ) == http_hit["tiers"].get(tier, 0)
     # the request histograms saw one lookup on each plane
-    for plane, snap_before, snap_after in (("control", before, after_socket),
-                                           ("http", after_socket, after_http)):
+    for plane, snap_before, snap_after in (
+        ("control", before, after_socket),
+        ("http", after_socket, after_http),
+    ):
         count = "kvfabric_request_duration_seconds_count"
-        assert value(snap_after, count, plane=plane, op="lookup") - \
-            value(snap_before, count, plane=plane, op="lookup") == 1
+        assert (
+            value(snap_after, count, plane=plane, op="lookup")
+            - value(snap_before, count, plane=plane, op="lookup")
+            == 1
+        )
     # store-side gauges agree with the stats endpoint
     stats = http.get("/v1/stats").json()
     for tier in stats["tiers"]:
         assert value(after_http, "kvfabric_tier_objects", tier=tier["name"]) == tier["objects"]
-        assert value(after_http, "kvfabric_tier_capacity_bytes", tier=tier["name"]) == \
-            tier["capacity_bytes"]
+        assert (
+            value(after_http, "kvfabric_tier_capacity_bytes", tier=tier["name"])
+            == tier["capacity_bytes"]
+        )
     assert value(after_http, "kvfabric_store_commits_total") == 12
 
 
 def test_engine_traffic_is_counted_by_the_engine_each_client_serves(shared, shared_http) -> None:
     before = samples(shared_http)
-    with Client(shared.socket, engine="vllm") as vllm, Client(shared.socket,
-                                                               engine="sglang") as sglang:
+    with (
+        Client(shared.socket, engine="vllm") as vllm,
+        Client(shared.socket, engine="sglang") as sglang,
+    ):
         keys = put_prompt(vllm, 3, start=50_000)  # 3 chunks written by "vllm"
-        assert sglang.lookup(NS, keys=keys + [b"\x07" * 16]).matched_chunks == 3
+        assert sglang.lookup(NS, keys=[*keys, b"\x07" * 16]).matched_chunks == 3
         sglang.release_many(sglang.get_many(NS, keys[:2]))  # 2 chunks read by "sglang"
     after = samples(shared_http)
 
     def moved(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert moved("kvfabric_engine_bytes_total", engine="vllm", direction="written") == \
-        3 * SPEC.chunk_bytes
-    assert moved("kvfabric_engine_bytes_total", engine="sglang", direction="read") == \
-        2 * SPEC.chunk_bytes
+    assert (
+        moved("kvfabric_engine_bytes_total", engine="vllm", direction="written")
+        == 3 * SPEC.chunk_bytes
+    )
+    assert (
+        moved("kvfabric_engine_bytes_total", engine="sglang", direction="read")
+        == 2 * SPEC.chunk_bytes
+    )
     assert moved("kvfabric_engine_bytes_total", engine="sglang", direction="written") == 0
     assert moved("kvfabric_engine_lookup_tokens_total", engine="sglang") == 4 * CT
     assert moved("kvfabric_engine_hit_tokens_total", engine="sglang") == 3 * CT
@@ -221,14 +262,21 @@ def test_metrics_parse_and_carry_every_documented_family(shared_http) -> None:
     text = shared_http.get("/metrics").text
     families = {f.name: f.type for f in text_string_to_metric_families(text)}
     expected = {
-        "kvfabric_sessions": "gauge", "kvfabric_lookups": "counter",
-        "kvfabric_lookup_tokens": "counter", "kvfabric_hit_tokens": "counter",
-        "kvfabric_miss_tokens": "counter", "kvfabric_request_duration_seconds": "histogram",
+        "kvfabric_sessions": "gauge",
+        "kvfabric_lookups": "counter",
+        "kvfabric_lookup_tokens": "counter",
+        "kvfabric_hit_tokens": "counter",
+        "kvfabric_miss_tokens": "counter",
+        "kvfabric_request_duration_seconds": "histogram",
         "kvfabric_store_operation_duration_seconds": "histogram",
-        "kvfabric_tier_capacity_bytes": "gauge", "kvfabric_tier_used_bytes": "gauge",
-        "kvfabric_tier_objects": "gauge", "kvfabric_tier_evictions": "counter",
-        "kvfabric_store_commits": "counter", "kvfabric_store_leases_expired": "counter",
-        "kvfabric_engine_lookup_tokens": "counter", "kvfabric_engine_hit_tokens": "counter",
+        "kvfabric_tier_capacity_bytes": "gauge",
+        "kvfabric_tier_used_bytes": "gauge",
+        "kvfabric_tier_objects": "gauge",
+        "kvfabric_tier_evictions": "counter",
+        "kvfabric_store_commits": "counter",
+        "kvfabric_store_leases_expired": "counter",
+        "kvfabric_engine_lookup_tokens": "counter",
+        "kvfabric_engine_hit_tokens": "counter",
         "kvfabric_engine_bytes": "counter",
     }
     for name, kind in expected.items():
@@ -252,6 +300,7 @@ def test_sessions_gauge_follows_connections(daemon, http) -> None:
 
 # ---------------------------------------------------------------------- lookup
 
+
 def test_lookup_by_token_ids_per_tier(daemon, http) -> None:
     with Client(daemon.socket) as client:
         keys = put_prompt(client, 12)
@@ -260,9 +309,14 @@ def test_lookup_by_token_ids_per_tier(daemon, http) -> None:
     response = http.post("/v1/lookup", json=lookup_body(token_ids=token_ids))
     assert response.status_code == 200, response.text
     body = response.json()
-    assert body == {"matched_tokens": 12 * CT, "matched_chunks": 12, "requested_chunks": 12,
-                    "requested_tokens": 12 * CT + 7, "chunk_tokens": CT,
-                    "tiers": body["tiers"]}
+    assert body == {
+        "matched_tokens": 12 * CT,
+        "matched_chunks": 12,
+        "requested_chunks": 12,
+        "requested_tokens": 12 * CT + 7,
+        "chunk_tokens": CT,
+        "tiers": body["tiers"],
+    }
     assert set(body["tiers"]) == {"dram", "ssd"} and sum(body["tiers"].values()) == 12 * CT
     # the per-tier split agrees with chunk-by-chunk lookups of the same keys
     per_key = {}
@@ -285,36 +339,46 @@ def test_lookup_by_token_ids_per_tier(daemon, http) -> None:
 def test_lookup_by_chunk_hashes(daemon, http) -> None:
     with Client(daemon.socket) as client:
         keys = put_prompt(client, 4, start=777)
-    body = http.post("/v1/lookup", json=lookup_body(
-        chunk_hashes=[k.hex() for k in keys])).json()
-    assert (body["matched_chunks"], body["requested_chunks"], body["requested_tokens"]) == \
-        (4, 4, None)
+    body = http.post("/v1/lookup", json=lookup_body(chunk_hashes=[k.hex() for k in keys])).json()
+    assert (body["matched_chunks"], body["requested_chunks"], body["requested_tokens"]) == (
+        4,
+        4,
+        None,
+    )
     assert body["tiers"] == {"dram": 4 * CT}
     upper = [k.hex().upper() for k in keys[:2]]
-    assert http.post("/v1/lookup", json=lookup_body(chunk_hashes=upper)).json()[
-        "matched_chunks"] == 2
+    assert (
+        http.post("/v1/lookup", json=lookup_body(chunk_hashes=upper)).json()["matched_chunks"] == 2
+    )
     body = http.post("/v1/lookup", json=lookup_body(chunk_hashes=[])).json()
     assert (body["matched_chunks"], body["requested_chunks"]) == (0, 0)
 
 
-@pytest.mark.parametrize("body", [
-    {},
-    {"namespace": encode_namespace(NS)},
-    lookup_body(token_ids=[1], chunk_hashes=["00" * 16]),
-    lookup_body(token_ids=[1 << 31]),
-    lookup_body(token_ids=["1"]),
-    lookup_body(token_ids=[1.5]),
-    lookup_body(chunk_hashes=["00" * 15]),
-    lookup_body(chunk_hashes=["zz" * 16]),
-    lookup_body(chunk_hashes=[1]),
-    {**lookup_body(token_ids=[1]), "extra": 1},
-    {"namespace": {**encode_namespace(NS), "spec": {**SPEC.to_dict(), "num_layers": 0}},
-     "token_ids": [1]},
-    {"namespace": {**encode_namespace(NS), "spec": {**SPEC.to_dict(), "kind": "mla"}},
-     "token_ids": [1]},
-    {"namespace": {**encode_namespace(NS), "model": ""}, "token_ids": [1]},
-    [1, 2, 3],
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"namespace": encode_namespace(NS)},
+        lookup_body(token_ids=[1], chunk_hashes=["00" * 16]),
+        lookup_body(token_ids=[1 << 31]),
+        lookup_body(token_ids=["1"]),
+        lookup_body(token_ids=[1.5]),
+        lookup_body(chunk_hashes=["00" * 15]),
+        lookup_body(chunk_hashes=["zz" * 16]),
+        lookup_body(chunk_hashes=[1]),
+        {**lookup_body(token_ids=[1]), "extra": 1},
+        {
+            "namespace": {**encode_namespace(NS), "spec": {**SPEC.to_dict(), "num_layers": 0}},
+            "token_ids": [1],
+        },
+        {
+            "namespace": {**encode_namespace(NS), "spec": {**SPEC.to_dict(), "kind": "mla"}},
+            "token_ids": [1],
+        },
+        {"namespace": {**encode_namespace(NS), "model": ""}, "token_ids": [1]},
+        [1, 2, 3],
+    ],
+)
 def test_bad_lookup_bodies_are_422_bad_request(shared_http, body) -> None:
     response = shared_http.post("/v1/lookup", json=body)
     assert response.status_code == 422, response.text
@@ -323,13 +387,15 @@ def test_bad_lookup_bodies_are_422_bad_request(shared_http, body) -> None:
 
 
 def test_malformed_json_is_422(shared_http) -> None:
-    response = shared_http.post("/v1/lookup", content=b"{not json",
-                         headers={"Content-Type": "application/json"})
+    response = shared_http.post(
+        "/v1/lookup", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 422
     assert response.json()["error"]["kind"] == "bad_request"
 
 
 # ---------------------------------------------------------------------- stats
+
 
 def test_stats(daemon, http) -> None:
     with Client(daemon.socket) as client:
@@ -348,7 +414,8 @@ def test_stats(daemon, http) -> None:
         assert tiers["ssd"]["capacity_bytes"] == 32 << 20
         assert tiers["dram"]["used_bytes"] == tiers["dram"]["objects"] * SPEC.chunk_bytes
         assert tiers["dram"]["utilisation"] == pytest.approx(
-            tiers["dram"]["used_bytes"] / tiers["dram"]["capacity_bytes"])
+            tiers["dram"]["used_bytes"] / tiers["dram"]["capacity_bytes"]
+        )
         assert tiers["ssd"]["objects"] >= 4 and tiers["ssd"]["used_bytes"] > 0
         assert tiers["dram"]["demotions"] >= tiers["ssd"]["objects"]
         totals = stats["totals"]
@@ -357,13 +424,21 @@ def test_stats(daemon, http) -> None:
         assert totals["lookup_tokens"] == 3 * CT and totals["hit_tokens"] == 3 * CT
         assert totals["miss_tokens"] == 0 and totals["hit_rate"] == 1.0
         assert totals["evictions"] == 0
-        assert stats["namespaces"] == [{"model": "api-model", "tenant": "acme", "lookups": 1,
-                                        "lookup_tokens": 3 * CT, "hit_tokens": 3 * CT}]
+        assert stats["namespaces"] == [
+            {
+                "model": "api-model",
+                "tenant": "acme",
+                "lookups": 1,
+                "lookup_tokens": 3 * CT,
+                "hit_tokens": 3 * CT,
+            }
+        ]
         # and the socket's view is the same store
         assert client.stats()["objects"] == 12
 
 
 # ---------------------------------------------------------------------- admin
+
 
 def _tiers(http: httpx.Client) -> dict[str, dict]:
     return {t["name"]: t for t in http.get("/v1/stats").json()["tiers"]}
@@ -414,8 +489,7 @@ def test_admin_evict_removes_objects_and_counts_them(daemon, http) -> None:
     assert tiers["dram"]["used_bytes"] == 0
     now = samples(http)
     for tier in ("dram", "ssd"):
-        assert value(now, "kvfabric_tier_evictions_total", tier=tier) == \
-            tiers[tier]["evictions"]
+        assert value(now, "kvfabric_tier_evictions_total", tier=tier) == tiers[tier]["evictions"]
         assert value(now, "kvfabric_tier_objects", tier=tier) == 0
 
 
@@ -432,10 +506,18 @@ def test_admin_evict_of_everything_empties_every_tier(daemon, http) -> None:
     assert stats["totals"]["objects"] == 0 and stats["totals"]["evictions"] == 12
 
 
-@pytest.mark.parametrize("body,status", [
-    ({"tier": "nope"}, 404), ({"bytes": 0}, 422), ({"bytes": -5}, 422), ({"bytes": "1"}, 422),
-    ({"tier": 3}, 422), ({"extra": 1}, 422), ([], 422),
-])
+@pytest.mark.parametrize(
+    "body,status",
+    [
+        ({"tier": "nope"}, 404),
+        ({"bytes": 0}, 422),
+        ({"bytes": -5}, 422),
+        ({"bytes": "1"}, 422),
+        ({"tier": 3}, 422),
+        ({"extra": 1}, 422),
+        ([], 422),
+    ],
+)
 def test_admin_evict_refuses_bad_bodies(shared, shared_http, body, status) -> None:
     with Client(shared.socket) as client:
         keys = put_prompt(client, 2, start=int.from_bytes(os.urandom(3), "little") * 64)
@@ -457,8 +539,7 @@ def test_admin_flush_waits_for_ssd_writes(daemon, http) -> None:
         assert tiers["ssd"]["bytes_in"] == tiers["ssd"]["objects"] * SPEC.chunk_bytes
         assert stats["totals"]["objects"] == 24
         # flushed records survive a restart
-        on_ssd = [k for k in keys
-                  if client.lookup(NS, keys=[k]).tier_tokens == {"ssd": CT}]
+        on_ssd = [k for k in keys if client.lookup(NS, keys=[k]).tier_tokens == {"ssd": CT}]
     assert len(on_ssd) == tiers["ssd"]["objects"]
     assert daemon.stop() == 0
 

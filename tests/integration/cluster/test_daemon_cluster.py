@@ -20,14 +20,24 @@ from kvfabric.spec import KVSpec, Namespace
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
 NS = Namespace("cluster-model", SPEC, tenant_salt="t1")
-SMALL = ["store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
-         "store.tiers.ssd.capacity=32MiB"]
+SMALL = [
+    "store.tiers.dram.capacity=4MiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=32MiB",
+]
 
 
 def node_settings(redis_url: str, node_id: str, lease_ttl_s: float = 10) -> list[str]:
-    return [*SMALL, f"node_id={node_id}", "cluster.index=redis",
-            f"cluster.redis_url={redis_url}", f"cluster.lease_ttl_s={lease_ttl_s}",
-            "cluster.heartbeat_s=0.2", "cluster.hardware_class=test", "tcp.port=0"]
+    return [
+        *SMALL,
+        f"node_id={node_id}",
+        "cluster.index=redis",
+        f"cluster.redis_url={redis_url}",
+        f"cluster.lease_ttl_s={lease_ttl_s}",
+        "cluster.heartbeat_s=0.2",
+        "cluster.hardware_class=test",
+        "tcp.port=0",
+    ]
 
 
 def put_chain(socket: str, n_chunks: int, start: int = 0) -> list[bytes]:
@@ -40,8 +50,11 @@ def put_chain(socket: str, n_chunks: int, start: int = 0) -> list[bytes]:
 
 
 def http_lookup(daemon: Any, keys: list[bytes]) -> dict[str, Any]:
-    body = {"namespace": encode_namespace(NS), "chunk_hashes": [k.hex() for k in keys],
-            "scope": "cluster"}
+    body = {
+        "namespace": encode_namespace(NS),
+        "chunk_hashes": [k.hex() for k in keys],
+        "scope": "cluster",
+    }
     response = httpx.post(f"{daemon.http_url}/v1/lookup", json=body, timeout=10)
     assert response.status_code == 200, response.text
     return response.json()
@@ -49,8 +62,9 @@ def http_lookup(daemon: Any, keys: list[bytes]) -> dict[str, Any]:
 
 def control_lookup(daemon: Any, keys: list[bytes]) -> dict[str, Any]:
     with Client(daemon.socket) as client:
-        return client._call(Op.LOOKUP, {**client_requests.lookup_args(NS, None, keys),
-                                        "scope": "cluster"})
+        return client._call(
+            Op.LOOKUP, {**client_requests.lookup_args(NS, None, keys), "scope": "cluster"}
+        )
 
 
 def holders(answer: dict[str, Any]) -> dict[str, tuple[int, dict[str, int]]]:
@@ -61,8 +75,9 @@ def epoch_of(answer: dict[str, Any], node_id: str) -> int:
     return next(n["epoch"] for n in answer["nodes"] if n["node_id"] == node_id)
 
 
-def wait_for(probe: Callable[[], Any], predicate: Callable[[Any], bool],
-             timeout: float = 10.0) -> Any:
+def wait_for(
+    probe: Callable[[], Any], predicate: Callable[[Any], bool], timeout: float = 10.0
+) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = probe()
@@ -72,8 +87,7 @@ def wait_for(probe: Callable[[], Any], predicate: Callable[[Any], bool],
         time.sleep(0.05)
 
 
-def test_puts_deletes_and_evictions_on_a_show_in_lookups_on_b(redis_server,
-                                                             start_daemon) -> None:
+def test_puts_deletes_and_evictions_on_a_show_in_lookups_on_b(redis_server, start_daemon) -> None:
     a = start_daemon(*node_settings(redis_server.url, "node-a"))
     b = start_daemon(*node_settings(redis_server.url, "node-b"))
     keys = put_chain(a.socket, 4)
@@ -98,8 +112,9 @@ def test_puts_deletes_and_evictions_on_a_show_in_lookups_on_b(redis_server,
     wait_for(lambda: http_lookup(b, keys), lambda r: holders(r) == {})
 
 
-def test_a_restarted_node_hides_its_old_entries_and_republishes_its_ssd(redis_server,
-                                                                        start_daemon) -> None:
+def test_a_restarted_node_hides_its_old_entries_and_republishes_its_ssd(
+    redis_server, start_daemon
+) -> None:
     settings = node_settings(redis_server.url, "node-a")
     a = start_daemon(*settings)
     b = start_daemon(*node_settings(redis_server.url, "node-b"))
@@ -116,14 +131,16 @@ def test_a_restarted_node_hides_its_old_entries_and_republishes_its_ssd(redis_se
     assert holders(second)["node-a"] == (3, {"dram": 3})
     assert a.stop() == 0  # persist_on_close (the default) writes DRAM to SSD
     a.start()
-    third = wait_for(lambda: http_lookup(b, durable),
-                     lambda r: holders(r).get("node-a") == (3, {"ssd": 3}))
+    third = wait_for(
+        lambda: http_lookup(b, durable), lambda r: holders(r).get("node-a") == (3, {"ssd": 3})
+    )
     assert epoch_of(first, "node-a") < epoch_of(second, "node-a") < epoch_of(third, "node-a")
     assert "node-a" not in holders(http_lookup(b, volatile))
 
 
 def test_redis_outage_keeps_a_serving_and_it_republishes_when_redis_returns(
-        redis_server, start_daemon) -> None:
+    redis_server, start_daemon
+) -> None:
     a = start_daemon(*node_settings(redis_server.url, "node-a"))
     b = start_daemon(*node_settings(redis_server.url, "node-b"))
     before = put_chain(a.socket, 2)
@@ -146,8 +163,11 @@ def test_redis_outage_keeps_a_serving_and_it_republishes_when_redis_returns(
 
     redis_server.start()  # same port, empty: A must republish by itself
     for keys in (before, during):
-        seen = wait_for(lambda chain=keys: http_lookup(b, chain),
-                        lambda r: "node-a" in holders(r) and not r["stale"], timeout=15)
+        seen = wait_for(
+            lambda chain=keys: http_lookup(b, chain),
+            lambda r: "node-a" in holders(r) and not r["stale"],
+            timeout=15,
+        )
         assert holders(seen)["node-a"] == (len(keys), {"dram": len(keys)})
     wait_for(lambda: control_lookup(a, during), lambda r: r["stale"] is False)
 
@@ -160,15 +180,12 @@ def test_the_embedded_index_answers_cluster_lookups_with_this_node_alone(start_d
     assert answer["matched_chunks"] == 3  # the global view equals the local one
     assert holders(control_lookup(a, keys[:2])) == {"solo": (2, {"dram": 2})}
     with Client(a.socket) as client, pytest.raises(ProtocolError, match="scope"):
-        client._call(Op.LOOKUP, {**client_requests.lookup_args(NS, None, keys),
-                                 "scope": "galaxy"})
-    body = {"namespace": encode_namespace(NS), "chunk_hashes": [keys[0].hex()],
-            "scope": "galaxy"}
+        client._call(Op.LOOKUP, {**client_requests.lookup_args(NS, None, keys), "scope": "galaxy"})
+    body = {"namespace": encode_namespace(NS), "chunk_hashes": [keys[0].hex()], "scope": "galaxy"}
     assert httpx.post(f"{a.http_url}/v1/lookup", json=body, timeout=10).status_code == 422
 
 
-def test_a_node_started_while_redis_is_down_joins_once_it_is_up(redis_server,
-                                                               start_daemon) -> None:
+def test_a_node_started_while_redis_is_down_joins_once_it_is_up(redis_server, start_daemon) -> None:
     redis_server.kill()
     a = start_daemon(*node_settings(redis_server.url, "node-a"))  # starts all the same
     keys = put_chain(a.socket, 2)
@@ -176,6 +193,9 @@ def test_a_node_started_while_redis_is_down_joins_once_it_is_up(redis_server,
     assert answer["stale"] is True and holders(answer) == {"node-a": (2, {"dram": 2})}
     redis_server.start()
     b = start_daemon(*node_settings(redis_server.url, "node-b"))
-    seen = wait_for(lambda: http_lookup(b, keys),
-                    lambda r: "node-a" in holders(r) and not r["stale"], timeout=15)
+    seen = wait_for(
+        lambda: http_lookup(b, keys),
+        lambda r: "node-a" in holders(r) and not r["stale"],
+        timeout=15,
+    )
     assert holders(seen)["node-a"] == (2, {"dram": 2})

@@ -9,17 +9,26 @@ import pytest
 
 from kvfabric.cluster.redis_index import RedisGlobalIndex
 
-SMALL = ["store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
-         "store.tiers.ssd.capacity=32MiB"]
+SMALL = [
+    "store.tiers.dram.capacity=4MiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=32MiB",
+]
 
 
 def settings(redis_url: str, node_id: str) -> list[str]:
-    return [*SMALL, f"node_id={node_id}", "cluster.index=redis", f"cluster.redis_url={redis_url}",
-            "cluster.lease_ttl_s=10", "cluster.heartbeat_s=0.2", "tcp.port=0"]
+    return [
+        *SMALL,
+        f"node_id={node_id}",
+        "cluster.index=redis",
+        f"cluster.redis_url={redis_url}",
+        "cluster.lease_ttl_s=10",
+        "cluster.heartbeat_s=0.2",
+        "tcp.port=0",
+    ]
 
 
-def test_a_second_daemon_with_a_live_node_id_refuses_to_start(redis_server,
-                                                               start_daemon) -> None:
+def test_a_second_daemon_with_a_live_node_id_refuses_to_start(redis_server, start_daemon) -> None:
     """Regression: on the old code the second daemon started and took the id over: the
     first one's chunks vanished from the index and its heartbeats failed."""
     first = start_daemon(*settings(redis_server.url, "same-host"))
@@ -33,8 +42,9 @@ def test_a_second_daemon_with_a_live_node_id_refuses_to_start(redis_server,
     assert "Traceback" not in message
     time.sleep(0.5)  # a few of the first daemon's heartbeats: still its registration
     try:
-        assert [(n.node_id, n.epoch) for n in index.nodes()] == \
-            [(n.node_id, n.epoch) for n in before] and len(before) == 1
+        assert [(n.node_id, n.epoch) for n in index.nodes()] == [
+            (n.node_id, n.epoch) for n in before
+        ] and len(before) == 1
     finally:
         index.close()
     assert first.proc is not None and first.proc.poll() is None

@@ -18,8 +18,13 @@ CHAIN = chunk_keys(NS, list(range(12)))
 
 
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, str(EXAMPLE), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_help_prints_usage_and_exits_0() -> None:
@@ -45,8 +50,18 @@ def test_follows_the_stream_of_a_real_index(redis_server, tmp_path: Path) -> Non
         producer.publish(stored=[ChunkRecord(NS.seed, CHAIN[0], "dram", ROOT, 4)])
         producer.flush()
         consumer = subprocess.Popen(
-            [sys.executable, str(EXAMPLE), redis_server.url, str(tmp_path / "state.id"),
-             "--max-events", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                str(EXAMPLE),
+                redis_server.url,
+                str(tmp_path / "state.id"),
+                "--max-events",
+                "1",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert consumer.stdout is not None
             first = consumer.stdout.readline()  # started from the snapshot: one chunk known

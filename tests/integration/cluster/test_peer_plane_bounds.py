@@ -24,11 +24,20 @@ DEADLINE_S = 5.0
 
 
 def settings(redis_url: str, node_id: str, secret: Path, *extra: str) -> list[str]:
-    return ["store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
-            "store.tiers.ssd.capacity=32MiB", f"node_id={node_id}", "cluster.index=redis",
-            f"cluster.redis_url={redis_url}", "cluster.heartbeat_s=0.2", "tcp.port=0",
-            "cluster.transport=socket", f"cluster.secret_file={secret}",
-            "limits.peer_handshake_timeout_s=2", *extra]
+    return [
+        "store.tiers.dram.capacity=4MiB",
+        "store.tiers.dram.page_size=16KiB",
+        "store.tiers.ssd.capacity=32MiB",
+        f"node_id={node_id}",
+        "cluster.index=redis",
+        f"cluster.redis_url={redis_url}",
+        "cluster.heartbeat_s=0.2",
+        "tcp.port=0",
+        "cluster.transport=socket",
+        f"cluster.secret_file={secret}",
+        "limits.peer_handshake_timeout_s=2",
+        *extra,
+    ]
 
 
 def threads_of(pid: int) -> int:
@@ -78,7 +87,8 @@ def pull(puller, keys: list[bytes], payloads: list[bytes]) -> None:
 
 
 def test_600_silent_connections_cost_no_thread_and_a_pull_still_works(
-        redis_server, start_daemon, tmp_path: Path) -> None:
+    redis_server, start_daemon, tmp_path: Path
+) -> None:
     """Regression: on the old code each connection to the peer port got a thread before its
     handshake (600 connections: 600 threads, held for io_timeout), and once threads ran out
     the accept loop ended for good while /readyz stayed 200."""
@@ -103,7 +113,8 @@ def test_600_silent_connections_cost_no_thread_and_a_pull_still_works(
 
 
 def test_the_accept_loop_outlives_running_out_of_file_descriptors(
-        redis_server, start_daemon, tmp_path: Path) -> None:
+    redis_server, start_daemon, tmp_path: Path
+) -> None:
     """Regression: on the old code the first accept() error (EMFILE here) ended the accept
     thread for good: no peer could pull from the node again, and /readyz still said 200."""
     secret = tmp_path / "secret"

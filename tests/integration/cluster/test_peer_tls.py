@@ -37,15 +37,24 @@ def pki(tmp_path: Path) -> tuple[CA, Path, Path]:
     return authority, authority.write(tmp_path / "cluster-ca.pem"), secret
 
 
-def node(start_daemon, redis_url: str, node_id: str, cert: Path, ca_file: Path,
-         secret: Path, *extra: str):
+def node(
+    start_daemon, redis_url: str, node_id: str, cert: Path, ca_file: Path, secret: Path, *extra: str
+):
     # transport left at auto: with the peer plane on it must be the socket backend
-    return start_daemon("store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
-                        "store.tiers.ssd.capacity=32MiB", f"node_id={node_id}",
-                        "cluster.index=redis", f"cluster.redis_url={redis_url}",
-                        "cluster.heartbeat_s=0.2", "tcp.port=0",
-                        f"cluster.secret_file={secret}", f"security.tls_cert_file={cert}",
-                        f"security.tls_client_ca_file={ca_file}", *extra)
+    return start_daemon(
+        "store.tiers.dram.capacity=4MiB",
+        "store.tiers.dram.page_size=16KiB",
+        "store.tiers.ssd.capacity=32MiB",
+        f"node_id={node_id}",
+        "cluster.index=redis",
+        f"cluster.redis_url={redis_url}",
+        "cluster.heartbeat_s=0.2",
+        "tcp.port=0",
+        f"cluster.secret_file={secret}",
+        f"security.tls_cert_file={cert}",
+        f"security.tls_client_ca_file={ca_file}",
+        *extra,
+    )
 
 
 def put_chain(daemon, n_chunks: int, seed: int) -> tuple[list[bytes], list[bytes]]:
@@ -76,8 +85,10 @@ def assert_local(daemon, keys: list[bytes], payloads: list[bytes]) -> None:
 
 def served(port: int, ca_file: Path, cert: Path) -> int:
     """The serial of the certificate a TLS port serves (we present ``cert``)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
-            client_context(ca_file, cert).wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        client_context(ca_file, cert).wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
         return serial_of(tls.getpeercert(binary_form=True))
 
 
@@ -97,7 +108,8 @@ def refused_plain(port: int) -> bool:
 
 
 def test_pull_and_push_between_two_daemons_over_mutual_tls(
-        redis_server, start_daemon, tmp_path: Path, pki: tuple[CA, Path, Path]) -> None:
+    redis_server, start_daemon, tmp_path: Path, pki: tuple[CA, Path, Path]
+) -> None:
     """Regression: on the old code TLS on the TCP control plane was refused with the redis
     index and the socket transport had no TLS: chunk bytes crossed in the clear."""
     authority, ca_file, secret = pki
@@ -121,13 +133,16 @@ def test_pull_and_push_between_two_daemons_over_mutual_tls(
     for port in (a.info["tcp_port"], transport_port(a)):
         assert served(port, ca_file, certs["tool"]) == serials["node-a"]
         assert refused_plain(port)
-    with Client(("127.0.0.1", a.info["tcp_port"]),
-                tls=ClientTLS(ca_file=str(ca_file), cert_file=str(certs["tool"]))) as remote:
+    with Client(
+        ("127.0.0.1", a.info["tcp_port"]),
+        tls=ClientTLS(ca_file=str(ca_file), cert_file=str(certs["tool"])),
+    ) as remote:
         assert remote.lookup(NS, keys=keys).matched_chunks == 4
 
 
 def test_a_node_with_a_certificate_from_another_ca_gets_nothing(
-        redis_server, start_daemon, tmp_path: Path, pki: tuple[CA, Path, Path]) -> None:
+    redis_server, start_daemon, tmp_path: Path, pki: tuple[CA, Path, Path]
+) -> None:
     """Negative control: node-b holds the cluster secret and trusts the cluster's CA, but its
     own certificate comes from another CA: node-a refuses it on both peer planes, so its
     pull misses within the deadline (and node-a keeps serving members)."""
@@ -150,13 +165,18 @@ def test_a_node_with_a_certificate_from_another_ca_gets_nothing(
     # its certificate on the transport port too: refused by the TLS handshake
     port = transport_port(a)
     with pytest.raises((ssl.SSLError, ConnectionError)):
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
-                client_context(ca_file, cert_b).wrap_socket(
-                    raw, server_hostname="127.0.0.1") as tls:
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+            client_context(ca_file, cert_b).wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+        ):
             tls.recv(1)  # TLS 1.3: a refused client certificate shows at the first read
     with pytest.raises((AuthError, UnavailableError)):
-        Client(("127.0.0.1", a.info["tcp_port"]), timeout=3, reconnect=False,
-               tls=ClientTLS(ca_file=str(ca_file), cert_file=str(cert_b)))
+        Client(
+            ("127.0.0.1", a.info["tcp_port"]),
+            timeout=3,
+            reconnect=False,
+            tls=ClientTLS(ca_file=str(ca_file), cert_file=str(cert_b)),
+        )
     c = node(start_daemon, redis_server.url, "node-c", cert_c, ca_file, secret)
     with Client(c.socket) as client:  # a member still pulls
         assert client.prefetch(NS, keys=keys, timeout=DEADLINE_S)["pulled"] == 4
@@ -164,7 +184,8 @@ def test_a_node_with_a_certificate_from_another_ca_gets_nothing(
 
 
 def test_a_certificate_reloaded_on_sighup_is_served_on_the_peer_planes(
-        redis_server, start_daemon, tmp_path: Path, pki: tuple[CA, Path, Path]) -> None:
+    redis_server, start_daemon, tmp_path: Path, pki: tuple[CA, Path, Path]
+) -> None:
     """After SIGHUP new connections to the TCP control and transport ports get the new
     certificate, and a pull over them still works; a certificate from another CA swapped in
     on the puller shuts it out from its next new link on (its reloaded client certificate

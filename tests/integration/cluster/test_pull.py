@@ -23,16 +23,27 @@ from kvfabric.spec import KVSpec, Namespace
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
 NS = Namespace("pull-model", SPEC, tenant_salt="t1")
-SMALL = ["store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
-         "store.tiers.ssd.capacity=32MiB"]
+SMALL = [
+    "store.tiers.dram.capacity=4MiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=32MiB",
+]
 TRANSPORTS = ["socket", "nixl"]  # both always: tests/run.sh installs NIXL
 DEADLINE_S = 5.0
 
 
 def node_settings(redis_url: str, node_id: str, transport: str, *extra: str) -> list[str]:
-    return [*SMALL, f"node_id={node_id}", "cluster.index=redis",
-            f"cluster.redis_url={redis_url}", "cluster.lease_ttl_s=10",
-            "cluster.heartbeat_s=0.2", "tcp.port=0", f"cluster.transport={transport}", *extra]
+    return [
+        *SMALL,
+        f"node_id={node_id}",
+        "cluster.index=redis",
+        f"cluster.redis_url={redis_url}",
+        "cluster.lease_ttl_s=10",
+        "cluster.heartbeat_s=0.2",
+        "tcp.port=0",
+        f"cluster.transport={transport}",
+        *extra,
+    ]
 
 
 def put_chain(socket: str, n_chunks: int) -> tuple[list[bytes], list[bytes]]:
@@ -51,8 +62,9 @@ def wait_until_held(viewer: Any, keys: list[bytes], node_ids: set[str]) -> None:
     deadline = time.monotonic() + 10
     with Client(viewer.socket) as client:
         while True:
-            answer = client._call(Op.LOOKUP, {**client_requests.lookup_args(NS, None, keys),
-                                              "scope": "cluster"})
+            answer = client._call(
+                Op.LOOKUP, {**client_requests.lookup_args(NS, None, keys), "scope": "cluster"}
+            )
             held = {n["node_id"] for n in answer["nodes"] if n["chunks"] == len(keys)}
             if node_ids <= held:
                 return
@@ -74,11 +86,13 @@ def dram_used(client: Client) -> int:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_prefetch_pulls_a_chain_byte_exact_and_releases_the_owners_pins(
-        redis_server, start_daemon, transport: str) -> None:
+    redis_server, start_daemon, transport: str
+) -> None:
     a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
     # other page size on the puller: remote and local page ranges must be sliced apart
-    b = start_daemon(*node_settings(redis_server.url, "node-b", transport,
-                                    "store.tiers.dram.page_size=4KiB"))
+    b = start_daemon(
+        *node_settings(redis_server.url, "node-b", transport, "store.tiers.dram.page_size=4KiB")
+    )
     keys, payloads = put_chain(a.socket, 4)
     wait_until_held(b, keys, {"node-a"})
     with Client(b.socket) as client:
@@ -91,7 +105,11 @@ def test_prefetch_pulls_a_chain_byte_exact_and_releases_the_owners_pins(
             with client.get(NS, key) as reader:  # zero copy from B's own arena
                 assert reader.to_bytes() == data
     assert asyncio.run(_prefetch_async(b.socket, list(range(4 * SPEC.chunk_tokens)))) == {
-        "pulled": 0, "already_local": 4, "missing": 0, "source": None}
+        "pulled": 0,
+        "already_local": 4,
+        "missing": 0,
+        "source": None,
+    }
     with Client(a.socket) as owner:
         # a pin left behind would keep its pages taken after the delete
         for key in keys:
@@ -102,7 +120,8 @@ def test_prefetch_pulls_a_chain_byte_exact_and_releases_the_owners_pins(
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("when", ["before", "while"])
 def test_an_owner_killed_before_or_during_the_pull_costs_only_the_deadline(
-        redis_server, start_daemon, when: str, transport: str) -> None:
+    redis_server, start_daemon, when: str, transport: str
+) -> None:
     a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
     b = start_daemon(*node_settings(redis_server.url, "node-b", transport))
     keys, _ = put_chain(a.socket, 4)
@@ -119,8 +138,11 @@ def test_an_owner_killed_before_or_during_the_pull_costs_only_the_deadline(
             assert a.proc is not None
             a.proc.send_signal(signal.SIGSTOP)
             with Client(b.socket) as puller:
-                pull = threading.Thread(target=lambda: results.append(
-                    puller.prefetch(NS, keys=keys, timeout=DEADLINE_S)))
+                pull = threading.Thread(
+                    target=lambda: results.append(
+                        puller.prefetch(NS, keys=keys, timeout=DEADLINE_S)
+                    )
+                )
                 pull.start()
                 time.sleep(0.5)
                 a.kill()
@@ -138,7 +160,8 @@ def test_an_owner_killed_before_or_during_the_pull_costs_only_the_deadline(
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_frozen_first_owner_falls_back_to_the_second_within_the_deadline(
-        redis_server, start_daemon, transport: str) -> None:
+    redis_server, start_daemon, transport: str
+) -> None:
     # equal prefixes and tiers: node ids break the tie, so the frozen node-a is tried first
     a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
     c = start_daemon(*node_settings(redis_server.url, "node-c", transport))
@@ -153,8 +176,7 @@ def test_a_frozen_first_owner_falls_back_to_the_second_within_the_deadline(
             started = time.monotonic()
             result = client.prefetch(NS, keys=keys, timeout=DEADLINE_S)
             assert time.monotonic() - started < DEADLINE_S
-            assert result == {"pulled": 4, "already_local": 0, "missing": 0,
-                              "source": "node-c"}
+            assert result == {"pulled": 4, "already_local": 0, "missing": 0, "source": "node-c"}
             for key, data in zip(keys, payloads):
                 with client.get(NS, key) as reader:
                     assert reader.to_bytes() == data
@@ -164,7 +186,8 @@ def test_a_frozen_first_owner_falls_back_to_the_second_within_the_deadline(
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_frozen_only_owner_is_a_miss_within_the_deadline_and_keeps_no_pins(
-        redis_server, start_daemon, transport: str) -> None:
+    redis_server, start_daemon, transport: str
+) -> None:
     a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
     b = start_daemon(*node_settings(redis_server.url, "node-b", transport))
     keys, payloads = put_chain(a.socket, 4)
@@ -196,11 +219,11 @@ def test_a_frozen_only_owner_is_a_miss_within_the_deadline_and_keeps_no_pins(
             time.sleep(0.05)
 
 
-def test_a_copy_that_outlived_the_owners_pins_is_discarded(redis_server,
-                                                          start_daemon) -> None:
+def test_a_copy_that_outlived_the_owners_pins_is_discarded(redis_server, start_daemon) -> None:
     # pins that lapse at once: the owner may reuse the pages mid-read, so the copy is torn
-    a = start_daemon(*node_settings(redis_server.url, "node-a", "socket",
-                                    "store.pin_timeout_s=0.001"))
+    a = start_daemon(
+        *node_settings(redis_server.url, "node-a", "socket", "store.pin_timeout_s=0.001")
+    )
     b = start_daemon(*node_settings(redis_server.url, "node-b", "socket"))
     keys, _ = put_chain(a.socket, 4)
     wait_until_held(b, keys, {"node-a"})
@@ -212,8 +235,9 @@ def test_a_copy_that_outlived_the_owners_pins_is_discarded(redis_server,
         assert client.lookup(NS, keys=keys).matched_chunks == 0
 
 
-def test_a_redis_node_needs_its_tcp_endpoint_and_a_known_transport(redis_server,
-                                                                   start_daemon) -> None:
+def test_a_redis_node_needs_its_tcp_endpoint_and_a_known_transport(
+    redis_server, start_daemon
+) -> None:
     with pytest.raises(RuntimeError, match="tcp.port"):
         start_daemon(*node_settings(redis_server.url, "node-a", "socket", "tcp.port=null"))
     with pytest.raises(ConfigError, match="cluster.transport"):
@@ -222,16 +246,20 @@ def test_a_redis_node_needs_its_tcp_endpoint_and_a_known_transport(redis_server,
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_only_nodes_holding_the_cluster_secret_move_chunks(
-        redis_server, start_daemon, tmp_path, transport: str) -> None:
+    redis_server, start_daemon, tmp_path, transport: str
+) -> None:
     shared, other = tmp_path / "secret", tmp_path / "other-secret"
     shared.write_bytes(b"s" * 32)
     other.write_bytes(b"o" * 32)
-    a = start_daemon(*node_settings(redis_server.url, "node-a", transport,
-                                    f"cluster.secret_file={shared}"))
-    b = start_daemon(*node_settings(redis_server.url, "node-b", transport,
-                                    f"cluster.secret_file={shared}"))
-    c = start_daemon(*node_settings(redis_server.url, "node-c", transport,
-                                    f"cluster.secret_file={other}"))
+    a = start_daemon(
+        *node_settings(redis_server.url, "node-a", transport, f"cluster.secret_file={shared}")
+    )
+    b = start_daemon(
+        *node_settings(redis_server.url, "node-b", transport, f"cluster.secret_file={shared}")
+    )
+    c = start_daemon(
+        *node_settings(redis_server.url, "node-c", transport, f"cluster.secret_file={other}")
+    )
     keys, payloads = put_chain(a.socket, 2)
     wait_until_held(c, keys, {"node-a"})
     with Client(c.socket) as stranger:  # a wrong secret: A's descriptor does not verify
@@ -250,13 +278,13 @@ def test_a_short_or_missing_cluster_secret_is_a_config_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match="at least 16 bytes"):
         load_config(env={}, overrides=[f"cluster.secret_file={short}"]).cluster.secret()
     with pytest.raises(ConfigError, match="secret_file"):
-        load_config(env={}, overrides=[f"cluster.secret_file={tmp_path / 'nope'}"]
-                    ).cluster.secret()
+        load_config(env={}, overrides=[f"cluster.secret_file={tmp_path / 'nope'}"]).cluster.secret()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_tenants_chunks_are_pulled_from_its_arena_into_its_arena(
-        redis_server, start_daemon, transport: str) -> None:
+    redis_server, start_daemon, transport: str
+) -> None:
     """With tenants, a node's arenas are several regions of its transport (a tenant's arena
     ids differ between nodes configured with different tenants): a tenant's chain is read
     from the owner's arena of that tenant into the puller's, and served from there to the
@@ -264,8 +292,9 @@ def test_a_tenants_chunks_are_pulled_from_its_arena_into_its_arena(
     admin, token = "admin-tok", "t1-tok"
     auth = [f"auth.token={admin}", f"auth.tenants.{token}=t1"]
     a = start_daemon(*node_settings(redis_server.url, "node-a", transport, *auth))
-    b = start_daemon(*node_settings(redis_server.url, "node-b", transport, *auth,
-                                    "auth.tenants.t0-tok=t0"))  # t1's arena: another id
+    b = start_daemon(
+        *node_settings(redis_server.url, "node-b", transport, *auth, "auth.tenants.t0-tok=t0")
+    )  # t1's arena: another id
     refs = chunk_hashes(NS, list(range(3 * SPEC.chunk_tokens)))
     rng = np.random.default_rng(11)
     payloads = [rng.integers(0, 256, SPEC.chunk_bytes, dtype=np.uint8).tobytes() for _ in refs]

@@ -23,29 +23,42 @@ from kvfabric.spec import KVSpec, Namespace
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
 NS = Namespace("push-model", SPEC, tenant_salt="t1")
-SMALL = ["store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
-         "store.tiers.ssd.capacity=32MiB"]
+SMALL = [
+    "store.tiers.dram.capacity=4MiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=32MiB",
+]
 TRANSPORTS = ["socket", "nixl"]  # both always: tests/run.sh installs NIXL
 DEADLINE_S = 5.0
 # more layers than NS, so that streaming has several steps to order
-STREAM_SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16",
-                     chunk_tokens=16)
+STREAM_SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
 STREAM_NS = Namespace("push-stream-model", STREAM_SPEC, tenant_salt="t1")
 LAYER_GAP_S = 0.3  # between the producer's layer commits
 
 
 def node_settings(redis_url: str, node_id: str, transport: str, *extra: str) -> list[str]:
-    return [*SMALL, f"node_id={node_id}", "cluster.index=redis",
-            f"cluster.redis_url={redis_url}", "cluster.lease_ttl_s=10",
-            "cluster.heartbeat_s=0.2", "tcp.port=0", f"cluster.transport={transport}", *extra]
+    return [
+        *SMALL,
+        f"node_id={node_id}",
+        "cluster.index=redis",
+        f"cluster.redis_url={redis_url}",
+        "cluster.lease_ttl_s=10",
+        "cluster.heartbeat_s=0.2",
+        "tcp.port=0",
+        f"cluster.transport={transport}",
+        *extra,
+    ]
 
 
 def push_chunks_counted(node) -> dict[tuple[str, str], float]:
     text = urllib.request.urlopen(node.http_url + "/metrics", timeout=10).read().decode()
-    return {(s.labels["target_class"], s.labels["outcome"]): s.value
-            for family in text_string_to_metric_families(text)
-            if family.name == "kvfabric_push_chunks" for s in family.samples
-            if s.name.endswith("_total")}
+    return {
+        (s.labels["target_class"], s.labels["outcome"]): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "kvfabric_push_chunks"
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
 
 
 def put_chain(socket: str, n_chunks: int) -> tuple[list[bytes], list[bytes]]:
@@ -77,12 +90,15 @@ def get_when_there(client: Client, ns: Namespace, key: bytes) -> RemoteReader:
 def layer_payloads(seed: int) -> list[bytes]:
     rng = np.random.default_rng(seed)
     layer_bytes = STREAM_SPEC.layout().layer_range(0)[1]
-    return [rng.integers(0, 256, layer_bytes, dtype=np.uint8).tobytes()
-            for _ in range(STREAM_SPEC.num_layers)]
+    return [
+        rng.integers(0, 256, layer_bytes, dtype=np.uint8).tobytes()
+        for _ in range(STREAM_SPEC.num_layers)
+    ]
 
 
-def push_in_thread(socket: str, ns: Namespace, keys: list[bytes], target: str,
-                   results: list[dict[str, Any]]) -> threading.Thread:
+def push_in_thread(
+    socket: str, ns: Namespace, keys: list[bytes], target: str, results: list[dict[str, Any]]
+) -> threading.Thread:
     def run() -> None:
         with Client(socket) as client:
             results.append(client.push(ns, keys, target, timeout=DEADLINE_S))
@@ -94,16 +110,27 @@ def push_in_thread(socket: str, ns: Namespace, keys: list[bytes], target: str,
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_push_copies_a_committed_chain_byte_exact_and_releases_the_pins(
-        redis_server, start_daemon, transport: str) -> None:
+    redis_server, start_daemon, transport: str
+) -> None:
     a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
     # other page size on the target: local and remote page ranges must be sliced apart
-    b = start_daemon(*node_settings(redis_server.url, "node-b", transport,
-                                    "store.tiers.dram.page_size=4KiB",
-                                    "cluster.hardware_class=decode-cpu"))
+    b = start_daemon(
+        *node_settings(
+            redis_server.url,
+            "node-b",
+            transport,
+            "store.tiers.dram.page_size=4KiB",
+            "cluster.hardware_class=decode-cpu",
+        )
+    )
     keys, payloads = put_chain(a.socket, 3)
     with Client(a.socket) as producer:
         assert producer.push(NS, keys, "node-b", timeout=DEADLINE_S) == {
-            "pushed": 3, "already_there": 0, "failed": 0, "target_class": "decode-cpu"}
+            "pushed": 3,
+            "already_there": 0,
+            "failed": 0,
+            "target_class": "decode-cpu",
+        }
         with Client(b.socket) as decode:
             hit = decode.lookup(NS, keys=keys)
             assert (hit.matched_chunks, hit.tier_tokens) == (3, {"dram": 3 * SPEC.chunk_tokens})
@@ -112,9 +139,15 @@ def test_push_copies_a_committed_chain_byte_exact_and_releases_the_pins(
                     assert reader.complete
                     assert reader.to_bytes() == data
         assert producer.push(NS, keys, "node-b", timeout=DEADLINE_S) == {
-            "pushed": 0, "already_there": 3, "failed": 0, "target_class": "decode-cpu"}
-        assert push_chunks_counted(a) == {("decode-cpu", "pushed"): 3,
-                                          ("decode-cpu", "already_there"): 3}
+            "pushed": 0,
+            "already_there": 3,
+            "failed": 0,
+            "target_class": "decode-cpu",
+        }
+        assert push_chunks_counted(a) == {
+            ("decode-cpu", "pushed"): 3,
+            ("decode-cpu", "already_there"): 3,
+        }
         # a pin left behind would keep its pages taken after the delete
         for key in keys:
             assert producer.delete(NS, key)
@@ -123,7 +156,8 @@ def test_push_copies_a_committed_chain_byte_exact_and_releases_the_pins(
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_the_target_reads_layer_0_while_later_layers_are_not_computed_yet(
-        redis_server, start_daemon, transport: str) -> None:
+    redis_server, start_daemon, transport: str
+) -> None:
     a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
     b = start_daemon(*node_settings(redis_server.url, "node-b", transport))
     key = b"\x07" * 16
@@ -146,15 +180,15 @@ def test_the_target_reads_layer_0_while_later_layers_are_not_computed_yet(
                     arrived = time.monotonic()
                     assert not reader.complete
             pusher.join(DEADLINE_S + 5)
-            assert results == [{"pushed": 1, "already_there": 0, "failed": 0,
-                                "target_class": "generic"}]
+            assert results == [
+                {"pushed": 1, "already_there": 0, "failed": 0, "target_class": "generic"}
+            ]
             reader.wait_complete(DEADLINE_S)
             assert committed[0] <= arrived < committed[1]  # streamed, not sent at the end
             assert reader.to_bytes() == b"".join(layers)
 
 
-def test_a_target_killed_mid_push_costs_only_the_deadline(redis_server,
-                                                         start_daemon) -> None:
+def test_a_target_killed_mid_push_costs_only_the_deadline(redis_server, start_daemon) -> None:
     a = start_daemon(*node_settings(redis_server.url, "node-a", "socket"))
     b = start_daemon(*node_settings(redis_server.url, "node-b", "socket"))
     key = b"\x09" * 16
@@ -176,8 +210,9 @@ def test_a_target_killed_mid_push_costs_only_the_deadline(redis_server,
             writer.commit_layer(layer)
         pusher.join(DEADLINE_S + 5)
         assert time.monotonic() - started < DEADLINE_S + 1
-        assert results == [{"pushed": 0, "already_there": 0, "failed": 1,
-                                "target_class": "generic"}]
+        assert results == [
+            {"pushed": 0, "already_there": 0, "failed": 1, "target_class": "generic"}
+        ]
         # A serves on, and the push's pin is gone: deleting the chunk frees its pages
         with producer.get(STREAM_NS, key) as local:
             assert local.to_bytes() == b"".join(layers)
@@ -188,7 +223,8 @@ def test_a_target_killed_mid_push_costs_only_the_deadline(redis_server,
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("when", ["before", "mid"])
 def test_a_frozen_target_costs_the_pusher_only_the_deadline_and_its_pins(
-        redis_server, start_daemon, transport: str, when: str) -> None:
+    redis_server, start_daemon, transport: str, when: str
+) -> None:
     a = start_daemon(*node_settings(redis_server.url, "node-a", transport))
     b = start_daemon(*node_settings(redis_server.url, "node-b", transport))
     assert b.proc is not None
@@ -222,8 +258,9 @@ def test_a_frozen_target_costs_the_pusher_only_the_deadline_and_its_pins(
             pusher.join(DEADLINE_S + 5)
             # the deadline, plus the short grace an abort of the target's reservations gets
             assert time.monotonic() - started < DEADLINE_S + 2
-            assert results == [{"pushed": 0, "already_there": 0, "failed": 1,
-                                "target_class": "generic"}]
+            assert results == [
+                {"pushed": 0, "already_there": 0, "failed": 1, "target_class": "generic"}
+            ]
             # the push's pin is gone: deleting the chunk frees its pages
             with producer.get(STREAM_NS, key) as local:
                 assert local.to_bytes() == b"".join(layers)

@@ -18,8 +18,9 @@ from kvfabric.spec import KVSpec, Namespace
 
 NS = Namespace("model-a", KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=4))
 CHAIN = chunk_keys(NS, list(range(32)))
-INVENTORY = [ChunkRecord(NS.seed, k, "dram", CHAIN[i - 1] if i else ROOT, 4)
-             for i, k in enumerate(CHAIN)]
+INVENTORY = [
+    ChunkRecord(NS.seed, k, "dram", CHAIN[i - 1] if i else ROOT, 4) for i, k in enumerate(CHAIN)
+]
 
 
 def wait_for(predicate, timeout: float = 10.0) -> None:
@@ -31,8 +32,9 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
 
 def test_redis_loss_fails_fast_then_republish_restores(redis_server) -> None:
     local = list(INVENTORY[:5])  # the node's local store; it keeps serving while Redis is gone
-    auto = RedisGlobalIndex(redis_server.url, socket_timeout=0.3, inventory=lambda: list(local),
-                            retry_interval=0.1)
+    auto = RedisGlobalIndex(
+        redis_server.url, socket_timeout=0.3, inventory=lambda: list(local), retry_interval=0.1
+    )
     manual = RedisGlobalIndex(redis_server.url, socket_timeout=0.3)
     try:
         first = auto.register(NodeInfo("n1", "10.0.0.1:7000", ("dram",)))
@@ -76,8 +78,9 @@ def test_republish_is_not_starved_by_a_steady_stream_of_updates(redis_server) ->
     back-off; a node whose store kept reporting puts faster than that never found its queue
     empty and stayed out of the index after Redis came back empty."""
     local = list(INVENTORY[:3])
-    node = RedisGlobalIndex(redis_server.url, socket_timeout=0.3, inventory=lambda: list(local),
-                            retry_interval=0.1)
+    node = RedisGlobalIndex(
+        redis_server.url, socket_timeout=0.3, inventory=lambda: list(local), retry_interval=0.1
+    )
     observer = RedisGlobalIndex(redis_server.url, socket_timeout=0.3)
     stop = threading.Event()
 
@@ -158,7 +161,9 @@ def test_router_consumer_restarts_and_resumes(redis_server, tmp_path: Path) -> N
             seen += resumed.poll(block_ms=2000, count=2)
         assert resumed.poll(block_ms=100) == []
         ids = [ev.stream_id for ev in seen]
-        assert ids == [ev.stream_id for ev in producer.events(snapshot_id, count=100)]  # none lost/twice
+        assert ids == [
+            ev.stream_id for ev in producer.events(snapshot_id, count=100)
+        ]  # none lost/twice
         assert sorted(ids) == ids and len(set(ids)) == 7
         expected = {(NS.seed.hex(), rec.key) for rec in INVENTORY[:6]}
         assert set(resumed.chunks) == expected
@@ -188,8 +193,10 @@ def test_lookups_delete_superseded_entries_and_keep_the_other_owners(redis_serve
         assert f"n1|{old.epoch}|".encode() not in stored and stored.count(b"n2|") == 4
         restarted.publish(stored=INVENTORY[:2])
         restarted.flush()
-        assert {(loc.node_id, loc.epoch) for loc in other.lookup(NS.seed, CHAIN).owners[0]} \
-            == {("n1", new.epoch), ("n2", n2.epoch)}
+        assert {(loc.node_id, loc.epoch) for loc in other.lookup(NS.seed, CHAIN).owners[0]} == {
+            ("n1", new.epoch),
+            ("n2", n2.epoch),
+        }
     finally:
         raw.close()
         for index in (first, other, restarted):

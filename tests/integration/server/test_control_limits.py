@@ -33,11 +33,15 @@ from kvfabric.spec import KVSpec, Namespace
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=16)
 NS = Namespace("limits-model", SPEC)
-SMALL = ["store.tiers.dram.capacity=8MiB", "store.tiers.dram.page_size=16KiB",
-         "store.tiers.ssd.capacity=16MiB"]
+SMALL = [
+    "store.tiers.dram.capacity=8MiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=16MiB",
+]
 
 
 # ---------------------------------------------------------------------- helpers
+
 
 def hello_frame() -> bytes:
     return encode_frame(request(0, Op.HELLO, {"client": "limits-test"}))
@@ -107,8 +111,10 @@ def closed_count(daemon, reason: str, listener: str = "unix") -> float:
     """``kvfabric_control_connections_closed_total`` for one listener and reason."""
     with urllib.request.urlopen(daemon.http_url + "/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    pattern = (r'^kvfabric_control_connections_closed_total\{(?=[^}]*listener="%s")'
-               r'(?=[^}]*reason="%s")[^}]*\} (\S+)$' % (listener, reason))
+    pattern = (
+        rf'^kvfabric_control_connections_closed_total\{{(?=[^}}]*listener="{listener}")'
+        rf'(?=[^}}]*reason="{reason}")[^}}]*\}} (\S+)$'
+    )
     match = re.search(pattern, text, re.M)
     return float(match.group(1)) if match else 0.0
 
@@ -164,8 +170,8 @@ def put_and_get(client: Client, seed: int) -> None:
 
 # ---------------------------------------------------------------------- the flood
 
-def test_a_flood_of_idle_and_half_sent_connections_does_not_lock_out_a_client(
-        start_daemon) -> None:
+
+def test_a_flood_of_idle_and_half_sent_connections_does_not_lock_out_a_client(start_daemon) -> None:
     """1,100 idle connections plus 200 that send half a frame (100 of them announcing a
     frame over the pre-hello limit) do not keep a legitimate client out: it connects,
     hellos and puts / gets a chunk within a few seconds, before any flooder's hello
@@ -198,11 +204,12 @@ def test_a_flood_of_idle_and_half_sent_connections_does_not_lock_out_a_client(
         took = time.monotonic() - started
         assert took < hello_timeout, f"the client needed {took:.1f} s to get in"
 
-        still_open = wait_all_closed(flood, hello_timeout + 5.0 - (time.monotonic() -
-                                                                     flood_done))
+        still_open = wait_all_closed(flood, hello_timeout + 5.0 - (time.monotonic() - flood_done))
         assert still_open == 0, f"{still_open} flood connections outlived the hello deadline"
-        closed = sum(closed_count(daemon, reason) for reason in (
-            "hello_timeout", "per_peer_limit", "pending_overflow", "frame_too_large"))
+        closed = sum(
+            closed_count(daemon, reason)
+            for reason in ("hello_timeout", "per_peer_limit", "pending_overflow", "frame_too_large")
+        )
         assert closed >= 1300, closed
         assert closed_count(daemon, "hello_timeout") >= 1
         with Client(daemon.socket, timeout=10, reconnect=False) as client:
@@ -233,7 +240,8 @@ def first_reply(sock: socket.socket, seconds: float) -> dict | None:
 
 @pytest.mark.parametrize("loop", ["default", "asyncio"])
 def test_a_hello_waiting_in_a_full_queue_is_not_pushed_out_by_the_flood_around_it(
-        start_daemon, loop, tmp_path, monkeypatch) -> None:
+    start_daemon, loop, tmp_path, monkeypatch
+) -> None:
     """While the daemon is stopped, 400 silent connections, a client that sends its hello,
     then 400 more silent ones (all the same uid) fill the accept queue; once the daemon runs
     again it accepts them in one batch, and the client's hello is answered (ok), while the
@@ -250,8 +258,10 @@ def test_a_hello_waiting_in_a_full_queue_is_not_pushed_out_by_the_flood_around_i
     raise_fd_limit(2048)
     if loop == "asyncio":  # the daemon process finds no uvloop to import
         (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["uvloop"] = None\n')
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-            filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+        monkeypatch.setenv(
+            "PYTHONPATH",
+            os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+        )
     daemon = start_daemon(*SMALL)
     flood: list[socket.socket] = []
     try:
@@ -273,7 +283,8 @@ def test_a_hello_waiting_in_a_full_queue_is_not_pushed_out_by_the_flood_around_i
 
 
 def test_at_the_pending_bound_the_connection_silent_the_longest_goes_not_the_oldest(
-        start_daemon) -> None:
+    start_daemon,
+) -> None:
     """Per-peer bound 8: the oldest pending connection keeps sending (a hello a byte at a
     time), 8 silent ones follow; the one pushed out is the first silent one, and the slow
     sender finishes its hello and gets its session.
@@ -281,8 +292,9 @@ def test_at_the_pending_bound_the_connection_silent_the_longest_goes_not_the_old
     Regression: on the old code the oldest pending connection went first, however recently
     it had sent bytes: the slow sender was pushed out.
     """
-    daemon = start_daemon(*SMALL, "limits.control_max_pending_per_peer=8",
-                          "limits.control_hello_timeout_s=30")
+    daemon = start_daemon(
+        *SMALL, "limits.control_max_pending_per_peer=8", "limits.control_hello_timeout_s=30"
+    )
     frame = hello_frame()
     slow = unix_connect(daemon.socket)
     slow.setblocking(True)
@@ -290,7 +302,7 @@ def test_at_the_pending_bound_the_connection_silent_the_longest_goes_not_the_old
     silent: list[socket.socket] = []
     try:
         for i in range(8):
-            slow.sendall(frame[2 + i:3 + i])  # a byte, then a silent connection
+            slow.sendall(frame[2 + i : 3 + i])  # a byte, then a silent connection
             time.sleep(0.1)
             silent.append(unix_connect(daemon.socket))
             time.sleep(0.1)
@@ -341,6 +353,7 @@ def test_the_control_socket_rides_out_running_out_of_descriptors(start_daemon) -
 
 # ---------------------------------------------------------------------- before hello
 
+
 def test_a_connection_without_a_complete_hello_is_closed_at_the_deadline(start_daemon) -> None:
     """A connection that sends nothing, and one that sends half a hello, are closed one
     deadline after they connected, with a ``deadline`` error; a client that says hello in
@@ -366,8 +379,7 @@ def test_a_connection_without_a_complete_hello_is_closed_at_the_deadline(start_d
     assert closed_count(daemon, "hello_timeout") == 2
 
 
-def test_a_frame_over_the_pre_hello_limit_is_refused_before_it_is_buffered(
-        start_daemon) -> None:
+def test_a_frame_over_the_pre_hello_limit_is_refused_before_it_is_buffered(start_daemon) -> None:
     """40 connections each announce an 8 MiB first frame and send 1 MiB of it: the daemon
     refuses each at the length prefix (an error reply, then the close), and its memory does
     not grow by what they sent.
@@ -403,8 +415,8 @@ def test_a_frame_over_the_pre_hello_limit_is_refused_before_it_is_buffered(
 
 # ---------------------------------------------------------------------- sessions
 
-def test_idle_sessions_are_closed_and_sessions_with_leases_or_traffic_are_not(
-        start_daemon) -> None:
+
+def test_idle_sessions_are_closed_and_sessions_with_leases_or_traffic_are_not(start_daemon) -> None:
     """With ``control_idle_timeout_s=1``: a session that does nothing for 2.5 s is closed by
     the daemon (the connection sees it before its next request, and a Client on it
     reconnects instead of failing that request); one holding a write lease and one that
@@ -466,6 +478,7 @@ def test_sessions_per_peer_are_capped_on_both_listeners(start_daemon) -> None:
 
 # ---------------------------------------------------------------------- accept queue
 
+
 def test_the_accept_queue_holds_a_burst_while_the_daemon_is_busy(start_daemon) -> None:
     """While the daemon is stopped (SIGSTOP), 600 connections wait in its accept queue;
     once it runs again a client is served.
@@ -499,7 +512,8 @@ def test_the_accept_queue_holds_a_burst_while_the_daemon_is_busy(start_daemon) -
 
 
 def test_client_retries_a_full_accept_queue_and_fails_fast_without_a_daemon(
-        start_daemon, tmp_path) -> None:
+    start_daemon, tmp_path
+) -> None:
     """A ``Client()`` that finds the accept queue full (EAGAIN) retries with backoff and
     connects once the daemon accepts again; a missing socket file and a socket nobody
     listens on fail fast, with UnavailableError.
@@ -568,4 +582,3 @@ def test_a_hello_without_reply_is_a_typed_deadline_error(start_daemon) -> None:
     assert took < 5.0
     with Client(daemon.socket, timeout=10, reconnect=False) as client:
         client.ping()
-

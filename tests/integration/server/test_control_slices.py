@@ -95,8 +95,9 @@ def schedstat(pid: int) -> tuple[float, float]:
     return int(on_cpu) / 1e9, int(waiting) / 1e9
 
 
-async def probe(socket_path: str, daemon_pid: int, seconds: float,
-                until: Callable[[], bool] = lambda: False) -> list[Probe]:
+async def probe(
+    socket_path: str, daemon_pid: int, seconds: float, until: Callable[[], bool] = lambda: False
+) -> list[Probe]:
     """Pings sent every PROBE_EVERY_S, whether or not the last one was answered, for
     ``seconds`` or until ``until()``."""
     client = await AsyncClient.connect(socket_path, timeout=60)
@@ -127,7 +128,8 @@ def p99(values: list[float]) -> float:
 
 
 def test_huge_contains_and_lookups_leave_other_clients_served_within_milliseconds(
-        start_daemon) -> None:
+    start_daemon,
+) -> None:
     """While another client sends 65,536-key contains and multi-million-token lookups back
     to back, pings stay fast: their p99 latency within max(50 ms, 20x the baseline p99
     measured just before), the daemon's loop never busy for more than 25 ms (p99) while a
@@ -138,25 +140,32 @@ def test_huge_contains_and_lookups_leave_other_clients_served_within_millisecond
     one go (~0.15 s): every other client waited that long, so the probes' p99 (latency and
     loop CPU alike) was hundreds of milliseconds.
     """
-    daemon = start_daemon("store.tiers.dram.capacity=8MiB", "store.tiers.dram.page_size=4KiB",
-                          "store.tiers.ssd.capacity=16MiB")
+    daemon = start_daemon(
+        "store.tiers.dram.capacity=8MiB",
+        "store.tiers.dram.page_size=4KiB",
+        "store.tiers.ssd.capacity=16MiB",
+    )
     prompt = np.arange(STORED_CHUNKS * SPEC.chunk_tokens, dtype=np.int32)
     with Client(daemon.socket, timeout=30) as client:
         for ref in chunk_hashes(NS, prompt):
             data = np.full(SPEC.chunk_bytes, ref.key[0], dtype=np.uint8)
             assert client.put(NS, ref.key, data, parent=ref.parent, num_tokens=ref.num_tokens)
 
-    worker = subprocess.Popen([sys.executable, "-c", WORKER, daemon.socket, str(ROUNDS),
-                               str(STORED_CHUNKS)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER, daemon.socket, str(ROUNDS), str(STORED_CHUNKS)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     pid = daemon.proc.pid
     try:
         assert worker.stdout.readline().strip() == "ready"
         baseline = asyncio.run(probe(daemon.socket, pid, BASELINE_S))
         worker.stdin.write("go\n")
         worker.stdin.flush()
-        loaded = asyncio.run(probe(daemon.socket, pid, 240.0,
-                                   until=lambda: worker.poll() is not None))
+        loaded = asyncio.run(
+            probe(daemon.socket, pid, 240.0, until=lambda: worker.poll() is not None)
+        )
         report = json.loads(worker.stdout.readline())
         assert worker.wait(60) == 0
     finally:
@@ -168,8 +177,10 @@ def test_huge_contains_and_lookups_leave_other_clients_served_within_millisecond
     loop_cpu = p99([p.loop_cpu for p in loaded])
     base = p99([p.latency for p in baseline])
     bound = max(0.050, 20 * base)
-    summary = (f"ping p99 {latency * 1e3:.1f} ms under load (bound {bound * 1e3:.1f} ms, "
-               f"baseline p99 {base * 1e3:.2f} ms), loop CPU p99 while a ping waited "
-               f"{loop_cpu * 1e3:.1f} ms; {report}")
+    summary = (
+        f"ping p99 {latency * 1e3:.1f} ms under load (bound {bound * 1e3:.1f} ms, "
+        f"baseline p99 {base * 1e3:.2f} ms), loop CPU p99 while a ping waited "
+        f"{loop_cpu * 1e3:.1f} ms; {report}"
+    )
     assert loop_cpu <= 0.025, summary
     assert latency <= bound, summary

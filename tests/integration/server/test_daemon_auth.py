@@ -24,15 +24,28 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_
 NS_A = Namespace("m", SPEC, tenant_salt="team-a")
 NS_B = Namespace("m", SPEC, tenant_salt="team-b")
 NS_NONE = Namespace("m", SPEC)  # no tenant salt: only the admin may use it
-SETTINGS = ["store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
-            "store.tiers.ssd.capacity=16MiB", f"auth.token={ADMIN}",
-            f"auth.tenants.{TOKEN_A}=team-a", f"auth.tenants.{TOKEN_B}=team-b"]
-PROTECTED = [("GET", "/v1/stats"), ("POST", "/v1/lookup"), ("GET", "/metrics"),
-             ("POST", "/v1/admin/evict"), ("POST", "/v1/admin/flush")]
+SETTINGS = [
+    "store.tiers.dram.capacity=4MiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=16MiB",
+    f"auth.token={ADMIN}",
+    f"auth.tenants.{TOKEN_A}=team-a",
+    f"auth.tenants.{TOKEN_B}=team-b",
+]
+PROTECTED = [
+    ("GET", "/v1/stats"),
+    ("POST", "/v1/lookup"),
+    ("GET", "/metrics"),
+    ("POST", "/v1/admin/evict"),
+    ("POST", "/v1/admin/flush"),
+]
 # /metrics too: its tenant labels would show tenants each other (kvfabric/api/app.py)
-ADMIN_ONLY = [("GET", "/v1/stats"), ("GET", "/metrics"), ("POST", "/v1/admin/evict"),
-              ("POST", "/v1/admin/flush")]
-
+ADMIN_ONLY = [
+    ("GET", "/v1/stats"),
+    ("GET", "/metrics"),
+    ("POST", "/v1/admin/evict"),
+    ("POST", "/v1/admin/flush"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +66,8 @@ def http(daemon):
 
 def payload(key: bytes) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, SPEC.chunk_bytes, dtype=np.uint8)
+        0, 256, SPEC.chunk_bytes, dtype=np.uint8
+    )
 
 
 def body_for(path: str, ns: Namespace = NS_A) -> dict | None:
@@ -66,15 +80,25 @@ def body_for(path: str, ns: Namespace = NS_A) -> dict | None:
     return None
 
 
-def call(http: httpx.Client, method: str, path: str, token: str | None = None,
-         ns: Namespace = NS_A, scheme: str = "Bearer") -> httpx.Response:
+def call(
+    http: httpx.Client,
+    method: str,
+    path: str,
+    token: str | None = None,
+    ns: Namespace = NS_A,
+    scheme: str = "Bearer",
+) -> httpx.Response:
     headers = {} if token is None else {"Authorization": f"{scheme} {token}".strip()}
     body = body_for(path, ns)
-    return http.request(method, path, headers=headers, json=body) if body is not None \
+    return (
+        http.request(method, path, headers=headers, json=body)
+        if body is not None
         else http.request(method, path, headers=headers)
+    )
 
 
 # ---------------------------------------------------------------------- socket
+
 
 def raw_hello(path: str, args: dict) -> tuple[dict, bool]:
     """(hello reply, whether the daemon then closed the connection)."""
@@ -100,8 +124,21 @@ def raw_hello(path: str, args: dict) -> tuple[dict, bool]:
         sock.close()
 
 
-@pytest.mark.parametrize("token", [None, "", "wrong", ADMIN + "x", ADMIN[:-1], TOKEN_A.upper(),
-                                   "team-a", 42, ["tok-a"], {"t": ADMIN}])
+@pytest.mark.parametrize(
+    "token",
+    [
+        None,
+        "",
+        "wrong",
+        ADMIN + "x",
+        ADMIN[:-1],
+        TOKEN_A.upper(),
+        "team-a",
+        42,
+        ["tok-a"],
+        {"t": ADMIN},
+    ],
+)
 def test_missing_or_wrong_token_is_refused_on_the_socket(daemon, token) -> None:
     args = {"client": "test"} if token is None else {"client": "test", "token": token}
     reply, closed = raw_hello(daemon.socket, args)
@@ -141,8 +178,11 @@ def test_tenant_token_reads_and_writes_its_own_namespace(daemon) -> None:
         assert client.contains(NS_A, [r.key for r in refs]) == [True, True, False]
 
 
-@pytest.mark.parametrize("ns", [NS_B, NS_NONE, Namespace("other-model", SPEC, "team-b")],
-                         ids=["other-tenant", "no-tenant", "other-model-other-tenant"])
+@pytest.mark.parametrize(
+    "ns",
+    [NS_B, NS_NONE, Namespace("other-model", SPEC, "team-b")],
+    ids=["other-tenant", "no-tenant", "other-model-other-tenant"],
+)
 def test_tenant_token_cannot_touch_another_namespace_on_the_socket(daemon, ns) -> None:
     key = os.urandom(16)
     with Client(daemon.socket, token=ADMIN) as admin:
@@ -156,7 +196,7 @@ def test_tenant_token_cannot_touch_another_namespace_on_the_socket(daemon, ns) -
             "get": lambda: client.get(ns, key),
             "contains": lambda: client.contains(ns, [key]),
             "delete": lambda: client.delete(ns, key),
-            "stats": lambda: client.stats(),
+            "stats": client.stats,
         }
         for name, attempt in attempts.items():
             try:
@@ -198,10 +238,19 @@ def test_tenants_are_isolated_from_each_other(daemon) -> None:
 
 # ---------------------------------------------------------------------- HTTP
 
+
 @pytest.mark.parametrize("method,path", PROTECTED)
-@pytest.mark.parametrize("token,scheme", [(None, "Bearer"), ("wrong", "Bearer"),
-                                          (ADMIN + "x", "Bearer"), ("", "Bearer"),
-                                          (ADMIN, "Basic"), ("team-a", "Bearer")])
+@pytest.mark.parametrize(
+    "token,scheme",
+    [
+        (None, "Bearer"),
+        ("wrong", "Bearer"),
+        (ADMIN + "x", "Bearer"),
+        ("", "Bearer"),
+        (ADMIN, "Basic"),
+        ("team-a", "Bearer"),
+    ],
+)
 def test_missing_or_wrong_token_is_401_over_http(http, method, path, token, scheme) -> None:
     response = call(http, method, path, token, scheme=scheme)
     assert response.status_code == 401, response.text
@@ -232,13 +281,18 @@ def test_tenant_token_over_http(daemon, http) -> None:
     with Client(daemon.socket, token=TOKEN_A) as client:
         for ref in refs:
             client.put(NS_A, ref.key, payload(ref.key), parent=ref.parent)
-    own = http.post("/v1/lookup", headers={"Authorization": f"Bearer {TOKEN_A}"},
-                    json={"namespace": encode_namespace(NS_A), "token_ids": list(range(40))})
+    own = http.post(
+        "/v1/lookup",
+        headers={"Authorization": f"Bearer {TOKEN_A}"},
+        json={"namespace": encode_namespace(NS_A), "token_ids": list(range(40))},
+    )
     assert own.status_code == 200, own.text
     assert own.json()["matched_tokens"] == 32
-    by_hash = http.post("/v1/lookup", headers={"Authorization": f"Bearer {TOKEN_A}"},
-                        json={"namespace": encode_namespace(NS_A),
-                              "chunk_hashes": [r.key.hex() for r in refs]})
+    by_hash = http.post(
+        "/v1/lookup",
+        headers={"Authorization": f"Bearer {TOKEN_A}"},
+        json={"namespace": encode_namespace(NS_A), "chunk_hashes": [r.key.hex() for r in refs]},
+    )
     assert by_hash.status_code == 200 and by_hash.json()["matched_chunks"] == 2
     for ns in (NS_B, NS_NONE):
         response = call(http, "POST", "/v1/lookup", TOKEN_A, ns=ns)
@@ -257,9 +311,13 @@ def test_tenant_token_over_http(daemon, http) -> None:
 def test_inline_yaml_mapping_for_tenants_is_accepted(start_daemon, http) -> None:
     """``--set auth.tenants={tok-c: team-c}``: a YAML mapping given inline on the command
     line configures the tenants like the dotted form does."""
-    daemon = start_daemon("store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
-                          "store.tiers.ssd.capacity=16MiB", f"auth.token={ADMIN}",
-                          "auth.tenants={tok-c: team-c, tok-d: team-d}")
+    daemon = start_daemon(
+        "store.tiers.dram.capacity=4MiB",
+        "store.tiers.dram.page_size=16KiB",
+        "store.tiers.ssd.capacity=16MiB",
+        f"auth.token={ADMIN}",
+        "auth.tenants={tok-c: team-c, tok-d: team-d}",
+    )
     ns_c = Namespace("m", SPEC, tenant_salt="team-c")
     with Client(daemon.socket, token="tok-c") as client:
         assert client._session().hello["tenant"] == "team-c"

@@ -34,25 +34,58 @@ from kvfabric.spec import KVSpec, Namespace
 SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
 SEED_NS = Namespace("seed-model-7f3a", SPEC, tenant_salt="seed")  # fuzzing never names it
 FUZZ_NS = Namespace("fuzz-model", SPEC, tenant_salt="fuzz")
-SETTINGS = ["store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
-            "store.tiers.ssd.capacity=64MiB"]
+SETTINGS = [
+    "store.tiers.dram.capacity=4MiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=64MiB",
+]
 REPLY_TIMEOUT = 40.0  # a reply (or the close) later than this is a hang (> any store wait)
 # One daemon serves the whole module (every test adds to its abuse). Each @given runs inside
 # its test and the batch ends with the integrity check; example counts keep the whole file
 # well under 90 s on 2 cores.
-FUZZ = settings(max_examples=150, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.large_base_example,
-                                       HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.large_base_example,
+        HealthCheck.filter_too_much,
+    ],
+)
 
 # Kinds a malformed request may legitimately get; "internal" (a daemon bug) never.
 ENVELOPE_KINDS = {"bad_request", "unsupported_version"}
-REQUEST_KINDS = ENVELOPE_KINDS | {"not_found", "exists", "no_capacity", "spec_mismatch",
-                                  "deadline", "aborted", "lease_expired", "bad_spec",
-                                  "bad_size"}
-OPS = ["hello", "lookup", "reserve", "commit", "abort", "get", "wait_layer", "release",
-       "reserve_batch", "commit_batch", "get_batch", "release_batch", "contains", "delete",
-       "stats", "ping"]
+REQUEST_KINDS = ENVELOPE_KINDS | {
+    "not_found",
+    "exists",
+    "no_capacity",
+    "spec_mismatch",
+    "deadline",
+    "aborted",
+    "lease_expired",
+    "bad_spec",
+    "bad_size",
+}
+OPS = [
+    "hello",
+    "lookup",
+    "reserve",
+    "commit",
+    "abort",
+    "get",
+    "wait_layer",
+    "release",
+    "reserve_batch",
+    "commit_batch",
+    "get_batch",
+    "release_batch",
+    "contains",
+    "delete",
+    "stats",
+    "ping",
+]
 BATCH_OPS = {"reserve_batch", "commit_batch", "get_batch", "release_batch"}
 
 
@@ -64,6 +97,7 @@ OMIT = object()  # leave "args" out of the request
 
 
 # ---------------------------------------------------------------------- raw connection
+
 
 class Raw:
     """A raw control connection: frames written by hand, replies decoded with deadlines."""
@@ -92,8 +126,9 @@ class Raw:
         self.last_size = len(body)
         return self.send_bytes(struct.pack("<I", len(body)) + body)
 
-    def request(self, op: Any, args: Any = OMIT, *, v: Any = PROTOCOL_VERSION,
-                rid: int | None = None) -> int:
+    def request(
+        self, op: Any, args: Any = OMIT, *, v: Any = PROTOCOL_VERSION, rid: int | None = None
+    ) -> int:
         rid = next(self.ids) if rid is None else rid
         message = {"v": v, "id": rid, "op": op}
         if args is not OMIT:
@@ -116,7 +151,7 @@ class Raw:
                 data, ancdata = b"", []
             for level, kind, cdata in ancdata:  # arena fds of a hello reply: not mapped here
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    for fd in array("i", cdata[:len(cdata) - len(cdata) % 4]):
+                    for fd in array("i", cdata[: len(cdata) - len(cdata) % 4]):
                         os.close(fd)
             if not data:
                 self.closed_by_peer = True
@@ -223,10 +258,10 @@ def reply_problem(conn: Raw, op: str, reply: dict | None) -> str | None:
 
 # ---------------------------------------------------------------------- seeded data
 
+
 def payload(key: bytes, nbytes: int = SPEC.chunk_bytes) -> bytes:
     rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
     return rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
-
 
 
 @pytest.fixture(scope="module")
@@ -249,8 +284,13 @@ def seed(daemon) -> dict[bytes, bytes]:
     with Client(daemon.socket) as client:
         for ref in refs:
             data = payload(ref.key, SPEC.layout(ref.num_tokens).nbytes)
-            assert client.put(SEED_NS, ref.key, np.frombuffer(data, np.uint8), parent=ref.parent,
-                              num_tokens=ref.num_tokens)
+            assert client.put(
+                SEED_NS,
+                ref.key,
+                np.frombuffer(data, np.uint8),
+                parent=ref.parent,
+                num_tokens=ref.num_tokens,
+            )
             stored[ref.key] = data
     return stored
 
@@ -279,27 +319,35 @@ def rss_kib(pid: int) -> int:
 # ---------------------------------------------------------------------- strategies
 
 ints = st.integers(-(1 << 63), (1 << 64) - 1) | st.sampled_from(
-    [0, 1, 2, 3, -1, 15, 16, 17, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, -(1 << 63)])
+    [0, 1, 2, 3, -1, 15, 16, 17, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, -(1 << 63)]
+)
 floats = st.floats() | st.sampled_from([0.5, 1.0, 4.0, -0.0, math.nan, math.inf, -math.inf])
 bins = st.binary(max_size=40) | st.sampled_from(
-    [b"", b"\x00" * 15, b"\x00" * 16, b"\xff" * 16, b"\x00" * 17, b"\x01" * 64])
+    [b"", b"\x00" * 15, b"\x00" * 16, b"\xff" * 16, b"\x00" * 17, b"\x01" * 64]
+)
 scalar_junk = st.none() | st.booleans() | ints | floats | st.text(max_size=30) | bins
 junk = st.recursive(
     scalar_junk,
-    lambda children: st.lists(children, max_size=5)
-    | st.dictionaries(st.text(max_size=8) | st.binary(max_size=8), children, max_size=5),
-    max_leaves=15) | st.sampled_from([
-        list(range(5000)),                        # a long list of ints
-        [b"\x00" * 16] * 3000,                    # many (valid-looking) keys
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.dictionaries(st.text(max_size=8) | st.binary(max_size=8), children, max_size=5)
+    ),
+    max_leaves=15,
+) | st.sampled_from(
+    [
+        list(range(5000)),  # a long list of ints
+        [b"\x00" * 16] * 3000,  # many (valid-looking) keys
         [[[[[[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]]]]],  # nesting
         {"a": {"b": {"c": {"d": {"e": {"f": {}}}}}}},
         "x" * 5000,
         b"\x00" * 70000,
-    ])
+    ]
+)
 # A timeout that a valid request could turn into a long legitimate wait is no hang: keep
 # valid timeouts short (the fuzzer must not mistake a daemon waiting as told for a hang).
-timeouts = junk.filter(lambda v: not (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                      and 0.5 < v))
+timeouts = junk.filter(
+    lambda v: not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0.5)
+)
 
 
 def ns_mutations() -> st.SearchStrategy:
@@ -324,8 +372,11 @@ def ns_mutations() -> st.SearchStrategy:
         st.builds(set_field, st.sampled_from(["model", "tenant", "lora", "spec"]), junk),
         st.builds(set_field, st.text(max_size=6) | st.binary(max_size=6), junk),
         st.builds(set_spec, st.sampled_from(spec_fields), junk),
-        st.builds(set_spec, st.sampled_from(spec_fields),
-                  st.integers(-5, 1 << 20) | st.sampled_from([4.0, True, "4", 1 << 40])),
+        st.builds(
+            set_spec,
+            st.sampled_from(spec_fields),
+            st.integers(-5, 1 << 20) | st.sampled_from([4.0, True, "4", 1 << 40]),
+        ),
         st.builds(set_spec, st.text(max_size=6) | st.binary(max_size=6), junk),
         st.builds(drop, st.sampled_from(["model", "spec", "tenant", "lora"])),
         st.builds(drop_spec, st.sampled_from(spec_fields)),
@@ -344,7 +395,8 @@ VALID_FIELDS: dict[str, st.SearchStrategy] = {
     "parent": key_names | st.just(ROOT_NAME),
     "keys": st.lists(key_names, max_size=4),
     "tokens": st.lists(st.integers(-(1 << 31), (1 << 31) - 1), max_size=40).map(
-        lambda t: struct.pack(f"<{len(t)}i", *t)),
+        lambda t: struct.pack(f"<{len(t)}i", *t)
+    ),
     "num_tokens": st.integers(1, SPEC.chunk_tokens),
     "lease": st.sampled_from([1, 3, 1, 3, 2, 4]),  # 1: a reservation, 3: a pin, held
     "layers": st.integers(1, (1 << SPEC.num_layers) - 1),
@@ -352,24 +404,49 @@ VALID_FIELDS: dict[str, st.SearchStrategy] = {
     "timeout": st.floats(0, 0.3),
     "client": st.text(max_size=10),
     "token": st.none(),
-    "items": st.lists(st.fixed_dictionaries(
-        {"key": key_names}, optional={"parent": key_names | st.just(ROOT_NAME),
-                                      "num_tokens": st.integers(1, SPEC.chunk_tokens)}),
-        min_size=1, max_size=4),
+    "items": st.lists(
+        st.fixed_dictionaries(
+            {"key": key_names},
+            optional={
+                "parent": key_names | st.just(ROOT_NAME),
+                "num_tokens": st.integers(1, SPEC.chunk_tokens),
+            },
+        ),
+        min_size=1,
+        max_size=4,
+    ),
     "leases": st.lists(st.sampled_from([1, 3, 2, 4, 5]), min_size=1, max_size=4),
 }
 # ... and what it looks like broken: wrong types, out of range, edge values, garbage.
-edge_ints = st.sampled_from([0, -1, 16, 17, 31, 255, 1 << 31, 1 << 32, (1 << 63) - 1, 1 << 63,
-                             (1 << 64) - 1, -(1 << 63)]) | ints
-int_junk = st.one_of(edge_ints, edge_ints, edge_ints, floats, st.booleans(), st.text(max_size=5),
-                     bins, junk)
+edge_ints = (
+    st.sampled_from(
+        [
+            0,
+            -1,
+            16,
+            17,
+            31,
+            255,
+            1 << 31,
+            1 << 32,
+            (1 << 63) - 1,
+            1 << 63,
+            (1 << 64) - 1,
+            -(1 << 63),
+        ]
+    )
+    | ints
+)
+int_junk = st.one_of(
+    edge_ints, edge_ints, edge_ints, floats, st.booleans(), st.text(max_size=5), bins, junk
+)
 BROKEN_FIELDS: dict[str, st.SearchStrategy] = {
     "ns": ns_mutations(),
     "key": bins | junk,
     "parent": bins | junk,
-    "keys": st.lists(bins | key_names, min_size=1, max_size=5) | st.lists(junk, max_size=4)
-    | junk,
-    "tokens": st.binary(max_size=41).filter(lambda b: len(b) % 4) | st.lists(ints, max_size=5)
+    "keys": st.lists(bins | key_names, min_size=1, max_size=5) | st.lists(junk, max_size=4) | junk,
+    "tokens": st.binary(max_size=41).filter(lambda b: len(b) % 4)
+    | st.lists(ints, max_size=5)
     | junk,
     "num_tokens": int_junk,
     "lease": int_junk,
@@ -378,10 +455,20 @@ BROKEN_FIELDS: dict[str, st.SearchStrategy] = {
     "timeout": timeouts,
     "client": junk,
     "token": junk.filter(lambda v: v is not None),
-    "items": st.lists(st.fixed_dictionaries(
-        {}, optional={"key": bins | junk | key_names, "parent": bins | junk,
-                      "num_tokens": int_junk, "extra": junk}), max_size=4)
-    | st.lists(junk, min_size=1, max_size=3) | junk
+    "items": st.lists(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "key": bins | junk | key_names,
+                "parent": bins | junk,
+                "num_tokens": int_junk,
+                "extra": junk,
+            },
+        ),
+        max_size=4,
+    )
+    | st.lists(junk, min_size=1, max_size=3)
+    | junk
     | st.just([{"key": "A"}] * (MAX_BATCH + 1)),
     "leases": st.lists(int_junk, max_size=4) | junk | st.just([1] * (MAX_BATCH + 1)),
 }
@@ -413,12 +500,17 @@ def requests(draw: st.DrawFn) -> tuple[str, dict]:
     required, optional = OP_FIELDS[name]
     fields = required + [f for f in optional if draw(st.booleans())]
     args = {f: draw(VALID_FIELDS[f]) for f in fields}
-    mode = draw(st.sampled_from(["valid", "broken", "broken", "broken", "two", "missing",
-                                 "extra"]))
+    mode = draw(st.sampled_from(["valid", "broken", "broken", "broken", "two", "missing", "extra"]))
     breakable = [f for f in fields if not (f == "timeout" and name == "wait_layer")] or fields
     if mode in ("broken", "two") and breakable:
-        for field in draw(st.lists(st.sampled_from(breakable), min_size=1,
-                                   max_size=1 if mode == "broken" else 2, unique=True)):
+        for field in draw(
+            st.lists(
+                st.sampled_from(breakable),
+                min_size=1,
+                max_size=1 if mode == "broken" else 2,
+                unique=True,
+            )
+        ):
             args[field] = draw(BROKEN_FIELDS[field])
     elif mode == "missing" and required:
         droppable = [f for f in required if not (f == "timeout" and name == "wait_layer")]
@@ -444,6 +536,7 @@ def resolve(value: Any, names: dict[str, bytes]) -> Any:
 
 # ---------------------------------------------------------------------- fuzz: frames
 
+
 def test_fuzz_random_bytes_get_an_error_or_a_close(daemon, seeded) -> None:
     @FUZZ
     @given(data=st.binary(min_size=1, max_size=600), after_hello=st.booleans())
@@ -467,29 +560,43 @@ frame_cases = st.one_of(
     # a plausible length, garbage msgpack behind it
     st.binary(max_size=300).map(lambda b: ("broken", _frame(b))),
     # lengths over the limit, up to 4 GiB, with a little of the "body"
-    st.tuples(st.integers(MAX_FRAME + 1, 0xFFFFFFFF) | st.just(0xFFFFFFFF),
-              st.binary(max_size=64)).map(
-        lambda t: ("oversize", struct.pack("<I", t[0]) + t[1])),
+    st.tuples(
+        st.integers(MAX_FRAME + 1, 0xFFFFFFFF) | st.just(0xFFFFFFFF), st.binary(max_size=64)
+    ).map(lambda t: ("oversize", struct.pack("<I", t[0]) + t[1])),
     # valid msgpack that is not a map
-    st.one_of(ints, floats, st.text(max_size=20), bins, st.lists(ints, max_size=5),
-              st.none(), st.booleans()).map(
-        lambda v: ("not_map", _frame(msgpack.packb(v, use_bin_type=True)))),
+    st.one_of(
+        ints,
+        floats,
+        st.text(max_size=20),
+        bins,
+        st.lists(ints, max_size=5),
+        st.none(),
+        st.booleans(),
+    ).map(lambda v: ("not_map", _frame(msgpack.packb(v, use_bin_type=True)))),
     # a map with a broken envelope: the session survives
-    st.dictionaries(st.sampled_from(["v", "id", "op", "args"]) | st.text(max_size=4),
-                    junk, max_size=5).map(
-        lambda m: ("envelope", _frame(msgpack.packb(m, use_bin_type=True)))),
+    st.dictionaries(
+        st.sampled_from(["v", "id", "op", "args"]) | st.text(max_size=4), junk, max_size=5
+    ).map(lambda m: ("envelope", _frame(msgpack.packb(m, use_bin_type=True)))),
     # a valid request cut short, then EOF
     st.tuples(st.sampled_from(OPS), st.integers(1, 30)).map(
-        lambda t: ("truncated", _frame(msgpack.packb(
-            {"v": 1, "id": 9, "op": t[0], "args": {"lease": 1}}))[:-t[1]])),
+        lambda t: (
+            "truncated",
+            _frame(msgpack.packb({"v": 1, "id": 9, "op": t[0], "args": {"lease": 1}}))[: -t[1]],
+        )
+    ),
 )
 
 
 def _is_valid_envelope(message: dict) -> bool:
     rid = message.get("id")
-    return (type(message.get("v")) is int and message.get("v") == 1 and type(rid) is int
-            and 0 <= rid < 1 << 64 and message.get("op") in OPS
-            and isinstance(message.get("args", {}), dict))
+    return (
+        type(message.get("v")) is int
+        and message.get("v") == 1
+        and type(rid) is int
+        and 0 <= rid < 1 << 64
+        and message.get("op") in OPS
+        and isinstance(message.get("args", {}), dict)
+    )
 
 
 def test_fuzz_malformed_frames_after_hello(daemon, seeded) -> None:
@@ -524,6 +631,7 @@ def test_fuzz_malformed_frames_after_hello(daemon, seeded) -> None:
 
 # ---------------------------------------------------------------------- fuzz: handlers
 
+
 def test_fuzz_every_op_with_wrong_arguments(daemon, seeded) -> None:
     """Requests of every op with fields missing, mistyped, out of range or extra, on a
     session that holds a reservation (lease 1) and a pin (lease 3)."""
@@ -532,20 +640,25 @@ def test_fuzz_every_op_with_wrong_arguments(daemon, seeded) -> None:
     @settings(FUZZ, max_examples=300)
     @given(calls=st.lists(requests(), min_size=3, max_size=15))
     def case(calls: list[tuple[str, dict]]) -> None:
-        names = {"A": os.urandom(16), "B": os.urandom(16), "C": os.urandom(16),
-                 "new": os.urandom(16)}
+        names = {
+            "A": os.urandom(16),
+            "B": os.urandom(16),
+            "C": os.urandom(16),
+            "new": os.urandom(16),
+        }
         with Raw(daemon.socket) as conn:
             conn.hello()
             reserved = conn.call("reserve", {"ns": ns, "key": names["A"]})
             assert reserved["ok"] and reserved["result"]["lease"] == 1, reserved
             check_pages(conn, reserved)
             writer = conn.call("reserve", {"ns": ns, "key": names["B"]})
-            assert conn.call("commit", {"lease": writer["result"]["lease"]})["result"] == \
-                {"done": True}
+            assert conn.call("commit", {"lease": writer["result"]["lease"]})["result"] == {
+                "done": True
+            }
             pinned = conn.call("get", {"ns": ns, "key": names["B"]})
             assert pinned["ok"] and pinned["result"]["lease"] == 3, pinned
-            for op, args in calls:
-                args = resolve(args, names)
+            for op, template in calls:
+                args = resolve(template, names)
                 reply = conn.call(op, args)
                 problem = reply_problem(conn, op, reply)
                 assert problem is None, f"{op} {args!r:.300}: {problem}: {reply!r:.500}"
@@ -558,8 +671,11 @@ def test_fuzz_every_op_with_wrong_arguments(daemon, seeded) -> None:
 
 def test_fuzz_envelope_garbage_on_a_live_session(daemon, seeded) -> None:
     @FUZZ
-    @given(op=st.sampled_from(OPS) | junk, args=junk | st.just(OMIT),
-           version=st.just(PROTOCOL_VERSION) | junk | st.sampled_from([0, 2, True, 1.0]))
+    @given(
+        op=st.sampled_from(OPS) | junk,
+        args=junk | st.just(OMIT),
+        version=st.just(PROTOCOL_VERSION) | junk | st.sampled_from([0, 2, True, 1.0]),
+    )
     def case(op: Any, args: Any, version: Any) -> None:
         with Raw(daemon.socket) as conn:
             conn.hello()
@@ -567,8 +683,9 @@ def test_fuzz_envelope_garbage_on_a_live_session(daemon, seeded) -> None:
             assert reply is not None
             if type(version) is not int or version != PROTOCOL_VERSION:
                 assert_error(reply, "unsupported_version")
-            elif op not in OPS or op == "hello" or (args is not OMIT and
-                                                     not isinstance(args, dict)):
+            elif (
+                op not in OPS or op == "hello" or (args is not OMIT and not isinstance(args, dict))
+            ):
                 assert_error(reply, "bad_request")  # (hello: only valid as the first request)
             else:
                 assert reply["ok"] or reply["error"]["kind"] in REQUEST_KINDS, reply
@@ -580,8 +697,11 @@ def test_fuzz_envelope_garbage_on_a_live_session(daemon, seeded) -> None:
 
 def test_fuzz_first_request_must_be_a_valid_hello(daemon, seeded) -> None:
     @FUZZ
-    @given(op=st.sampled_from(OPS), args=junk | st.just({}) | st.just(OMIT),
-           version=st.just(PROTOCOL_VERSION) | junk)
+    @given(
+        op=st.sampled_from(OPS),
+        args=junk | st.just({}) | st.just(OMIT),
+        version=st.just(PROTOCOL_VERSION) | junk,
+    )
     def case(op: str, args: Any, version: Any) -> None:
         with Raw(daemon.socket) as conn:
             reply = conn.call(op, args, v=version)
@@ -590,8 +710,13 @@ def test_fuzz_first_request_must_be_a_valid_hello(daemon, seeded) -> None:
                 assert conn.wait_closed() == []
                 return
             valid_version = type(version) is int and version == PROTOCOL_VERSION
-            if op == "hello" and valid_version and (args is OMIT or isinstance(args, dict)) \
-                    and reply is not None and reply.get("ok"):
+            if (
+                op == "hello"
+                and valid_version
+                and (args is OMIT or isinstance(args, dict))
+                and reply is not None
+                and reply.get("ok")
+            ):
                 assert conn.ping_ok()  # a hello whose junk happened to be acceptable
                 return
             if not valid_version:
@@ -609,15 +734,52 @@ def test_fuzz_first_request_must_be_a_valid_hello(daemon, seeded) -> None:
 # ---------------------------------------------------------------------- every field x value
 
 WRONG_VALUES: list[Any] = [
-    True, False, 0, -1, 16, 17, 255, 1 << 31, 1 << 32, (1 << 63) - 1, 1 << 63,
-    (1 << 64) - 1, -(1 << 63), 0.0, 1.5, -2.5, math.nan, math.inf, -math.inf, "", "A",
-    "x" * 5000, b"", b"\x00" * 4, b"\x00" * 15, b"\x00" * 16, b"\x00" * 17, b"\xff" * 4096, [],
-    [b"\x00" * 16], [b"\x00" * 15], [1, 2], list(range(5000)), [[[[[]]]]], {},
-    {"a": {"b": [1]}}, {b"raw": 1},
-    None, OMIT,  # last: a commit without a mask commits every layer and ends the lease
+    True,
+    False,
+    0,
+    -1,
+    16,
+    17,
+    255,
+    1 << 31,
+    1 << 32,
+    (1 << 63) - 1,
+    1 << 63,
+    (1 << 64) - 1,
+    -(1 << 63),
+    0.0,
+    1.5,
+    -2.5,
+    math.nan,
+    math.inf,
+    -math.inf,
+    "",
+    "A",
+    "x" * 5000,
+    b"",
+    b"\x00" * 4,
+    b"\x00" * 15,
+    b"\x00" * 16,
+    b"\x00" * 17,
+    b"\xff" * 4096,
+    [],
+    [b"\x00" * 16],
+    [b"\x00" * 15],
+    [1, 2],
+    list(range(5000)),
+    [[[[[]]]]],
+    {},
+    {"a": {"b": [1]}},
+    {b"raw": 1},
+    None,
+    OMIT,  # last: a commit without a mask commits every layer and ends the lease
 ]
-INT_RANGES = {"lease": None, "layers": (1, (1 << SPEC.num_layers) - 1),
-              "layer": (0, SPEC.num_layers - 1), "num_tokens": (1, SPEC.chunk_tokens)}
+INT_RANGES = {
+    "lease": None,
+    "layers": (1, (1 << SPEC.num_layers) - 1),
+    "layer": (0, SPEC.num_layers - 1),
+    "num_tokens": (1, SPEC.chunk_tokens),
+}
 
 
 def acceptable(op: str, field: str, value: Any) -> bool:
@@ -637,8 +799,7 @@ def acceptable(op: str, field: str, value: Any) -> bool:
     if field == "keys":
         if isinstance(value, bytes):  # packed: keys back to back
             return len(value) % 16 == 0 and len(value) <= 16 * MAX_KEYS
-        return isinstance(value, list) and all(isinstance(k, bytes) and len(k) == 16
-                                               for k in value)
+        return isinstance(value, list) and all(isinstance(k, bytes) and len(k) == 16 for k in value)
     if field == "tokens":
         return isinstance(value, bytes) and len(value) % 4 == 0
     if field == "timeout":
@@ -653,10 +814,13 @@ def item_acceptable(op: str, entry: Any) -> bool:
     if op == "get_batch":
         return isinstance(entry, bytes) and len(entry) == 16
     assert op == "reserve_batch"
-    return isinstance(entry, dict) and set(entry) <= {"key", "parent", "num_tokens"} and \
-        acceptable("reserve", "key", entry.get("key", OMIT)) and \
-        acceptable("reserve", "parent", entry.get("parent", OMIT)) and \
-        acceptable("reserve", "num_tokens", entry.get("num_tokens", OMIT))
+    return (
+        isinstance(entry, dict)
+        and set(entry) <= {"key", "parent", "num_tokens"}
+        and acceptable("reserve", "key", entry.get("key", OMIT))
+        and acceptable("reserve", "parent", entry.get("parent", OMIT))
+        and acceptable("reserve", "num_tokens", entry.get("num_tokens", OMIT))
+    )
 
 
 def test_every_field_of_every_op_with_each_wrong_value(daemon, seeded) -> None:
@@ -674,18 +838,32 @@ def test_every_field_of_every_op_with_each_wrong_value(daemon, seeded) -> None:
                 conn.hello()
                 names = {"A": os.urandom(16), "B": os.urandom(16)}
                 if "lease" in required or "leases" in required:  # 1: reserved, 3: pinned
-                    assert conn.call("reserve", {"ns": ns, "key": names["A"]})["result"][
-                        "lease"] == 1
-                    conn.call("commit", {"lease": conn.call(
-                        "reserve", {"ns": ns, "key": names["B"]})["result"]["lease"]})
-                    assert conn.call("get", {"ns": ns, "key": names["B"]})["result"][
-                        "lease"] == 3
-                base = {"ns": ns, "key": names["A"], "parent": bytes(16),
-                        "keys": [names["A"], names["B"]], "tokens": b"\x00" * 64,
-                        "num_tokens": SPEC.chunk_tokens, "lease": 1 if op == "commit" else 3,
-                        "layers": 1, "layer": 0, "timeout": 0.1,
-                        "items": [{"key": os.urandom(16)}],
-                        "leases": [1] if op == "commit_batch" else [3]}
+                    assert (
+                        conn.call("reserve", {"ns": ns, "key": names["A"]})["result"]["lease"] == 1
+                    )
+                    conn.call(
+                        "commit",
+                        {
+                            "lease": conn.call("reserve", {"ns": ns, "key": names["B"]})["result"][
+                                "lease"
+                            ]
+                        },
+                    )
+                    assert conn.call("get", {"ns": ns, "key": names["B"]})["result"]["lease"] == 3
+                base = {
+                    "ns": ns,
+                    "key": names["A"],
+                    "parent": bytes(16),
+                    "keys": [names["A"], names["B"]],
+                    "tokens": b"\x00" * 64,
+                    "num_tokens": SPEC.chunk_tokens,
+                    "lease": 1 if op == "commit" else 3,
+                    "layers": 1,
+                    "layer": 0,
+                    "timeout": 0.1,
+                    "items": [{"key": os.urandom(16)}],
+                    "leases": [1] if op == "commit_batch" else [3],
+                }
                 if op == "abort":
                     base["lease"] = 1
                 if op == "get_batch":
@@ -713,9 +891,15 @@ def test_every_field_of_every_op_with_each_wrong_value(daemon, seeded) -> None:
                             problems.append((context, "one answer per item", reply))
                         for entry, item in zip(value, reply["result"]):
                             if not item_acceptable(op, entry) and (
-                                    item["ok"] or item["error"]["kind"] != "bad_request"):
-                                problems.append((f"{context} item {entry!r:.40}",
-                                                 "should be a bad request", item))
+                                item["ok"] or item["error"]["kind"] != "bad_request"
+                            ):
+                                problems.append(
+                                    (
+                                        f"{context} item {entry!r:.40}",
+                                        "should be a bad request",
+                                        item,
+                                    )
+                                )
                     # give back what a success took, so the next value meets the same state
                     if reply["ok"] and op in ("reserve", "get"):
                         conn.call("abort", {"lease": reply["result"]["lease"]})
@@ -723,8 +907,9 @@ def test_every_field_of_every_op_with_each_wrong_value(daemon, seeded) -> None:
                         for item in reply["result"]:
                             if item["ok"]:
                                 conn.call("abort", {"lease": item["result"]["lease"]})
-                    if reply["ok"] and (op == "commit" and reply["result"]["done"] or
-                                        op == "commit_batch"):
+                    if reply["ok"] and (
+                        (op == "commit" and reply["result"]["done"]) or op == "commit_batch"
+                    ):
                         break  # the reservation is gone; the rest would all be unknown
                 assert conn.ping_ok(), context
     assert not problems, "\n".join(f"{c}: {p}: {r!r:.300}" for c, p, r in problems)
@@ -733,14 +918,24 @@ def test_every_field_of_every_op_with_each_wrong_value(daemon, seeded) -> None:
 
 
 BROKEN_NAMESPACES: list[Any] = [
-    None, [], "ns", 1, b"ns", {}, {"model": "m"}, {"spec": SPEC.to_dict()},
+    None,
+    [],
+    "ns",
+    1,
+    b"ns",
+    {},
+    {"model": "m"},
+    {"spec": SPEC.to_dict()},
 ]
 for _name, _values in {
-        "model": [OMIT, 1, b"m", "", "x" * 5000, None, ["m"]],
-        "tenant": [1, None, b"t", "x" * 5000, ["t"]],
-        "lora": [1, None, {"l": 1}, "x" * 5000],
-        "spec": [OMIT, None, [], "mha", 1, {}],
-        "bogus": [1, None], b"model": ["m"], b"": [1]}.items():
+    "model": [OMIT, 1, b"m", "", "x" * 5000, None, ["m"]],
+    "tenant": [1, None, b"t", "x" * 5000, ["t"]],
+    "lora": [1, None, {"l": 1}, "x" * 5000],
+    "spec": [OMIT, None, [], "mha", 1, {}],
+    "bogus": [1, None],
+    b"model": ["m"],
+    b"": [1],
+}.items():
     for _value in _values:
         _ns = dict(encode_namespace(FUZZ_NS))
         if _value is OMIT:
@@ -749,13 +944,16 @@ for _name, _values in {
             _ns[_name] = _value
         BROKEN_NAMESPACES.append(_ns)
 for _name, _values in {
-        "num_layers": [OMIT, 0, -1, 4.0, True, "4", 1 << 40, None, 1025],
-        "num_kv_heads": [OMIT, 0, 2.0, False, 1 << 64 - 1, [2]],
-        "head_dim": [OMIT, -32, 32.5, "32", 65537],
-        "chunk_tokens": [0, 16.0, True, (1 << 16) + 1, b"16"],
-        "dtype": ["int8", 1, None, [], {"d": 1}, "x" * 5000],
-        "kind": ["gqa", "mla", 1, [], None],  # mla with 2 heads is invalid too
-        "extra": [1], b"num_layers": [4], b"": [None]}.items():
+    "num_layers": [OMIT, 0, -1, 4.0, True, "4", 1 << 40, None, 1025],
+    "num_kv_heads": [OMIT, 0, 2.0, False, 1 << 64 - 1, [2]],
+    "head_dim": [OMIT, -32, 32.5, "32", 65537],
+    "chunk_tokens": [0, 16.0, True, (1 << 16) + 1, b"16"],
+    "dtype": ["int8", 1, None, [], {"d": 1}, "x" * 5000],
+    "kind": ["gqa", "mla", 1, [], None],  # mla with 2 heads is invalid too
+    "extra": [1],
+    b"num_layers": [4],
+    b"": [None],
+}.items():
     for _value in _values:
         _ns = encode_namespace(FUZZ_NS)
         _spec = dict(_ns["spec"])
@@ -768,16 +966,20 @@ for _name, _values in {
 
 def test_every_namespace_carrying_op_refuses_each_broken_namespace(daemon, seeded) -> None:
     key = os.urandom(16)
-    args = {"lookup": {"keys": [key]}, "lookup_tokens": {"tokens": b"\x00" * 64},
-            "reserve": {"key": key}, "get": {"key": key}, "contains": {"keys": [key]},
-            "delete": {"key": key}}
+    args = {
+        "lookup": {"keys": [key]},
+        "lookup_tokens": {"tokens": b"\x00" * 64},
+        "reserve": {"key": key},
+        "get": {"key": key},
+        "contains": {"keys": [key]},
+        "delete": {"key": key},
+    }
     problems = []
     with Raw(daemon.socket) as conn:  # this session never uses a valid namespace
         conn.hello()
         for op, rest in args.items():
             for broken in BROKEN_NAMESPACES:
-                reply = conn.call("lookup" if op == "lookup_tokens" else op,
-                                  {"ns": broken, **rest})
+                reply = conn.call("lookup" if op == "lookup_tokens" else op, {"ns": broken, **rest})
                 assert reply is not None, f"{op} {broken!r:.80}: the daemon hung up"
                 if reply.get("ok") is not False or reply["error"]["kind"] != "bad_request":
                     problems.append((op, broken, reply))
@@ -787,6 +989,7 @@ def test_every_namespace_carrying_op_refuses_each_broken_namespace(daemon, seede
 
 
 # ---------------------------------------------------------------------- explicit cases
+
 
 @pytest.mark.parametrize("op", [op for op in OPS if op != "hello"])
 def test_requests_before_hello_are_refused_and_the_connection_closed(daemon, op) -> None:
@@ -826,7 +1029,8 @@ def test_unknown_ops(daemon, op) -> None:
 @pytest.mark.parametrize("after_hello", [False, True])
 @pytest.mark.parametrize("length", [0xFFFFFFFF, 1 << 31, MAX_FRAME + 1])
 def test_length_prefixes_over_the_limit_are_refused_without_allocating(
-        daemon, seeded, after_hello, length) -> None:
+    daemon, seeded, after_hello, length
+) -> None:
     before = rss_kib(daemon.proc.pid)
     with Raw(daemon.socket) as conn:
         if after_hello:
@@ -852,8 +1056,9 @@ def test_a_frame_over_the_limit_sent_in_full_is_refused(daemon, seeded) -> None:
 def test_a_frame_of_exactly_the_limit_is_served(daemon) -> None:
     pad = b"\x00" * (MAX_FRAME - 64)
     body = msgpack.packb({"v": 1, "id": 5, "op": "ping", "args": {"pad": pad}})
-    body = msgpack.packb({"v": 1, "id": 5, "op": "ping",
-                          "args": {"pad": pad + b"\x00" * (MAX_FRAME - len(body))}})
+    body = msgpack.packb(
+        {"v": 1, "id": 5, "op": "ping", "args": {"pad": pad + b"\x00" * (MAX_FRAME - len(body))}}
+    )
     assert len(body) == MAX_FRAME
     with Raw(daemon.socket) as conn:
         conn.hello()
@@ -874,11 +1079,23 @@ def test_a_truncated_frame_blocks_only_its_own_connection(daemon, seeded) -> Non
         assert stuck.wait_closed() == []  # EOF mid-frame ends the session quietly
 
 
-@pytest.mark.parametrize("body", [
-    b"", b"\xc1", b"\x93\x01", b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff",
-    b"\xdb\xff\xff\xff\xff", b"\xd6\xff\x00\x00\x00\x00", b"\x81\x01\x02", b"\xa2\xff\xfe",
-    b"\x80\x80", b"\x91" * 5000 + b"\x80", b"\x05",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"\xc1",
+        b"\x93\x01",
+        b"\xdd\xff\xff\xff\xff",
+        b"\xdf\xff\xff\xff\xff",
+        b"\xdb\xff\xff\xff\xff",
+        b"\xd6\xff\x00\x00\x00\x00",
+        b"\x81\x01\x02",
+        b"\xa2\xff\xfe",
+        b"\x80\x80",
+        b"\x91" * 5000 + b"\x80",
+        b"\x05",
+    ],
+)
 def test_undecodable_bodies_get_an_error_then_a_close(daemon, body) -> None:
     with Raw(daemon.socket) as conn:
         conn.hello()
@@ -888,8 +1105,9 @@ def test_undecodable_bodies_get_an_error_then_a_close(daemon, body) -> None:
 
 
 def test_item_counts_over_the_frame_limit_close_the_connection(daemon, seeded) -> None:
-    too_many = msgpack.packb({"v": 1, "id": 1, "op": "contains",
-                              "args": {"keys": [0] * (MAX_ITEMS + 1)}})
+    too_many = msgpack.packb(
+        {"v": 1, "id": 1, "op": "contains", "args": {"keys": [0] * (MAX_ITEMS + 1)}}
+    )
     with Raw(daemon.socket) as conn:
         conn.hello()
         conn.send_bytes(_frame(too_many))
@@ -903,10 +1121,10 @@ def test_huge_lists_are_bounded(daemon, seeded, op) -> None:
     ns = encode_namespace(FUZZ_NS)
     with Raw(daemon.socket) as conn:
         conn.hello()
-        assert_error(conn.call(op, {"ns": ns, "keys": [b"\x01" * 16] * (MAX_KEYS + 1)}),
-                     "bad_request")
-        assert_error(conn.call(op, {"ns": ns, "keys": list(range(MAX_ITEMS - 10))}),
-                     "bad_request")
+        assert_error(
+            conn.call(op, {"ns": ns, "keys": [b"\x01" * 16] * (MAX_KEYS + 1)}), "bad_request"
+        )
+        assert_error(conn.call(op, {"ns": ns, "keys": list(range(MAX_ITEMS - 10))}), "bad_request")
         assert_error(conn.call(op, {"ns": ns, "keys": [[b"\x01" * 16]] * 1000}), "bad_request")
         ok = conn.call(op, {"ns": ns, "keys": [b"\x01" * 16] * MAX_KEYS})  # at the limit
         assert ok["ok"], ok
@@ -922,7 +1140,7 @@ def test_huge_lists_are_bounded(daemon, seeded, op) -> None:
 def test_packed_keys_get_the_answers_of_the_list_form(daemon, seeded) -> None:
     ns = encode_namespace(SEED_NS)
     keys = list(seeded)
-    variants = [keys, keys[:3] + [bytes(16)] + keys[3:], [bytes(16)], []]
+    variants = [keys, [*keys[:3], bytes(16), *keys[3:]], [bytes(16)], []]
     with Raw(daemon.socket) as conn:
         conn.hello()
         for chain in variants:
@@ -945,8 +1163,25 @@ def test_token_lookups_are_bounded(daemon) -> None:
         assert conn.ping_ok()
 
 
-@pytest.mark.parametrize("lease", [0, -1, 7, 1 << 40, (1 << 63) - 1, 1 << 63, (1 << 64) - 1,
-                                   1.0, True, "1", b"\x01", None, [1], {"id": 1}])
+@pytest.mark.parametrize(
+    "lease",
+    [
+        0,
+        -1,
+        7,
+        1 << 40,
+        (1 << 63) - 1,
+        1 << 63,
+        (1 << 64) - 1,
+        1.0,
+        True,
+        "1",
+        b"\x01",
+        None,
+        [1],
+        {"id": 1},
+    ],
+)
 @pytest.mark.parametrize("op", ["commit", "abort", "release", "wait_layer"])
 def test_lease_ids_out_of_range_or_mistyped(daemon, op, lease) -> None:
     with Raw(daemon.socket) as conn:
@@ -968,18 +1203,24 @@ def test_double_release_double_commit_and_abort_after_commit(daemon) -> None:
         assert_error(conn.call("commit", {"lease": lease}), "bad_request")
         assert_error(conn.call("abort", {"lease": lease}), "bad_request")
         pin = conn.call("get", {"ns": ns, "key": key})["result"]["lease"]
-        assert conn.call("release", {"lease": pin}) == {"v": 1, "id": conn.last_id,
-                                                        "ok": True, "result": None}
+        assert conn.call("release", {"lease": pin}) == {
+            "v": 1,
+            "id": conn.last_id,
+            "ok": True,
+            "result": None,
+        }
         assert_error(conn.call("release", {"lease": pin}), "bad_request")
         assert_error(conn.call("abort", {"lease": pin}), "bad_request")
-        assert_error(conn.call("wait_layer", {"lease": pin, "layer": 0, "timeout": 0.1}),
-                     "bad_request")
+        assert_error(
+            conn.call("wait_layer", {"lease": pin, "layer": 0, "timeout": 0.1}), "bad_request"
+        )
         # a pin is not a reservation and the other way round
         pin = conn.call("get", {"ns": ns, "key": key})["result"]["lease"]
         assert_error(conn.call("commit", {"lease": pin}), "bad_request")
         other = conn.call("reserve", {"ns": ns, "key": os.urandom(16)})["result"]["lease"]
-        assert_error(conn.call("wait_layer", {"lease": other, "layer": 0, "timeout": 0.1}),
-                     "bad_request")
+        assert_error(
+            conn.call("wait_layer", {"lease": other, "layer": 0, "timeout": 0.1}), "bad_request"
+        )
         assert conn.ping_ok()
     with Client(daemon.socket) as client:  # the object survived all of it
         assert client.contains(FUZZ_NS, [key]) == [True]
@@ -988,8 +1229,11 @@ def test_double_release_double_commit_and_abort_after_commit(daemon) -> None:
 def test_commit_of_someone_elses_lease_id(daemon) -> None:
     ns = encode_namespace(FUZZ_NS)
     mine, theirs = os.urandom(16), os.urandom(16)
-    with Raw(daemon.socket) as owner, Raw(daemon.socket) as intruder, \
-            Raw(daemon.socket) as observer:
+    with (
+        Raw(daemon.socket) as owner,
+        Raw(daemon.socket) as intruder,
+        Raw(daemon.socket) as observer,
+    ):
         owner.hello(), intruder.hello(), observer.hello()
         owned = owner.call("reserve", {"ns": ns, "key": mine})["result"]["lease"]
         # the intruder holds no lease at all: the owner's id means nothing on its session
@@ -1028,21 +1272,27 @@ def test_wait_layer_outside_the_spec_is_a_bad_request(daemon) -> None:
         conn.call("reserve", {"ns": ns, "key": key})
         pin = conn.call("get", {"ns": ns, "key": key})["result"]["lease"]
         for layer in (SPEC.num_layers, -1, 1 << 40, 0.0, True, None):
-            assert_error(conn.call("wait_layer", {"lease": pin, "layer": layer, "timeout": 0.1}),
-                         "bad_request")
+            assert_error(
+                conn.call("wait_layer", {"lease": pin, "layer": layer, "timeout": 0.1}),
+                "bad_request",
+            )
         for timeout in (-1, math.nan, math.inf, 601, True, "1"):
-            assert_error(conn.call("wait_layer", {"lease": pin, "layer": 0, "timeout": timeout}),
-                         "bad_request")
-        assert_error(conn.call("wait_layer", {"lease": pin, "layer": 0, "timeout": 0.2}),
-                     "deadline")
+            assert_error(
+                conn.call("wait_layer", {"lease": pin, "layer": 0, "timeout": timeout}),
+                "bad_request",
+            )
+        assert_error(
+            conn.call("wait_layer", {"lease": pin, "layer": 0, "timeout": 0.2}), "deadline"
+        )
         assert conn.ping_ok()
 
 
 def test_namespace_validation_is_not_bypassed_by_a_cached_namespace(daemon) -> None:
     """A session that used a namespace once must still get every later variant checked:
     extra fields, floats and bools where the spec has ints are refused every time."""
-    ns = encode_namespace(Namespace("cached", KVSpec(num_layers=4, num_kv_heads=1, head_dim=32,
-                                                     chunk_tokens=16), "t"))
+    ns = encode_namespace(
+        Namespace("cached", KVSpec(num_layers=4, num_kv_heads=1, head_dim=32, chunk_tokens=16), "t")
+    )
     variants = [
         {**ns, "bogus": 1},
         {**ns, "spec": {**ns["spec"], "num_layers": 4.0}},
@@ -1059,12 +1309,26 @@ def test_namespace_validation_is_not_bypassed_by_a_cached_namespace(daemon) -> N
             assert_error(conn.call("contains", {"ns": variant, "keys": []}), "bad_request")
 
 
-@pytest.mark.parametrize("field,value", [
-    ("ns", None), ("ns", []), ("ns", "ns"), ("key", b"\x00" * 15), ("key", b"\x00" * 17),
-    ("key", "k" * 16), ("key", None), ("parent", b"\x00" * 15), ("parent", 0),
-    ("num_tokens", 0), ("num_tokens", 17), ("num_tokens", -1), ("num_tokens", 8.0),
-    ("num_tokens", True), ("num_tokens", 1 << 64 - 1),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("ns", None),
+        ("ns", []),
+        ("ns", "ns"),
+        ("key", b"\x00" * 15),
+        ("key", b"\x00" * 17),
+        ("key", "k" * 16),
+        ("key", None),
+        ("parent", b"\x00" * 15),
+        ("parent", 0),
+        ("num_tokens", 0),
+        ("num_tokens", 17),
+        ("num_tokens", -1),
+        ("num_tokens", 8.0),
+        ("num_tokens", True),
+        ("num_tokens", 1 << 64 - 1),
+    ],
+)
 def test_reserve_argument_errors(daemon, field, value) -> None:
     args = {"ns": encode_namespace(FUZZ_NS), "key": os.urandom(16), field: value}
     if value is None:
@@ -1076,13 +1340,18 @@ def test_reserve_argument_errors(daemon, field, value) -> None:
 
 
 def test_absurd_specs_are_refused_before_allocating(daemon, seeded) -> None:
-    huge = Namespace("huge", KVSpec(num_layers=1024, num_kv_heads=1024, head_dim=65536,
-                                    chunk_tokens=1 << 16), "fuzz")
+    huge = Namespace(
+        "huge",
+        KVSpec(num_layers=1024, num_kv_heads=1024, head_dim=65536, chunk_tokens=1 << 16),
+        "fuzz",
+    )
     before = rss_kib(daemon.proc.pid)
     with Raw(daemon.socket) as conn:
         conn.hello()
-        assert_error(conn.call("reserve", {"ns": encode_namespace(huge), "key": os.urandom(16)}),
-                     {"no_capacity", "bad_request"})
+        assert_error(
+            conn.call("reserve", {"ns": encode_namespace(huge), "key": os.urandom(16)}),
+            {"no_capacity", "bad_request"},
+        )
         assert conn.ping_ok()
     assert rss_kib(daemon.proc.pid) - before < 64 * 1024
     check_intact(daemon, seeded)
@@ -1098,8 +1367,7 @@ def test_pages_named_by_the_daemon_are_inside_its_arenas(daemon, seeded) -> None
             assert conn.call("release", {"lease": reply["result"]["lease"]})["ok"]
 
 
-def test_zz_after_everything_the_daemon_is_up_and_the_seeded_data_intact(daemon,
-                                                                         seeded) -> None:
+def test_zz_after_everything_the_daemon_is_up_and_the_seeded_data_intact(daemon, seeded) -> None:
     """Last in the module: the same daemon took every case above."""
     check_intact(daemon, seeded)
     with Client(daemon.socket, reconnect=False) as client:
@@ -1109,7 +1377,8 @@ def test_zz_after_everything_the_daemon_is_up_and_the_seeded_data_intact(daemon,
         assert stats["aborted_writes"] > 100
     # and every session the fuzzing opened is gone
     deadline = time.monotonic() + 10
-    while (sessions := httpx.get(f"{daemon.http_url}/v1/stats", timeout=10).json()[
-            "sessions"]) != 0:
+    while (
+        sessions := httpx.get(f"{daemon.http_url}/v1/stats", timeout=10).json()["sessions"]
+    ) != 0:
         assert time.monotonic() < deadline, f"{sessions} sessions still open"
         time.sleep(0.05)

@@ -32,17 +32,28 @@ from kvfabric.spec import KVSpec, Namespace
 SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
 NS = Namespace("faults", SPEC, tenant_salt="t")
 CHUNK = SPEC.chunk_bytes  # 16 KiB: one page
-SMALL = ["store.tiers.dram.capacity=4MiB", "store.tiers.dram.page_size=16KiB",
-         "store.tiers.ssd.capacity=64MiB"]
-SHORT_LEASES = SMALL + ["store.reservation_timeout_s=1", "store.pin_timeout_s=1",
-                        "store.maintenance_interval_s=0.1"]
-SPILLING = ["store.tiers.dram.capacity=512KiB", "store.tiers.dram.page_size=16KiB",
-            "store.tiers.ssd.capacity=64MiB"]
+SMALL = [
+    "store.tiers.dram.capacity=4MiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=64MiB",
+]
+SHORT_LEASES = [
+    *SMALL,
+    "store.reservation_timeout_s=1",
+    "store.pin_timeout_s=1",
+    "store.maintenance_interval_s=0.1",
+]
+SPILLING = [
+    "store.tiers.dram.capacity=512KiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=64MiB",
+]
 
 
 def payload(key: bytes, nbytes: int = CHUNK) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, nbytes, dtype=np.uint8)
+        0, 256, nbytes, dtype=np.uint8
+    )
 
 
 def dram_used(client: Client) -> int:
@@ -72,7 +83,9 @@ layer_bytes = SPEC.chunk_bytes // SPEC.num_layers
 """
 
 # reserve, write and commit the first half of the layers, then wait (for ever, or for "go")
-CHILD_PUT = CHILD_PRELUDE + """
+CHILD_PUT = (
+    CHILD_PRELUDE
+    + """
 writer = client.reserve(NS, key)
 for layer in range(SPEC.num_layers // 2):
     writer.write_layer(layer, np.full(layer_bytes, 0xEE, np.uint8))
@@ -89,9 +102,12 @@ except KVFabricError as exc:
 except Exception as exc:
     print("error", type(exc).__name__, flush=True)
 """
+)
 
 # pin an object, read it, then wait; on "go" read again and release
-CHILD_GET = CHILD_PRELUDE + """
+CHILD_GET = (
+    CHILD_PRELUDE
+    + """
 reader = client.get(NS, key)
 first = reader.to_bytes()
 print("pinned", len(first), flush=True)
@@ -102,13 +118,18 @@ try:
 except KVFabricError as exc:
     print("error", exc.kind, flush=True)
 """
+)
 
 
 class Child:
     def __init__(self, code: str, socket_path: str, key: bytes) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", code, socket_path, key.hex()],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, socket_path, key.hex()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def expect(self, word: str, timeout: float = 60.0) -> str:
         line = self._readline(timeout)
@@ -161,8 +182,8 @@ def children():
 
 # ---------------------------------------------------------------------- dead clients
 
-def test_client_killed_in_the_middle_of_a_put_gives_its_pages_back(start_daemon,
-                                                                   children) -> None:
+
+def test_client_killed_in_the_middle_of_a_put_gives_its_pages_back(start_daemon, children) -> None:
     daemon = start_daemon(*SMALL)
     key = os.urandom(16)
     with Client(daemon.socket) as client:
@@ -220,17 +241,22 @@ def test_client_killed_while_holding_a_pin_releases_it(start_daemon, children) -
 
 
 def _evict_dram(daemon) -> int:
-    http_request = urllib.request.Request(f"{daemon.http_url}/v1/admin/evict", method="POST",
-                                     data=json.dumps({"tier": "dram"}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    http_request = urllib.request.Request(
+        f"{daemon.http_url}/v1/admin/evict",
+        method="POST",
+        data=json.dumps({"tier": "dram"}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(http_request, timeout=10) as response:
         return json.load(response)["evicted"]
 
 
 # ---------------------------------------------------------------------- stalled clients
 
-def test_stalled_writer_loses_its_reservation_and_its_late_commit_fails(start_daemon,
-                                                                        children) -> None:
+
+def test_stalled_writer_loses_its_reservation_and_its_late_commit_fails(
+    start_daemon, children
+) -> None:
     daemon = start_daemon(*SHORT_LEASES)
     key = os.urandom(16)
     with Client(daemon.socket) as client:
@@ -243,8 +269,11 @@ def test_stalled_writer_loses_its_reservation_and_its_late_commit_fails(start_da
         # the deadline (1 s) passes while the client is frozen: the object is aborted, but
         # its pages stay quarantined (the writer may still copy into them) until its
         # session ends
-        eventually(lambda: client.stats()["expired_leases"] >= expired_before + 1, 5,
-                   "the frozen writer's reservation expired")
+        eventually(
+            lambda: client.stats()["expired_leases"] >= expired_before + 1,
+            5,
+            "the frozen writer's reservation expired",
+        )
         assert client.contains(NS, [key]) == [False]
         assert dram_used(client) == baseline + CHUNK
         # someone else stores the same key meanwhile (in other pages)
@@ -255,11 +284,15 @@ def test_stalled_writer_loses_its_reservation_and_its_late_commit_fails(start_da
         assert line.split()[1] in ("lease_expired", "bad_request"), line
         # the late writer corrupted nothing: the new object is byte-exact
         with client.get(NS, key) as reader:
-            assert reader.to_bytes() == payload(key).tobytes(), \
+            assert reader.to_bytes() == payload(key).tobytes(), (
                 "a writer whose reservation expired wrote into pages now owned by another object"
+            )
         # the writer's session ends with its process: the quarantined pages come back
-        eventually(lambda: dram_used(client) == baseline + CHUNK, 10,
-                   "quarantined pages back once the frozen writer's session ended")
+        eventually(
+            lambda: dram_used(client) == baseline + CHUNK,
+            10,
+            "quarantined pages back once the frozen writer's session ended",
+        )
 
 
 def test_stalled_writer_without_a_rival_leaves_nothing_behind(start_daemon, children) -> None:
@@ -270,16 +303,22 @@ def test_stalled_writer_without_a_rival_leaves_nothing_behind(start_daemon, chil
         child = children(CHILD_PUT, daemon.socket, key)
         child.expect("reserved")
         child.signal(signal.SIGSTOP)
-        eventually(lambda: client.contains(NS, [key]) == [False], 5,
-                   "the frozen writer's object aborted at its deadline")
+        eventually(
+            lambda: client.contains(NS, [key]) == [False],
+            5,
+            "the frozen writer's object aborted at its deadline",
+        )
         assert dram_used(client) == baseline + CHUNK  # quarantined while its session lives
         child.signal(signal.SIGCONT)
         child.go()
         line = child.expect("error")
         assert line.split()[1] in ("lease_expired", "bad_request"), line
         assert client.contains(NS, [key]) == [False]  # absent, not half there
-        eventually(lambda: dram_used(client) == baseline, 10,
-                   "pages of the frozen writer back once its session ended")
+        eventually(
+            lambda: dram_used(client) == baseline,
+            10,
+            "pages of the frozen writer back once its session ended",
+        )
         with pytest.raises(NotFoundError):
             client.get(NS, key)
         assert dram_used(client) == baseline
@@ -308,8 +347,7 @@ def test_pending_layer_waits_of_one_session_do_not_starve_other_clients(start_da
     or a hostile client): another client's request that has to wait for I/O (a get read
     back from SSD) must still be served promptly, not queue behind those waits until the
     waited-on writer's deadline (6 s here, 30 s by default)."""
-    daemon = start_daemon(*SPILLING, "limits.request_threads=8",
-                          "store.reservation_timeout_s=6")
+    daemon = start_daemon(*SPILLING, "limits.request_threads=8", "store.reservation_timeout_s=6")
     with Client(daemon.socket) as waiter, Client(daemon.socket) as other:
         preloaded = _preload_spilling(other, 48)
         _flush(daemon)
@@ -323,9 +361,15 @@ def test_pending_layer_waits_of_one_session_do_not_starve_other_clients(start_da
         session = waiter._session()
         # the blocking client serialises requests: pipeline raw frames on its socket
         for i in range(40):
-            session._sock.sendall(encode_frame(request(10_000 + i, Op.WAIT_LAYER,
-                                                       {"lease": reader.lease, "layer": 0,
-                                                        "timeout": 20})))
+            session._sock.sendall(
+                encode_frame(
+                    request(
+                        10_000 + i,
+                        Op.WAIT_LAYER,
+                        {"lease": reader.lease, "layer": 0, "timeout": 20},
+                    )
+                )
+            )
         time.sleep(0.5)
         started = time.monotonic()
         with other.get(NS, on_ssd[1]) as got:
@@ -338,6 +382,7 @@ def test_pending_layer_waits_of_one_session_do_not_starve_other_clients(start_da
 
 # ---------------------------------------------------------------------- daemon restarts
 
+
 def _preload_spilling(client: Client, count: int) -> dict[bytes, np.ndarray]:
     """Store a chain of ``count`` chunks (more than DRAM holds)."""
     refs = chunk_hashes(NS, list(range(900_000, 900_000 + count * SPEC.chunk_tokens)))
@@ -349,8 +394,11 @@ def _preload_spilling(client: Client, count: int) -> dict[bytes, np.ndarray]:
 
 
 def _on_ssd(client: Client, keys: list[bytes]) -> set[bytes]:
-    return {key for key in keys
-            if client.lookup(NS, keys=[key]).tier_tokens == {"ssd": SPEC.chunk_tokens}}
+    return {
+        key
+        for key in keys
+        if client.lookup(NS, keys=[key]).tier_tokens == {"ssd": SPEC.chunk_tokens}
+    }
 
 
 def _flush(daemon) -> None:
@@ -423,15 +471,24 @@ def test_daemon_restarted_under_load(start_daemon, tmp_path) -> None:
     workers = [Worker(i, daemon.socket, stop) for i in range(4)]
     for worker in workers:
         worker.start()
-    eventually(lambda: all(w.ops >= 20 for w in workers) or any(w.errors for w in workers), 60,
-               "workers running")
+    eventually(
+        lambda: all(w.ops >= 20 for w in workers) or any(w.errors for w in workers),
+        60,
+        "workers running",
+    )
     socket_file = Path(daemon.socket)
     assert daemon.stop() == 0  # SIGTERM under load: a clean exit ...
     assert not socket_file.exists()  # ... that removes its socket
     restarted_at = time.monotonic()
     daemon = start_daemon(*SPILLING, data_dir=data_dir)
-    eventually(lambda: all(_ops_since(w, restarted_at) >= 20 for w in workers)
-               or any(w.errors for w in workers), 90, "workers continuing after the restart")
+    eventually(
+        lambda: (
+            all(_ops_since(w, restarted_at) >= 20 for w in workers)
+            or any(w.errors for w in workers)
+        ),
+        90,
+        "workers continuing after the restart",
+    )
     stop.set()
     for worker in workers:
         worker.join(60)
@@ -513,9 +570,23 @@ def test_a_second_daemon_on_a_live_socket_refuses_to_start(start_daemon, tmp_pat
     other_dir = tmp_path / "other"
     other_dir.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "kvfabric.cli", "serve", "--set", f"store.data_dir={other_dir}",
-         "--set", f"socket_path={daemon.socket}", "--set", "http.port=0"],
-        capture_output=True, text=True, timeout=60, check=False)
+        [
+            sys.executable,
+            "-m",
+            "kvfabric.cli",
+            "serve",
+            "--set",
+            f"store.data_dir={other_dir}",
+            "--set",
+            f"socket_path={daemon.socket}",
+            "--set",
+            "http.port=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode != 0
     assert "already" in (proc.stdout + proc.stderr)
     with Client(daemon.socket, reconnect=False) as client:  # the first one is unharmed

@@ -26,8 +26,12 @@ MAX_OPS = 1000  # the bound on each loop; pacing makes the deadline end it first
 SPEC = KVSpec(num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16", chunk_tokens=16)
 assert SPEC.chunk_bytes == 64 << 10
 DRAM = 16 << 20
-SETTINGS = [f"store.tiers.dram.capacity={DRAM}", "store.tiers.dram.page_size=64KiB",
-            "store.tiers.ssd.capacity=96MiB", "store.tiers.ssd.segment_bytes=8MiB"]
+SETTINGS = [
+    f"store.tiers.dram.capacity={DRAM}",
+    "store.tiers.dram.page_size=64KiB",
+    "store.tiers.ssd.capacity=96MiB",
+    "store.tiers.ssd.segment_bytes=8MiB",
+]
 RSS_MARGIN = 400 << 20
 
 WORKER = r"""
@@ -107,18 +111,27 @@ def rss_bytes(pid: int) -> int:
 
 
 def payload(key: bytes) -> bytes:
-    return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, SPEC.chunk_bytes, dtype=np.uint8).tobytes()
+    return (
+        np.random.default_rng(int.from_bytes(key[:8], "little"))
+        .integers(0, 256, SPEC.chunk_bytes, dtype=np.uint8)
+        .tobytes()
+    )
 
 
 def test_32_client_processes_for_30_seconds(start_daemon) -> None:
     daemon = start_daemon(*SETTINGS)
     pid = daemon.proc.pid
     rss_before = rss_bytes(pid)
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, daemon.socket, str(i),
-                               str(DURATION_S), str(MAX_OPS)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(WORKERS)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, daemon.socket, str(i), str(DURATION_S), str(MAX_OPS)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(WORKERS)
+    ]
     try:
         for proc in procs:  # every worker connected before the clock starts
             line = proc.stdout.readline()
@@ -190,8 +203,10 @@ def test_32_client_processes_for_30_seconds(start_daemon) -> None:
         assert read_back + missing == n_acked
         assert final["objects"] + final_evictions == final["puts"] == n_acked, final
         assert final["tiers"][-1]["corrupt_records"] == 0
-        print(f"load: {total} in {elapsed:.1f}s, {n_acked} acked, {missing} evicted of "
-              f"{final_evictions} evictions, rss peak {max(peak) >> 20} MiB")
+        print(
+            f"load: {total} in {elapsed:.1f}s, {n_acked} acked, {missing} evicted of "
+            f"{final_evictions} evictions, rss peak {max(peak) >> 20} MiB"
+        )
 
     limit = DRAM + RSS_MARGIN
     assert max(peak) < limit, f"daemon RSS peaked at {max(peak) >> 20} MiB"

@@ -16,13 +16,17 @@ from kvfabric.spec import KVSpec, Namespace
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=4, head_dim=32, dtype="bfloat16", chunk_tokens=32)
 NS = Namespace("tiny", SPEC, tenant_salt="t1")
-SMALL = ["store.tiers.dram.capacity=8MiB", "store.tiers.dram.page_size=16KiB",
-         "store.tiers.ssd.capacity=64MiB"]
+SMALL = [
+    "store.tiers.dram.capacity=8MiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=64MiB",
+]
 
 
 def payload(key: bytes, nbytes: int = SPEC.chunk_bytes) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, nbytes, dtype=np.uint8)
+        0, 256, nbytes, dtype=np.uint8
+    )
 
 
 def put_prompt(client: Client, n_chunks: int, start: int = 0) -> list[bytes]:
@@ -44,11 +48,11 @@ def test_put_get_lookup_round_trip(daemon) -> None:
         hit = client.lookup(NS, tokens)
         assert (hit.matched_chunks, hit.matched_tokens) == (3, 96)
         assert hit.tier_tokens == {"dram": 96}
-        assert client.lookup(NS, keys=keys[:2] + [b"\x00" * 16]).matched_chunks == 2
+        assert client.lookup(NS, keys=[*keys[:2], b"\x00" * 16]).matched_chunks == 2
         for key in keys:
             with client.get(NS, key) as reader:
                 assert reader.to_bytes() == payload(key).tobytes()
-        assert client.contains(NS, keys + [b"\x01" * 16]) == [True, True, True, False]
+        assert client.contains(NS, [*keys, b"\x01" * 16]) == [True, True, True, False]
         assert client.put(NS, keys[0], payload(keys[0])) is False
         with pytest.raises(AlreadyExistsError):
             client.reserve(NS, keys[0])
@@ -105,8 +109,7 @@ def test_head_range_read(daemon) -> None:
             # or in place: views of the daemon's pages holding just that range
             pieces = reader.layer_pieces(3, heads=(2, 4))
             assert sum(p.nbytes for p in pieces) == out.nbytes
-            assert np.array_equal(np.concatenate(pieces).reshape(2, 2, -1),
-                                  canonical[3, :, 2:4])
+            assert np.array_equal(np.concatenate(pieces).reshape(2, 2, -1), canonical[3, :, 2:4])
             arena_views = [a.array for a in reader._session.arenas._arenas.values()]
             assert all(any(np.shares_memory(p, a) for a in arena_views) for p in pieces)
 
@@ -186,14 +189,18 @@ def test_errors_are_typed_and_the_session_survives(daemon) -> None:
         with pytest.raises(NotFoundError):
             client.get(NS, b"\x00" * 16)
         with pytest.raises(ProtocolError):
-            client._session().call(__import__("kvfabric.protocol.messages",
-                                              fromlist=["Op"]).Op.RELEASE, {"lease": 999})
+            client._session().call(
+                __import__("kvfabric.protocol.messages", fromlist=["Op"]).Op.RELEASE, {"lease": 999}
+            )
         client.ping()  # same session, still fine
 
 
 def test_restart_keeps_ssd_data_and_clients_reconnect(start_daemon, tmp_path) -> None:
-    settings = ["store.tiers.dram.capacity=256KiB", "store.tiers.dram.page_size=16KiB",
-                "store.tiers.ssd.capacity=64MiB"]
+    settings = [
+        "store.tiers.dram.capacity=256KiB",
+        "store.tiers.dram.page_size=16KiB",
+        "store.tiers.ssd.capacity=64MiB",
+    ]
     daemon = start_daemon(*settings, data_dir=tmp_path / "node")
     client = Client(daemon.socket, reconnect_timeout=60)
     keys = put_prompt(client, 12)  # 12 x 32 KiB: most of it spills to SSD
@@ -224,7 +231,7 @@ def test_batches_store_and_read_many_chunks_in_two_round_trips(daemon) -> None:
         # a failing item does not stop the others
         results = client.reserve_many(NS, refs[:1] + chunk_hashes(NS, [1] * SPEC.chunk_tokens))
         assert isinstance(results[0], AlreadyExistsError)
-        client.commit_many([w for w in results[1:]])
+        client.commit_many(list(results[1:]))
         assert client.contains(NS, [chunk_keys(NS, [1] * SPEC.chunk_tokens)[0]]) == [True]
 
 
@@ -240,21 +247,22 @@ def test_a_batch_of_chunks_streams_layer_by_layer_one_round_trip_per_layer(daemo
             assert done == [layer == SPEC.num_layers - 1] * len(refs)
             for reader in readers:
                 reader.wait_layer(layer, timeout=5)  # answered at once: the layer is there
-                assert reader.ready(layer) and (layer + 1 == SPEC.num_layers or
-                                                not reader.ready(layer + 1))
+                assert reader.ready(layer) and (
+                    layer + 1 == SPEC.num_layers or not reader.ready(layer + 1)
+                )
         assert all(w.closed for w in writers)
         assert [r.to_bytes() for r in readers] == [payload(r.key).tobytes() for r in refs]
         consumer.release_many(readers)
 
 
-def test_streaming_a_forward_pass_longer_than_the_lease_keeps_the_reservation(
-        start_daemon) -> None:
+def test_streaming_a_forward_pass_longer_than_the_lease_keeps_the_reservation(start_daemon) -> None:
     """Each committed layer renews the lease on both sides (the daemon's deadline and the
     client's own, which stops it touching the pages): a producer whose layers come slower in
     total than ``store.reservation_timeout_s`` still stores the chunks. Before, the client
     gave up at 90% of the first lease (a 4,096-token CPU prefill lost every save)."""
-    daemon = start_daemon(*SMALL, "store.reservation_timeout_s=1",
-                          "store.maintenance_interval_s=0.1")
+    daemon = start_daemon(
+        *SMALL, "store.reservation_timeout_s=1", "store.maintenance_interval_s=0.1"
+    )
     refs = chunk_hashes(NS, list(range(90_000, 90_000 + 2 * SPEC.chunk_tokens)))
     with Client(daemon.socket) as producer:
         writers = producer.reserve_many(NS, refs)
@@ -294,8 +302,10 @@ def test_get_copies_into_caller_tensors(daemon) -> None:
             reader.read_into(layer, layer=2)
         assert out.view(torch.uint8).numpy().tobytes() == payload(key).tobytes()
         layer_bytes = SPEC.layout().layer_bytes
-        assert layer.view(torch.uint8).numpy().tobytes() == \
-            payload(key)[2 * layer_bytes:3 * layer_bytes].tobytes()
+        assert (
+            layer.view(torch.uint8).numpy().tobytes()
+            == payload(key)[2 * layer_bytes : 3 * layer_bytes].tobytes()
+        )
 
 
 def test_keys_travel_packed_only_to_a_daemon_that_announced_it(daemon, monkeypatch) -> None:

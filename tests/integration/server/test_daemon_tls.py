@@ -20,7 +20,7 @@ import pytest
 from tls_certs import CA, client_context, serial_of
 
 from kvfabric.client import AsyncClient, Client, ClientTLS
-from kvfabric.errors import AuthError
+from kvfabric.errors import AuthError, KVFabricError
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
 from kvfabric.protocol.messages import Op, request
 
@@ -32,15 +32,19 @@ def ca(tmp_path: Path) -> tuple[CA, Path]:
 
 
 def served_serial(port: int, context: ssl.SSLContext) -> int:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
-            context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
         return serial_of(tls.getpeercert(binary_form=True))
 
 
 def tls_hello(port: int, context: ssl.SSLContext) -> dict:
     """A control-protocol hello over TLS, on a bare ``ssl`` socket."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
-            context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
         tls.sendall(encode_frame(request(0, Op.HELLO, {"token": None, "client": "tls-test"})))
         decoder = FrameDecoder()
         while True:
@@ -51,7 +55,8 @@ def tls_hello(port: int, context: ssl.SSLContext) -> dict:
 
 
 def test_https_and_tls_control_work_and_plain_connections_are_refused(
-        start_daemon, tmp_path: Path, ca: tuple[CA, Path]) -> None:
+    start_daemon, tmp_path: Path, ca: tuple[CA, Path]
+) -> None:
     """Regression: on the old code nothing had TLS (these settings did not exist)."""
     authority, ca_file = ca
     cert = tmp_path / "server.pem"
@@ -65,19 +70,21 @@ def test_https_and_tls_control_work_and_plain_connections_are_refused(
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{https}/healthz", timeout=5)  # a client that does not trust the CA
     assert tls_hello(daemon.info["tcp_port"], context)["ok"] is True
-    with pytest.raises(Exception):  # the plain-TCP client library cannot get in
+    with pytest.raises(KVFabricError):  # the plain-TCP client library cannot get in
         Client(("127.0.0.1", daemon.info["tcp_port"]), timeout=3).ping()
     with Client(daemon.socket) as local:  # the Unix socket is not a TLS plane
         local.ping()
 
 
 def test_a_certificate_swapped_on_disk_or_on_sighup_is_served_to_new_connections(
-        start_daemon, tmp_path: Path, ca: tuple[CA, Path]) -> None:
+    start_daemon, tmp_path: Path, ca: tuple[CA, Path]
+) -> None:
     authority, ca_file = ca
     cert = tmp_path / "server.pem"
     first = authority.issue(cert, "node-a")
-    daemon = start_daemon(f"security.tls_cert_file={cert}", "security.tls_reload_s=0.2",
-                          "tcp.port=0")
+    daemon = start_daemon(
+        f"security.tls_cert_file={cert}", "security.tls_reload_s=0.2", "tcp.port=0"
+    )
     http_port, tcp_port = daemon.info["http_port"], daemon.info["tcp_port"]
     context = client_context(ca_file)
     assert served_serial(http_port, context) == first
@@ -103,41 +110,46 @@ def test_a_certificate_swapped_on_disk_or_on_sighup_is_served_to_new_connections
 
 
 def test_with_a_client_ca_only_clients_with_a_certificate_get_in(
-        start_daemon, tmp_path: Path, ca: tuple[CA, Path]) -> None:
+    start_daemon, tmp_path: Path, ca: tuple[CA, Path]
+) -> None:
     authority, ca_file = ca
     cert, client_cert = tmp_path / "server.pem", tmp_path / "client.pem"
     authority.issue(cert, "node-a")
     authority.issue(client_cert, "router", server=False)
-    daemon = start_daemon(f"security.tls_cert_file={cert}",
-                          f"security.tls_client_ca_file={ca_file}")
+    daemon = start_daemon(
+        f"security.tls_cert_file={cert}", f"security.tls_client_ca_file={ca_file}"
+    )
     https = f"https://127.0.0.1:{daemon.info['http_port']}/healthz"
-    assert httpx.get(https, verify=client_context(ca_file, client_cert),
-                     timeout=5).status_code == 200
+    assert (
+        httpx.get(https, verify=client_context(ca_file, client_cert), timeout=5).status_code == 200
+    )
     with pytest.raises(httpx.HTTPError):
         httpx.get(https, verify=client_context(ca_file), timeout=5)
 
 
 def test_tls_lets_a_non_loopback_bind_start_only_with_auth(
-        start_daemon, tmp_path: Path, ca: tuple[CA, Path]) -> None:
+    start_daemon, tmp_path: Path, ca: tuple[CA, Path]
+) -> None:
     """TLS encrypts; it is not authentication: the bind rule still wants tokens."""
     authority, _ = ca
     cert = tmp_path / "server.pem"
     authority.issue(cert, "node-a")
     with pytest.raises(RuntimeError, match="refusing to listen beyond loopback"):
         start_daemon(f"security.tls_cert_file={cert}", "http.host=0.0.0.0")
-    start_daemon(f"security.tls_cert_file={cert}", "http.host=0.0.0.0",
-                 "auth.token=admin-secret")
+    start_daemon(f"security.tls_cert_file={cert}", "http.host=0.0.0.0", "auth.token=admin-secret")
 
 
 def test_the_client_library_speaks_tls_to_the_tcp_plane(
-        start_daemon, tmp_path: Path, ca: tuple[CA, Path]) -> None:
+    start_daemon, tmp_path: Path, ca: tuple[CA, Path]
+) -> None:
     """Regression: on the old code Client / AsyncClient had no TLS option, so no remote tool
     (and no peer daemon) could reach a TLS control endpoint."""
     authority, ca_file = ca
     cert = tmp_path / "server.pem"
     authority.issue(cert, "node-a")
-    daemon = start_daemon(f"security.tls_cert_file={cert}", "tcp.port=0",
-                          "auth.token=admin-secret", "node_id=node-a")
+    daemon = start_daemon(
+        f"security.tls_cert_file={cert}", "tcp.port=0", "auth.token=admin-secret", "node_id=node-a"
+    )
     address = ("127.0.0.1", daemon.info["tcp_port"])
     with Client(address, token="admin-secret", tls=ClientTLS(ca_file=str(ca_file))) as remote:
         remote.ping()
@@ -146,8 +158,9 @@ def test_the_client_library_speaks_tls_to_the_tcp_plane(
         remote.ping()  # a ready ssl.SSLContext works too
 
     async def async_ping() -> None:
-        client = await AsyncClient.connect(address, token="admin-secret",
-                                           tls=ClientTLS(ca_file=str(ca_file)))
+        client = await AsyncClient.connect(
+            address, token="admin-secret", tls=ClientTLS(ca_file=str(ca_file))
+        )
         try:
             await asyncio.gather(*(client.ping() for _ in range(8)))  # multiplexed over TLS
             assert "tiers" in await client.stats()
@@ -159,16 +172,22 @@ def test_the_client_library_speaks_tls_to_the_tcp_plane(
     # (typed, not retried until the timeout)
     started = time.monotonic()
     with pytest.raises(AuthError, match="not trusted"):
-        Client(address, token="admin-secret", timeout=10, reconnect=False,
-               tls=ClientTLS(ca_file=str(ca_file), server_name="elsewhere.example"))
+        Client(
+            address,
+            token="admin-secret",
+            timeout=10,
+            reconnect=False,
+            tls=ClientTLS(ca_file=str(ca_file), server_name="elsewhere.example"),
+        )
     other = tmp_path / "other-ca.pem"
     CA("another CA").write(other)
     with pytest.raises(AuthError, match="not trusted"):
         Client(address, timeout=10, reconnect=False, tls=ClientTLS(ca_file=str(other)))
 
     async def async_untrusted() -> None:
-        await AsyncClient.connect(address, timeout=10, reconnect=False,
-                                  tls=ClientTLS(ca_file=str(other)))
+        await AsyncClient.connect(
+            address, timeout=10, reconnect=False, tls=ClientTLS(ca_file=str(other))
+        )
 
     with pytest.raises(AuthError, match="not trusted"):
         asyncio.run(async_untrusted())
@@ -176,24 +195,28 @@ def test_the_client_library_speaks_tls_to_the_tcp_plane(
 
 
 def test_with_a_client_ca_the_client_library_needs_its_certificate(
-        start_daemon, tmp_path: Path, ca: tuple[CA, Path]) -> None:
+    start_daemon, tmp_path: Path, ca: tuple[CA, Path]
+) -> None:
     """Mutual TLS on the TCP plane: the client's certificate (and key, here in the same
     file) gets it in; none, or one from another CA, is an AuthError at once."""
     authority, ca_file = ca
-    cert, client_cert, foreign = (tmp_path / name for name in
-                                  ("server.pem", "client.pem", "foreign.pem"))
+    cert, client_cert, foreign = (
+        tmp_path / name for name in ("server.pem", "client.pem", "foreign.pem")
+    )
     authority.issue(cert, "node-a")
     authority.issue(client_cert, "tool", server=False)
     CA("another CA").issue(foreign, "intruder", server=False)
-    daemon = start_daemon(f"security.tls_cert_file={cert}", "tcp.port=0",
-                          f"security.tls_client_ca_file={ca_file}")
+    daemon = start_daemon(
+        f"security.tls_cert_file={cert}", "tcp.port=0", f"security.tls_client_ca_file={ca_file}"
+    )
     address = ("127.0.0.1", daemon.info["tcp_port"])
-    with Client(address, tls=ClientTLS(ca_file=str(ca_file),
-                                       cert_file=str(client_cert))) as remote:
+    with Client(address, tls=ClientTLS(ca_file=str(ca_file), cert_file=str(client_cert))) as remote:
         remote.ping()
     started = time.monotonic()
-    for tls in (ClientTLS(ca_file=str(ca_file)),
-                ClientTLS(ca_file=str(ca_file), cert_file=str(foreign))):
+    for tls in (
+        ClientTLS(ca_file=str(ca_file)),
+        ClientTLS(ca_file=str(ca_file), cert_file=str(foreign)),
+    ):
         with pytest.raises(AuthError, match="refuses this client.s certificate"):
             Client(address, timeout=10, reconnect=False, tls=tls)
     assert time.monotonic() - started < 5

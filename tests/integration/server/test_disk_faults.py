@@ -27,13 +27,18 @@ from kvfabric.spec import KVSpec, Namespace
 SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
 NS = Namespace("disk-faults", SPEC, tenant_salt="t")
 CHUNK = SPEC.chunk_bytes  # 16 KiB
-SPILLING = ["store.tiers.dram.capacity=512KiB", "store.tiers.dram.page_size=16KiB",
-            "store.tiers.ssd.capacity=64MiB", "store.maintenance_interval_s=0.1"]
+SPILLING = [
+    "store.tiers.dram.capacity=512KiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=64MiB",
+    "store.maintenance_interval_s=0.1",
+]
 
 
 def payload(key: bytes) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, CHUNK, dtype=np.uint8)
+        0, 256, CHUNK, dtype=np.uint8
+    )
 
 
 def put_fresh(client: Client, n: int) -> dict[bytes, bytes]:
@@ -46,8 +51,11 @@ def put_fresh(client: Client, n: int) -> dict[bytes, bytes]:
 
 
 def on_ssd(client: Client, keys: list[bytes]) -> set[bytes]:
-    return {key for key in keys
-            if client.lookup(NS, keys=[key]).tier_tokens == {"ssd": SPEC.chunk_tokens}}
+    return {
+        key
+        for key in keys
+        if client.lookup(NS, keys=[key]).tier_tokens == {"ssd": SPEC.chunk_tokens}
+    }
 
 
 def http(daemon: Any, path: str, method: str = "GET") -> tuple[int, Any]:
@@ -79,8 +87,12 @@ def test_daemon_on_a_full_disk_degrades_and_recovers(start_daemon, tmp_path: Pat
     data_dir.mkdir()
     with tmpfs(data_dir / "disk", size="8m", inodes=64) as fs:
         # a 64 MiB tier on an 8 MiB filesystem on purpose: the disk is meant to fill up
-        daemon = start_daemon(*SPILLING, "store.tiers.ssd.path=disk/ssd",
-                              "store.allow_overcommit=true", data_dir=data_dir)
+        daemon = start_daemon(
+            *SPILLING,
+            "store.tiers.ssd.path=disk/ssd",
+            "store.allow_overcommit=true",
+            data_dir=data_dir,
+        )
         segments = fs / "ssd"
         with Client(daemon.socket) as client:
             preloaded = put_fresh(client, 64)  # 1 MiB into 512 KiB of DRAM
@@ -102,8 +114,11 @@ def test_daemon_on_a_full_disk_degrades_and_recovers(start_daemon, tmp_path: Pat
             assert ssd["objects"] == len(ssd_resident) and ssd["evictions"] == 0
             metrics = http(daemon, "/metrics")[1]
             assert 'kvfabric_tier_degraded{tier="ssd"} 1.0' in metrics
-            assert re.search(r'kvfabric_tier_disk_errors_total\{errno="ENOSPC",tier="ssd"\} '
-                             r'[1-9]', metrics)
+            assert re.search(
+                r'kvfabric_tier_disk_errors_total\{errno="ENOSPC",tier="ssd"\} '
+                r"[1-9]",
+                metrics,
+            )
 
             # exact accounting: what the segment files hold; no id burned per attempt
             ids = sorted(int(p.name[4:12]) for p in segments.glob("seg-*.kvf"))
@@ -117,8 +132,9 @@ def test_daemon_on_a_full_disk_degrades_and_recovers(start_daemon, tmp_path: Pat
             assert "Traceback" not in log, log
 
             os.unlink(filler)  # space returns: the tier recovers by itself
-            eventually(lambda: http(daemon, "/healthz")[1]["status"] == "ok", 15,
-                       "the SSD tier recovering")
+            eventually(
+                lambda: http(daemon, "/healthz")[1]["status"] == "ok", 15, "the SSD tier recovering"
+            )
             assert http(daemon, "/readyz")[1]["status"] == "ready"
             newer = put_fresh(client, 64)
             assert http(daemon, "/v1/admin/flush", "POST")[0] == 200

@@ -22,8 +22,12 @@ from kvfabric.spec import KVSpec, Namespace
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=4, head_dim=32, dtype="float8_e4m3", chunk_tokens=32)
 NS = Namespace("fp8-daemon", SPEC)
-SMALL = ["store.tiers.dram.capacity=8MiB", "store.tiers.dram.page_size=16KiB",
-         "store.tiers.ssd.capacity=64MiB", "store.tiers.ssd.format=fp8"]
+SMALL = [
+    "store.tiers.dram.capacity=8MiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=64MiB",
+    "store.tiers.ssd.format=fp8",
+]
 
 
 def kv(seed: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
@@ -34,9 +38,15 @@ def kv(seed: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
 
 def within_bound(got: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> bool:
     """Every layer of ``got`` within the documented bound of the original ``x``."""
-    return all(bool(((got[i].double() - x[i].double()).abs()
-                     <= fp8.error_bound(x[i], fp8.compute_scales(x[i]), dtype)).all())
-               for i in range(x.shape[0]))
+    return all(
+        bool(
+            (
+                (got[i].double() - x[i].double()).abs()
+                <= fp8.error_bound(x[i], fp8.compute_scales(x[i]), dtype)
+            ).all()
+        )
+        for i in range(x.shape[0])
+    )
 
 
 @pytest.fixture
@@ -50,8 +60,9 @@ def test_put_quantized_get_converted(daemon, source: torch.dtype) -> None:
     data = [kv(i, ref.num_tokens, source) for i, ref in enumerate(refs)]
     with Client(daemon.socket) as producer:
         for ref, chunk in zip(refs, data):
-            with producer.reserve(NS, ref.key, parent=ref.parent,
-                                  num_tokens=ref.num_tokens) as writer:
+            with producer.reserve(
+                NS, ref.key, parent=ref.parent, num_tokens=ref.num_tokens
+            ) as writer:
                 assert writer.nbytes == SPEC.layout(ref.num_tokens).nbytes
                 for layer in range(4):
                     write_layer(writer, layer, chunk[layer])
@@ -64,8 +75,10 @@ def test_put_quantized_get_converted(daemon, source: torch.dtype) -> None:
                     got = read_payload(reader, dtype=dtype)
                     assert got.dtype == dtype
                     assert within_bound(got, chunk, dtype)
-                    assert torch.equal(got, torch.stack(
-                        [fp8.dequantize(*fp8.quantize(x), dtype=dtype) for x in chunk]))
+                    assert torch.equal(
+                        got,
+                        torch.stack([fp8.dequantize(*fp8.quantize(x), dtype=dtype) for x in chunk]),
+                    )
                 part = read_layer(reader, 1, heads=(2, 4), dtype=torch.float32)
                 assert torch.equal(part, read_payload(reader, dtype=torch.float32)[1, :, 2:4])
             # the consumer's dtype and heads in the get request: the daemon accepts them
@@ -87,8 +100,10 @@ def test_tensor_parallel_ranks_put_their_heads_a_consumer_reads_another_split(da
     one = chunk_hashes(single, list(range(32)))[0]
     data = kv(7, 32, torch.bfloat16)
     with Client(daemon.socket) as rank0, Client(daemon.socket) as rank1:
-        writers = [rank0.reserve(NS, ref.key, parent=ref.parent, heads=(0, 2)),
-                   rank1.reserve(NS, ref.key, parent=ref.parent, heads=(2, 4))]
+        writers = [
+            rank0.reserve(NS, ref.key, parent=ref.parent, heads=(0, 2)),
+            rank1.reserve(NS, ref.key, parent=ref.parent, heads=(2, 4)),
+        ]
         for layer in range(4):
             for writer, (a, b) in zip(writers, [(0, 2), (2, 4)]):
                 write_layer(writer, layer, data[layer, :, a:b])
@@ -103,7 +118,7 @@ def test_tensor_parallel_ranks_put_their_heads_a_consumer_reads_another_split(da
             full = read_payload(whole, dtype=torch.bfloat16)
             for head in range(4):
                 got = read_payload(split, heads=(head, head + 1), dtype=torch.bfloat16)
-                assert torch.equal(got, full[:, :, head:head + 1])
+                assert torch.equal(got, full[:, :, head : head + 1])
                 pieces = split.layer_pieces(0, (head, head + 1))
                 raw = np.concatenate([np.asarray(p) for p in pieces])
                 assert raw.nbytes == 2 * (4 + 32 * 32)  # its values and scales only

@@ -28,11 +28,19 @@ def daemon(start_module_daemon):
 @pytest.fixture(scope="module")
 def stored(daemon) -> tuple[list, torch.Tensor]:
     refs = chunk_hashes(NS, list(range(2 * SPEC.chunk_tokens)))
-    kv = torch.randn(len(refs), SPEC.num_layers, 2, 4, SPEC.chunk_tokens, 16,
-                     generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    kv = torch.randn(
+        len(refs),
+        SPEC.num_layers,
+        2,
+        4,
+        SPEC.chunk_tokens,
+        16,
+        generator=torch.Generator().manual_seed(7),
+    ).to(torch.bfloat16)
     with Client(daemon.socket) as client:
-        client.put_many(NS, refs, [chunk.contiguous().view(torch.uint8).numpy().reshape(-1)
-                                   for chunk in kv])
+        client.put_many(
+            NS, refs, [chunk.contiguous().view(torch.uint8).numpy().reshape(-1) for chunk in kv]
+        )
     return refs, kv
 
 
@@ -51,8 +59,10 @@ def conversions_counted(daemon) -> dict[tuple[str, str], float]:
 
 def test_a_read_that_changes_nothing_is_a_view_of_the_pinned_pages(daemon, stored) -> None:
     refs, kv = stored
-    with Client(daemon.socket) as client, client.get(NS, refs[0].key,
-                                                     want=ReadSpec(dtype="bf16")) as reader:
+    with (
+        Client(daemon.socket) as client,
+        client.get(NS, refs[0].key, want=ReadSpec(dtype="bf16")) as reader,
+    ):
         layer = read_layer_as(reader, 1)
         assert torch.equal(layer, kv[0, 1])
         pages = reader.layer_pieces(1)[0]
@@ -79,7 +89,8 @@ def test_a_tensor_parallel_fp32_token_major_read_is_exact(daemon, stored) -> Non
 
 
 def test_a_spec_the_namespace_cannot_serve_is_refused_before_anything_is_pinned(
-        daemon, stored) -> None:
+    daemon, stored
+) -> None:
     refs, kv = stored
     with Client(daemon.socket) as client:
         with pytest.raises(SpecError, match="outside"):
@@ -87,11 +98,16 @@ def test_a_spec_the_namespace_cannot_serve_is_refused_before_anything_is_pinned(
         # the same through the raw protocol: the daemon checks it too, and stays up
         from kvfabric.protocol.messages import Op, encode_namespace
 
-        for want in ({"heads": [3, 8]}, {"dtype": "int4"}, {"layout": "sideways"}, [1, 2],
-                     {"heads": [0, 1], "extra": 1}):
+        for want in (
+            {"heads": [3, 8]},
+            {"dtype": "int4"},
+            {"layout": "sideways"},
+            [1, 2],
+            {"heads": [0, 1], "extra": 1},
+        ):
             with pytest.raises(SpecError):
-                client._call(Op.GET, {"ns": encode_namespace(NS), "key": refs[0].key,
-                                      "want": want})
+                client._call(Op.GET, {"ns": encode_namespace(NS), "key": refs[0].key, "want": want})
         with client.get(NS, refs[0].key) as reader:  # data intact
-            assert np.array_equal(reader.to_bytes(),
-                                  kv[0].contiguous().view(torch.uint8).numpy().tobytes())
+            assert np.array_equal(
+                reader.to_bytes(), kv[0].contiguous().view(torch.uint8).numpy().tobytes()
+            )

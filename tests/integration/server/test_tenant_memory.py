@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvfabric.client import Client
-from kvfabric.errors import ForbiddenError, QuotaExceededError
+from kvfabric.errors import QuotaExceededError
 from kvfabric.hashing import chunk_keys
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
 from kvfabric.protocol.messages import Op, request
@@ -28,10 +28,12 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", chunk_
 CHUNK = SPEC.chunk_bytes  # 16 KiB
 NS_A = Namespace("m", SPEC, tenant_salt="team-a")
 NS_B = Namespace("m", SPEC, tenant_salt="team-b")
-AUTH = [f"auth.token={ADMIN}", f"auth.tenants.{TOKEN_A}=team-a",
-        f"auth.tenants.{TOKEN_B}=team-b"]
-SMALL = ["store.tiers.dram.capacity=512KiB", "store.tiers.dram.page_size=4KiB",
-         "store.tiers.ssd.capacity=16MiB"]
+AUTH = [f"auth.token={ADMIN}", f"auth.tenants.{TOKEN_A}=team-a", f"auth.tenants.{TOKEN_B}=team-b"]
+SMALL = [
+    "store.tiers.dram.capacity=512KiB",
+    "store.tiers.dram.page_size=4KiB",
+    "store.tiers.ssd.capacity=16MiB",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +45,8 @@ def payload(key: bytes, fill: int | None = None) -> np.ndarray:
     if fill is not None:
         return np.full(CHUNK, fill, dtype=np.uint8)
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, CHUNK, dtype=np.uint8)
+        0, 256, CHUNK, dtype=np.uint8
+    )
 
 
 def keys(ns: Namespace, n: int, start: int = 0) -> list[bytes]:
@@ -61,7 +64,7 @@ def hello_with_fds(path: str, args: dict) -> tuple[dict, list[int], socket.socke
         data, ancdata, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(253 * 4))
         for level, kind, cdata in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(array("i", cdata[:len(cdata) - len(cdata) % 4]))
+                fds.extend(array("i", cdata[: len(cdata) - len(cdata) % 4]))
         assert data, "closed during hello"
         for message in decoder.feed(data):
             assert message["ok"], message
@@ -84,8 +87,9 @@ def test_a_tenant_gets_no_descriptor_that_reaches_another_tenants_bytes(start_da
         try:
             assert fds and all(arena["tier"] == "dram" for arena in hello["arenas"])
             for fd in fds:
-                region = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED,
-                                   mmap.PROT_READ | mmap.PROT_WRITE)
+                region = mmap.mmap(
+                    fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+                )
                 content = bytes(region)
                 assert not any(payload(key).tobytes()[:256] in content for key in b_keys)
                 region[:] = b"\xa5" * len(region)  # scribble over everything it can reach
@@ -144,15 +148,17 @@ def test_a_read_only_session_maps_read_only_and_cannot_reserve(start_daemon) -> 
         assert [arena["writable"] for arena in hello["arenas"]] == [False]
         for fd in fds:
             with pytest.raises(PermissionError):
-                mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED,
-                          mmap.PROT_READ | mmap.PROT_WRITE)
+                mmap.mmap(
+                    fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+                )
             with pytest.raises(OSError):
                 os.write(fd, b"x")
             region = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ)
             assert payload(key).tobytes()[:256] in bytes(region)
             region.close()
-        sock.sendall(encode_frame(request(2, Op.RESERVE, {"ns": _wire(NS_A),
-                                                         "key": keys(NS_A, 1, 99)[0]})))
+        sock.sendall(
+            encode_frame(request(2, Op.RESERVE, {"ns": _wire(NS_A), "key": keys(NS_A, 1, 99)[0]}))
+        )
         decoder = FrameDecoder()
         replies: list = []
         while not replies:
@@ -166,6 +172,7 @@ def test_a_read_only_session_maps_read_only_and_cannot_reserve(start_daemon) -> 
 
 def _wire(ns: Namespace) -> dict:
     from kvfabric.protocol.messages import encode_namespace
+
     return encode_namespace(ns)
 
 
@@ -174,9 +181,14 @@ def test_a_writer_frozen_past_its_lease_cannot_corrupt_other_objects(start_daemo
     and handed to other objects while the frozen writer still held its mapping; when it
     resumed writing, another client's chunk was served with its bytes (1 of 16 wrong).
     Now the pages stay quarantined until the writer's session ends."""
-    daemon = start_daemon(*AUTH, "store.tiers.dram.capacity=160KiB",
-                          "store.tiers.dram.page_size=4KiB", "store.tiers.ssd.capacity=16MiB",
-                          "store.reservation_timeout_s=0.5", "store.maintenance_interval_s=0.05")
+    daemon = start_daemon(
+        *AUTH,
+        "store.tiers.dram.capacity=160KiB",
+        "store.tiers.dram.page_size=4KiB",
+        "store.tiers.ssd.capacity=16MiB",
+        "store.reservation_timeout_s=0.5",
+        "store.maintenance_interval_s=0.05",
+    )
     frozen_client = Client(daemon.socket, token=TOKEN_A)
     try:
         writer = frozen_client.reserve(NS_A, keys(NS_A, 1)[0])
@@ -213,7 +225,7 @@ def test_one_tenant_cannot_starve_another_of_dram(start_daemon) -> None:
         for key in keys(NS_B, 200, 10_000):
             try:
                 b.put(NS_B, key, payload(key))
-            except Exception:  # noqa: BLE001 - counted: every one must succeed
+            except Exception:
                 failed += 1
         assert failed == 0
         for writer in held:
@@ -264,8 +276,7 @@ def memory_mb(pid: int) -> float:
     """What the daemon holds: its anonymous RSS plus the memory of its arenas (the memfds'
     blocks: pages clients wrote are in them, though never in the daemon's own RSS)."""
     with open(f"/proc/{pid}/status") as status:
-        anon = next(int(line.split()[1]) * 1024 for line in status
-                    if line.startswith("RssAnon:"))
+        anon = next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
     arenas: dict[int, int] = {}  # by inode: an arena has several descriptors
     for fd in os.listdir(f"/proc/{pid}/fd"):
         path = f"/proc/{pid}/fd/{fd}"
@@ -282,13 +293,20 @@ def test_rss_comes_back_after_evicting_everything(start_daemon) -> None:
     """Regression: on the old code the daemon's memory stayed at its peak after an
     evict-all (44 -> 172 MB for 45,768 objects): freed arena pages kept their memory for
     good, and the index's tables their peak size."""
-    daemon = start_daemon("store.tiers.dram.capacity=256MiB", "store.tiers.dram.page_size=4KiB",
-                          "store.tiers.ssd.capacity=16MiB", "store.persist_on_close=false",
-                          "store.maintenance_interval_s=0.1", "store.high_watermark=1.0",
-                          "store.low_watermark=1.0", "store.free_memory_kept=0.05")
+    daemon = start_daemon(
+        "store.tiers.dram.capacity=256MiB",
+        "store.tiers.dram.page_size=4KiB",
+        "store.tiers.ssd.capacity=16MiB",
+        "store.persist_on_close=false",
+        "store.maintenance_interval_s=0.1",
+        "store.high_watermark=1.0",
+        "store.low_watermark=1.0",
+        "store.free_memory_kept=0.05",
+    )
     pid = daemon.proc.pid
-    spec = KVSpec(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float16",
-                  chunk_tokens=64)  # 128 KiB chunks
+    spec = KVSpec(
+        num_layers=2, num_kv_heads=4, head_dim=64, dtype="float16", chunk_tokens=64
+    )  # 128 KiB chunks
     ns = Namespace("rss", spec)
     data = np.ones(spec.chunk_bytes, dtype=np.uint8)
     with Client(daemon.socket) as client:

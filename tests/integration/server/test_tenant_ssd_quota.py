@@ -19,10 +19,15 @@ RECORD = CHUNK + 4096  # an SSD record: a header page, then the payload
 SSD = 2 << 20  # 102 records
 NS_A = Namespace("m", SPEC, tenant_salt="team-a")
 NS_B = Namespace("m", SPEC, tenant_salt="team-b")
-SETTINGS = [f"auth.token={ADMIN}", f"auth.tenants.{TOKEN_A}=team-a",
-            f"auth.tenants.{TOKEN_B}=team-b",
-            "store.tiers.dram.capacity=256KiB", "store.tiers.dram.page_size=4KiB",
-            f"store.tiers.ssd.capacity={SSD}", "store.tiers.ssd.segment_bytes=256KiB"]
+SETTINGS = [
+    f"auth.token={ADMIN}",
+    f"auth.tenants.{TOKEN_A}=team-a",
+    f"auth.tenants.{TOKEN_B}=team-b",
+    "store.tiers.dram.capacity=256KiB",
+    "store.tiers.dram.page_size=4KiB",
+    f"store.tiers.ssd.capacity={SSD}",
+    "store.tiers.ssd.segment_bytes=256KiB",
+]
 QUOTA = "store.quotas.team-a.ssd=25%"
 
 
@@ -33,8 +38,10 @@ def no_token_in_env(monkeypatch) -> None:
 
 def prompts(ns: Namespace, n: int, start: int = 0) -> list[bytes]:
     """Keys of ``n`` one-chunk prompts (each its own chain: an SSD leaf once there)."""
-    return [chunk_keys(ns, list(range(i * 100, i * 100 + SPEC.chunk_tokens)))[0]
-            for i in range(start, start + n)]
+    return [
+        chunk_keys(ns, list(range(i * 100, i * 100 + SPEC.chunk_tokens)))[0]
+        for i in range(start, start + n)
+    ]
 
 
 def payload(key: bytes) -> bytes:
@@ -43,8 +50,10 @@ def payload(key: bytes) -> bytes:
 
 def ssd_stats(daemon) -> dict:
     headers = {"Authorization": f"Bearer {ADMIN}"}
-    assert httpx.post(f"{daemon.http_url}/v1/admin/flush", headers=headers,
-                      timeout=60).status_code == 200
+    assert (
+        httpx.post(f"{daemon.http_url}/v1/admin/flush", headers=headers, timeout=60).status_code
+        == 200
+    )
     stats = httpx.get(f"{daemon.http_url}/v1/stats", headers=headers, timeout=10).json()
     return next(tier for tier in stats["tiers"] if tier["name"] == "ssd")
 
@@ -90,10 +99,13 @@ def test_a_tenant_flooding_the_ssd_leaves_anothers_ssd_objects_alone(start_daemo
             with b.get(NS_B, key) as reader:
                 assert reader.to_bytes() == payload(key)
     samples = scrape(daemon.http_url, ADMIN)
-    assert sample(samples, "kvfabric_tier_tenant_used_bytes", tier="ssd",
-                  tenant="team-b") == 20 * RECORD
-    assert 0 < sample(samples, "kvfabric_tier_tenant_used_bytes", tier="dram",
-                      tenant="team-b")  # B's chunks just read back (their records stay)
+    assert (
+        sample(samples, "kvfabric_tier_tenant_used_bytes", tier="ssd", tenant="team-b")
+        == 20 * RECORD
+    )
+    assert (
+        sample(samples, "kvfabric_tier_tenant_used_bytes", tier="dram", tenant="team-b") > 0
+    )  # B's chunks just read back (their records stay)
     assert daemon.stop() == 0  # writes memory down to SSD first (A's within its quota)
 
     daemon = start_daemon(*SETTINGS, QUOTA, data_dir=daemon.data_dir)
@@ -102,8 +114,12 @@ def test_a_tenant_flooding_the_ssd_leaves_anothers_ssd_objects_alone(start_daemo
     assert ssd["tenant_bytes"]["team-a"] <= SSD // 4  # with A's DRAM chunks written at stop
     with Client(daemon.socket, token=TOKEN_B) as b:
         assert all(b.contains(NS_B, b_keys))
-    evicted = httpx.post(f"{daemon.http_url}/v1/admin/evict", json={}, timeout=60,
-                         headers={"Authorization": f"Bearer {ADMIN}"})
+    evicted = httpx.post(
+        f"{daemon.http_url}/v1/admin/evict",
+        json={},
+        timeout=60,
+        headers={"Authorization": f"Bearer {ADMIN}"},
+    )
     assert evicted.status_code == 200 and evicted.json()["evicted"] >= 20
     ssd = ssd_stats(daemon)  # a charge the restart got wrong would show here (or go < 0)
     assert ssd["tenant_bytes"] == {"team-a": 0, "team-b": 0} and ssd["objects"] == 0

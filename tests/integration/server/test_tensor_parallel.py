@@ -25,8 +25,12 @@ def chain(tenant: str) -> tuple[Namespace, list, list[np.ndarray]]:
     ns = Namespace("tp-model", SPEC, tenant_salt=tenant)
     refs = chunk_hashes(ns, list(range(3 * SPEC.chunk_tokens - 5)))  # last chunk partial
     rng = np.random.default_rng(len(tenant))
-    data = [rng.integers(0, 256, SPEC.layout(r.num_tokens).nbytes, dtype=np.uint8)
-            .reshape(SPEC.num_layers, 2, SPEC.num_kv_heads, -1) for r in refs]
+    data = [
+        rng.integers(0, 256, SPEC.layout(r.num_tokens).nbytes, dtype=np.uint8).reshape(
+            SPEC.num_layers, 2, SPEC.num_kv_heads, -1
+        )
+        for r in refs
+    ]
     return ns, refs, data
 
 
@@ -37,8 +41,7 @@ def head_ranges(parts: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("producers", SPLITS)
 @pytest.mark.parametrize("consumers", SPLITS)
-def test_every_tp_split_matches_a_single_rank_write(daemon, producers: int,
-                                                    consumers: int) -> None:
+def test_every_tp_split_matches_a_single_rank_write(daemon, producers: int, consumers: int) -> None:
     ns, refs, data = chain(f"split-{producers}-{consumers}")
     single_ns, _, _ = chain(f"single-{producers}-{consumers}")
     single_refs = chunk_hashes(single_ns, list(range(3 * SPEC.chunk_tokens - 5)))
@@ -46,8 +49,9 @@ def test_every_tp_split_matches_a_single_rank_write(daemon, producers: int,
         one.put_many(single_ns, single_refs, [d.reshape(-1) for d in data])
     ranks = [Client(daemon.socket) for _ in range(producers)]
     try:
-        writers = [rank.reserve_many(ns, refs, heads=h)
-                   for rank, h in zip(ranks, head_ranges(producers))]
+        writers = [
+            rank.reserve_many(ns, refs, heads=h) for rank, h in zip(ranks, head_ranges(producers))
+        ]
         for layer in range(SPEC.num_layers):  # ranks interleave, as they would in a step
             for rank, rank_writers, (start, end) in zip(ranks, writers, head_ranges(producers)):
                 for writer, chunk in zip(rank_writers, data):

@@ -49,19 +49,32 @@ SGLANG_VERSION = "0.5.23"
 WHEEL_ENV = "KVFABRIC_SGLANG_WHEEL"
 DEFAULT_WHEEL_DIR = ROOT / ".venv" / "wheels"
 CACHE_DIR = ROOT / ".venv" / "sglang-storage"
-IMPORTED = ("sglang/srt/environ.py", "sglang/srt/mem_cache/hicache_storage.py",
-            "sglang/srt/mem_cache/storage/__init__.py",
-            "sglang/srt/mem_cache/storage/backend_factory.py")
+IMPORTED = (
+    "sglang/srt/environ.py",
+    "sglang/srt/mem_cache/hicache_storage.py",
+    "sglang/srt/mem_cache/storage/__init__.py",
+    "sglang/srt/mem_cache/storage/backend_factory.py",
+)
 METRICS = "sglang/srt/observability/metrics_collector.py"
-POOL_SOURCES = {"mha": ("sglang/srt/mem_cache/pool_host/mha.py", "MHATokenToKVPoolHost",
-                        ("get_data_page", "get_dummy_flat_data_page",
-                         "set_from_flat_data_page")),
-                "mla": ("sglang/srt/mem_cache/pool_host/mla.py", "MLATokenToKVPoolHost",
-                        ("_storage_page_index", "get_data_page", "get_dummy_flat_data_page",
-                         "set_from_flat_data_page"))}
+POOL_SOURCES = {
+    "mha": (
+        "sglang/srt/mem_cache/pool_host/mha.py",
+        "MHATokenToKVPoolHost",
+        ("get_data_page", "get_dummy_flat_data_page", "set_from_flat_data_page"),
+    ),
+    "mla": (
+        "sglang/srt/mem_cache/pool_host/mla.py",
+        "MLATokenToKVPoolHost",
+        (
+            "_storage_page_index",
+            "get_data_page",
+            "get_dummy_flat_data_page",
+            "set_from_flat_data_page",
+        ),
+    ),
+}
 
-PROVIDE = (f".venv/bin/python -m pip download --no-deps sglang=={SGLANG_VERSION} "
-           f"-d .venv/wheels")
+PROVIDE = f".venv/bin/python -m pip download --no-deps sglang=={SGLANG_VERSION} -d .venv/wheels"
 
 
 def find_wheel() -> Path:
@@ -71,9 +84,11 @@ def find_wheel() -> Path:
         return where
     found = sorted(where.glob(f"sglang-{SGLANG_VERSION}-*.whl")) if where.is_dir() else []
     if not found:
-        pytest.fail(f"the SGLang wheel is missing (looked for sglang-{SGLANG_VERSION}-*.whl "
-                    f"in {where}); provide it with `{PROVIDE}` or point ${WHEEL_ENV} at it",
-                    pytrace=False)
+        pytest.fail(
+            f"the SGLang wheel is missing (looked for sglang-{SGLANG_VERSION}-*.whl "
+            f"in {where}); provide it with `{PROVIDE}` or point ${WHEEL_ENV} at it",
+            pytrace=False,
+        )
     return found[-1]
 
 
@@ -88,11 +103,12 @@ def _class_methods(source: str, class_name: str, names: tuple[str, ...]) -> dict
 
 def _storage_metrics_module(source: str) -> str:
     tree = ast.parse(source)
-    cls = next(n for n in tree.body
-               if isinstance(n, ast.ClassDef) and n.name == "StorageMetrics")
-    return ("# Only StorageMetrics of the wheel's metrics_collector.py (see the conftest of "
-            "tests/integration/sglang).\nfrom dataclasses import dataclass, field\n"
-            "from typing import List\n\n\n" + ast.unparse(cls) + "\n")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StorageMetrics")
+    return (
+        "# Only StorageMetrics of the wheel's metrics_collector.py (see the conftest of "
+        "tests/integration/sglang).\nfrom dataclasses import dataclass, field\n"
+        "from typing import List\n\n\n" + ast.unparse(cls) + "\n"
+    )
 
 
 def unpack(wheel: Path) -> Path:
@@ -136,21 +152,28 @@ def sglang_storage() -> Any:
     """``sglang.srt.mem_cache.hicache_storage`` from the wheel."""
     sglang_dir()
     import sglang.srt.mem_cache.hicache_storage as module
+
     return module
 
 
 @pytest.fixture(scope="session")
 def storage_factory(sglang_storage: Any) -> Any:
     from sglang.srt.mem_cache.storage import StorageBackendFactory
+
     return StorageBackendFactory
 
 
 def _pool_methods(kind: str) -> dict[str, Callable[..., Any]]:
     source = (sglang_dir() / f"pool_methods_{kind}.py").read_text()
     namespace: dict[str, Any] = {"torch": torch}
-    code = compile(source, f"<sglang {POOL_SOURCES[kind][0]}>", "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
-    exec(code, namespace)  # noqa: S102 (SGLang's own pool methods, from the wheel)
+    code = compile(
+        source,
+        f"<sglang {POOL_SOURCES[kind][0]}>",
+        "exec",
+        flags=__future__.annotations.compiler_flag,
+        dont_inherit=True,
+    )
+    exec(code, namespace)
     return {name: namespace[name] for name in POOL_SOURCES[kind][2]}
 
 
@@ -166,24 +189,41 @@ class HostPool:
     pin_memory = False
     dcp_size = 1
 
-    def __init__(self, *, layout: str, mla: bool = False, layer_num: int = 3,
-                 head_num: int = 2, head_dim: int = 16, page_size: int = 4,
-                 pages: int = 16, dtype: torch.dtype = torch.bfloat16) -> None:
-        self.layout, self.layer_num, self.page_size, self.dtype = layout, layer_num, \
-            page_size, dtype
+    def __init__(
+        self,
+        *,
+        layout: str,
+        mla: bool = False,
+        layer_num: int = 3,
+        head_num: int = 2,
+        head_dim: int = 16,
+        page_size: int = 4,
+        pages: int = 16,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        self.layout, self.layer_num, self.page_size, self.dtype = (
+            layout,
+            layer_num,
+            page_size,
+            dtype,
+        )
         self.size, self.page_num = pages * page_size, pages
         self.logical_page_size, self.logical_size = page_size, self.size
         if mla:
             self.kv_cache_dim = head_dim
-            dims = {"layer_first": (layer_num, self.size, 1, head_dim),
-                    "page_first": (self.size, layer_num, 1, head_dim),
-                    "page_first_direct": (pages, layer_num, page_size, 1, head_dim)}
+            dims = {
+                "layer_first": (layer_num, self.size, 1, head_dim),
+                "page_first": (self.size, layer_num, 1, head_dim),
+                "page_first_direct": (pages, layer_num, page_size, 1, head_dim),
+            }
         else:
             self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, head_dim
-            dims = {"layer_first": (2, layer_num, self.size, head_num, head_dim),
-                    "page_first": (2, self.size, layer_num, head_num, head_dim),
-                    "page_first_direct": (2, pages, layer_num, page_size, head_num, head_dim),
-                    "page_head": (2, pages, head_num, page_size, layer_num, head_dim)}
+            dims = {
+                "layer_first": (2, layer_num, self.size, head_num, head_dim),
+                "page_first": (2, self.size, layer_num, head_num, head_dim),
+                "page_first_direct": (2, pages, layer_num, page_size, head_num, head_dim),
+                "page_head": (2, pages, head_num, page_size, layer_num, head_dim),
+            }
         self.kv_buffer = torch.zeros(dims[layout], dtype=dtype)
         for name, method in _pool_methods("mla" if mla else "mha").items():
             setattr(self, name, method.__get__(self))
@@ -198,15 +238,16 @@ class HostPool:
 
     def host_indices(self, pages: list[int]) -> torch.Tensor:
         """The token slots of ``pages`` as SGLang's cache controller passes them."""
-        return torch.cat([torch.arange(p * self.page_size, (p + 1) * self.page_size)
-                          for p in pages]).to(torch.int64)
+        return torch.cat(
+            [torch.arange(p * self.page_size, (p + 1) * self.page_size) for p in pages]
+        ).to(torch.int64)
 
 
 def page_hashes(tokens: list[int], page_size: int, prior: str | None = None) -> list[str]:
     """Page keys shaped like SGLang's: a SHA-256 chain over each page's uint32 token ids."""
     out, digest = [], bytes.fromhex(prior) if prior else b""
     for start in range(0, len(tokens) - page_size + 1, page_size):
-        page = tokens[start:start + page_size]
+        page = tokens[start : start + page_size]
         digest = hashlib.sha256(digest + struct.pack(f"<{len(page)}I", *page)).digest()
         out.append(digest.hex())
     return out
@@ -229,17 +270,37 @@ def make_backend(sglang_storage: Any, storage_factory: Any) -> Any:
     made by SGLang's factory as its cache controller does."""
     made: list[Any] = []
 
-    def make(pool: HostPool, socket: str, *, tp_rank: int = 0, tp_size: int = 1,
-             model_name: str = "test-model", mla: bool = False, **extra: Any) -> Any:
+    def make(
+        pool: HostPool,
+        socket: str,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        model_name: str = "test-model",
+        mla: bool = False,
+        **extra: Any,
+    ) -> Any:
         config = sglang_storage.HiCacheStorageConfig(
-            tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-            attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=0,
+            pp_size=1,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            is_mla_model=mla,
+            enable_storage_metrics=True,
             is_page_first_layout=pool.layout.startswith("page_first"),
             model_name=model_name,
-            extra_config={"backend_name": "kvfabric",
-                          "module_path": "kvfabric_connectors.sglang",
-                          "class_name": "KVFabricHiCacheStorage", "interface_v1": 1,
-                          "socket_path": socket, "timeout_s": 5.0, **extra})
+            extra_config={
+                "backend_name": "kvfabric",
+                "module_path": "kvfabric_connectors.sglang",
+                "class_name": "KVFabricHiCacheStorage",
+                "interface_v1": 1,
+                "socket_path": socket,
+                "timeout_s": 5.0,
+                **extra,
+            },
+        )
         backend = storage_factory.create_backend("dynamic", config, pool)
         backend.register_mem_pool_host(pool)
         made.append(backend)

@@ -11,13 +11,22 @@ import torch
 
 # 4 KiB daemon pages and 3 KiB layers: layer 0 is one run of a page, layers 1 and 2 straddle
 # two pages, so both copy paths of every layout run.
-DAEMON = ("store.tiers.dram.capacity=16MiB", "store.tiers.dram.page_size=4KiB",
-          "store.tiers.ssd.capacity=32MiB")
+DAEMON = (
+    "store.tiers.dram.capacity=16MiB",
+    "store.tiers.dram.page_size=4KiB",
+    "store.tiers.ssd.capacity=32MiB",
+)
 GEOMETRY = {"layer_num": 3, "head_num": 2, "head_dim": 96, "page_size": 4}
 MLA_GEOMETRY = {"layer_num": 3, "head_dim": 192, "page_size": 4}
-LAYOUTS = [("mha", "layer_first"), ("mha", "page_first"), ("mha", "page_first_direct"),
-           ("mha", "page_head"), ("mla", "layer_first"), ("mla", "page_first"),
-           ("mla", "page_first_direct")]
+LAYOUTS = [
+    ("mha", "layer_first"),
+    ("mha", "page_first"),
+    ("mha", "page_first_direct"),
+    ("mha", "page_head"),
+    ("mla", "layer_first"),
+    ("mla", "page_first"),
+    ("mla", "page_first_direct"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,22 +42,23 @@ def _helpers(make_pool: Any, page_keys: Any) -> None:
 
 
 def pool(kind: str, layout: str, seed: int | None = None) -> Any:
-    made = HostPool(layout=layout, mla=kind == "mla",
-                    **(MLA_GEOMETRY if kind == "mla" else GEOMETRY))
+    made = HostPool(
+        layout=layout, mla=kind == "mla", **(MLA_GEOMETRY if kind == "mla" else GEOMETRY)
+    )
     if seed is not None:
         made.fill_random(seed)
     return made
 
 
 def keys_for(test: str, pages: int, page_size: int = 4) -> list[str]:
-    tokens = [(sum(map(ord, test)) * 7919 + i * 104729) & 0xFFFF
-              for i in range(pages * page_size)]
+    tokens = [(sum(map(ord, test)) * 7919 + i * 104729) & 0xFFFF for i in range(pages * page_size)]
     return page_hashes(tokens, page_size)
 
 
 @pytest.mark.parametrize("kind,layout", LAYOUTS)
-def test_zero_copy_round_trip_is_byte_exact(daemon: Any, make_backend: Any, kind: str,
-                                            layout: str) -> None:
+def test_zero_copy_round_trip_is_byte_exact(
+    daemon: Any, make_backend: Any, kind: str, layout: str
+) -> None:
     source, target = pool(kind, layout, seed=1), pool(kind, layout)
     keys = keys_for(f"v1-{kind}-{layout}", 3)
     writer = make_backend(source, daemon.socket, mla=kind == "mla")
@@ -61,22 +71,26 @@ def test_zero_copy_round_trip_is_byte_exact(daemon: Any, make_backend: Any, kind
 
 
 @pytest.mark.parametrize("kind,layout", LAYOUTS)
-def test_copying_round_trip_is_byte_exact(daemon: Any, make_backend: Any, kind: str,
-                                          layout: str) -> None:
+def test_copying_round_trip_is_byte_exact(
+    daemon: Any, make_backend: Any, kind: str, layout: str
+) -> None:
     source = pool(kind, layout, seed=2)
     keys = keys_for(f"copy-{kind}-{layout}", 2)
     backend = make_backend(source, daemon.socket, mla=kind == "mla")
     assert backend.batch_set(keys, [source.get_data_page(p * 4) for p in (1, 6)])
     pages = backend.batch_get(keys, [source.get_dummy_flat_data_page() for _ in keys])
-    assert [p.view(torch.uint8).numpy().tobytes() for p in pages] == \
-        [source.page_bytes(4), source.page_bytes(24)]
+    assert [p.view(torch.uint8).numpy().tobytes() for p in pages] == [
+        source.page_bytes(4),
+        source.page_bytes(24),
+    ]
     one = backend.get(keys[1], source.get_dummy_flat_data_page())
     assert one is not None and torch.equal(one, source.get_data_page(24))
     assert backend.set(keys[0], source.get_data_page(4))  # already held: still a success
 
 
 def test_set_with_a_target_location_stores_a_page_tensor_and_refuses_anything_else(
-        daemon: Any, make_backend: Any) -> None:
+    daemon: Any, make_backend: Any
+) -> None:
     """Regression: on the old code ``set(key, target_location=...)`` (SGLang's signature,
     the form its other backends take) raised ``'NoneType' object has no attribute 'dtype'``
     into SGLang instead of returning False as HiCacheStorage.set promises."""
@@ -97,32 +111,38 @@ def test_set_with_a_target_location_stores_a_page_tensor_and_refuses_anything_el
 
 
 def test_pages_are_shared_across_host_layouts_and_both_interfaces(
-        daemon: Any, make_backend: Any) -> None:
+    daemon: Any, make_backend: Any
+) -> None:
     keys = keys_for("cross-layout", 2)
     first = pool("mha", "layer_first", seed=3)
-    assert make_backend(first, daemon.socket).batch_set(
-        keys[:1], [first.get_data_page(8)])
-    assert make_backend(first, daemon.socket).batch_set_v1(
-        keys[1:], first.host_indices([9])) == [True]
+    assert make_backend(first, daemon.socket).batch_set(keys[:1], [first.get_data_page(8)])
+    assert make_backend(first, daemon.socket).batch_set_v1(keys[1:], first.host_indices([9])) == [
+        True
+    ]
     for layout in ("page_first", "page_first_direct", "page_head"):
         other = pool("mha", layout)
         backend = make_backend(other, daemon.socket)
         assert backend.batch_get_v1(keys, other.host_indices([3, 4])) == [True, True]
         from kvfabric_connectors.sglang.layout import PageLayout
+
         a, b = PageLayout.of_pool(first, False), PageLayout.of_pool(other, False)
         for src, dst in ((8, 12), (36, 16)):
-            assert torch.equal(a.canonical(first.get_data_page(src, flat=False)),
-                               b.canonical(other.get_data_page(dst, flat=False)))
+            assert torch.equal(
+                a.canonical(first.get_data_page(src, flat=False)),
+                b.canonical(other.get_data_page(dst, flat=False)),
+            )
 
 
 def test_batch_exists_counts_consecutive_hits_from_the_first_key(
-        daemon: Any, make_backend: Any) -> None:
+    daemon: Any, make_backend: Any
+) -> None:
     source = pool("mha", "page_first", seed=4)
     keys = keys_for("prefix", 6)
     backend = make_backend(source, daemon.socket)
     stored = [0, 1, 2, 4]
-    assert backend.batch_set_v1([keys[i] for i in stored], source.host_indices(stored)) == \
-        [True] * 4
+    assert (
+        backend.batch_set_v1([keys[i] for i in stored], source.host_indices(stored)) == [True] * 4
+    )
     assert backend.batch_exists(keys) == 3
     assert backend.batch_exists(keys[4:]) == 1
     assert backend.batch_exists([keys[3], keys[4]]) == 0
@@ -130,22 +150,27 @@ def test_batch_exists_counts_consecutive_hits_from_the_first_key(
     assert backend.exists(keys[2]) and not backend.exists(keys[5])
     target = pool("mha", "page_first")
     assert make_backend(target, daemon.socket).batch_get_v1(
-        keys[2:5], target.host_indices([0, 1, 2])) == [True, False, True]
+        keys[2:5], target.host_indices([0, 1, 2])
+    ) == [True, False, True]
 
 
 def test_tenants_and_tp_ranks_never_share_pages(daemon: Any, make_backend: Any) -> None:
     source = pool("mha", "layer_first", seed=5)
     keys = keys_for("separation", 2)
     indices = source.host_indices([0, 1])
-    assert make_backend(source, daemon.socket, cache_salt="team-a", tp_rank=0,
-                        tp_size=2).batch_set_v1(keys, indices) == [True, True]
-    same = make_backend(pool("mha", "layer_first"), daemon.socket, cache_salt="team-a",
-                        tp_rank=0, tp_size=2)
+    assert make_backend(
+        source, daemon.socket, cache_salt="team-a", tp_rank=0, tp_size=2
+    ).batch_set_v1(keys, indices) == [True, True]
+    same = make_backend(
+        pool("mha", "layer_first"), daemon.socket, cache_salt="team-a", tp_rank=0, tp_size=2
+    )
     assert same.batch_exists(keys) == 2
-    for other in ({"cache_salt": "team-b", "tp_rank": 0, "tp_size": 2},
-                  {"cache_salt": "team-a", "tp_rank": 1, "tp_size": 2},
-                  {"cache_salt": "team-a", "tp_rank": 0, "tp_size": 1},
-                  {"cache_salt": "team-a", "tp_rank": 0, "tp_size": 2, "model_name": "other"}):
+    for other in (
+        {"cache_salt": "team-b", "tp_rank": 0, "tp_size": 2},
+        {"cache_salt": "team-a", "tp_rank": 1, "tp_size": 2},
+        {"cache_salt": "team-a", "tp_rank": 0, "tp_size": 1},
+        {"cache_salt": "team-a", "tp_rank": 0, "tp_size": 2, "model_name": "other"},
+    ):
         target = pool("mha", "layer_first")
         backend = make_backend(target, daemon.socket, **other)
         assert backend.batch_exists(keys) == 0, other
@@ -153,8 +178,7 @@ def test_tenants_and_tp_ranks_never_share_pages(daemon: Any, make_backend: Any) 
         assert target.kv_buffer.eq(0).all()
 
 
-def test_a_missing_daemon_makes_every_call_a_quick_miss(tmp_path: Any,
-                                                        make_backend: Any) -> None:
+def test_a_missing_daemon_makes_every_call_a_quick_miss(tmp_path: Any, make_backend: Any) -> None:
     source = pool("mha", "page_first", seed=6)
     backend = make_backend(source, str(tmp_path / "no-daemon.sock"))
     keys = keys_for("missing", 2)
@@ -170,8 +194,10 @@ def test_a_missing_daemon_makes_every_call_a_quick_miss(tmp_path: Any,
 
 
 def test_get_stats_is_sglang_storage_metrics_with_hits_and_bytes(
-        daemon: Any, make_backend: Any) -> None:
+    daemon: Any, make_backend: Any
+) -> None:
     from sglang.srt.observability.metrics_collector import StorageMetrics
+
     source = pool("mha", "page_head", seed=7)
     keys = keys_for("stats", 3)
     backend = make_backend(source, daemon.socket)

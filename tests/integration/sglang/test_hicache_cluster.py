@@ -10,15 +10,23 @@ GEOMETRY = {"layer_num": 3, "head_num": 2, "head_dim": 96, "page_size": 4}
 
 
 def node_settings(redis_url: str, node_id: str) -> list[str]:
-    return ["store.tiers.dram.capacity=16MiB", "store.tiers.dram.page_size=4KiB",
-            "store.tiers.ssd.capacity=32MiB", f"node_id={node_id}", "cluster.index=redis",
-            f"cluster.redis_url={redis_url}", "cluster.lease_ttl_s=10",
-            "cluster.heartbeat_s=0.2", "tcp.port=0", "cluster.transport=socket"]
+    return [
+        "store.tiers.dram.capacity=16MiB",
+        "store.tiers.dram.page_size=4KiB",
+        "store.tiers.ssd.capacity=32MiB",
+        f"node_id={node_id}",
+        "cluster.index=redis",
+        f"cluster.redis_url={redis_url}",
+        "cluster.lease_ttl_s=10",
+        "cluster.heartbeat_s=0.2",
+        "tcp.port=0",
+        "cluster.transport=socket",
+    ]
 
 
 def test_a_second_node_pulls_pages_through_the_global_index(
-        redis_server: Any, start_daemon: Any, make_backend: Any, make_pool: Any,
-        page_keys: Any) -> None:
+    redis_server: Any, start_daemon: Any, make_backend: Any, make_pool: Any, page_keys: Any
+) -> None:
     a = start_daemon(*node_settings(redis_server.url, "node-a"))
     b = start_daemon(*node_settings(redis_server.url, "node-b"))
     source = make_pool(layout="page_first", **GEOMETRY)
@@ -29,8 +37,9 @@ def test_a_second_node_pulls_pages_through_the_global_index(
 
     target = make_pool(layout="layer_first", **GEOMETRY)
     decode = make_backend(target, b.socket, cache_salt="t1")
-    other_tenant = make_backend(make_pool(layout="layer_first", **GEOMETRY), b.socket,
-                                cache_salt="t2")
+    other_tenant = make_backend(
+        make_pool(layout="layer_first", **GEOMETRY), b.socket, cache_salt="t2"
+    )
     deadline = time.monotonic() + 10  # the index learns of node a's pages asynchronously
     while (hit := decode.batch_exists(keys)) < 5:
         assert time.monotonic() < deadline, f"node b sees {hit} of 5 pages"
@@ -39,10 +48,12 @@ def test_a_second_node_pulls_pages_through_the_global_index(
     assert decode.batch_get_v1(keys, target.host_indices([5, 6, 7, 8, 9])) == [True] * 5
     # different host layouts on the two nodes: compare the pages in canonical order
     from kvfabric_connectors.sglang.layout import PageLayout
+
     src, dst = PageLayout.of_pool(source, False), PageLayout.of_pool(target, False)
     for page in range(5):
         assert src.canonical(source.get_data_page(page * 4, flat=False)).equal(
-            dst.canonical(target.get_data_page((page + 5) * 4, flat=False)))
+            dst.canonical(target.get_data_page((page + 5) * 4, flat=False))
+        )
     assert other_tenant.batch_exists(keys) == 0
 
     b.kill()  # node b gone: node a's engine is unaffected, node b's engine misses

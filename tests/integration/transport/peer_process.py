@@ -34,7 +34,7 @@ def consume(backend: str, name: str, nbytes: int, descriptor: bytes) -> None:
     transport = select_backend(backend)(name)
     transport.register(0, local)
     peer = transport.connect(descriptor, deadline=10.0)
-    pieces = [ReadPiece(0, off, local[off:off + PIECE]) for off in range(0, nbytes, PIECE)]
+    pieces = [ReadPiece(0, off, local[off : off + PIECE]) for off in range(0, nbytes, PIECE)]
     print("READING", flush=True)
     while True:
         transport.read(peer, pieces, deadline=60.0)

@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 
 from kvfabric.errors import DeadlineExceededError, UnavailableError
-from kvfabric.transport import (ReadPiece, SocketTransport, Transport, WritePiece,
-                                select_backend)
+from kvfabric.transport import ReadPiece, SocketTransport, Transport, WritePiece, select_backend
 
 HELPER = Path(__file__).with_name("peer_process.py")
 BIG = 256 << 20  # ~0.1 s on a loopback socket: long enough to interrupt mid-transfer
@@ -36,10 +35,12 @@ BACKENDS = ["socket", "nixl"]
 
 class PeerProcess:
     def __init__(self, backend: str, name: str, nbytes: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(HELPER), "serve", backend, name,
-                                      str(nbytes)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env={**os.environ, "PYTHONPATH": os.getcwd()})
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HELPER), "serve", backend, name, str(nbytes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(b"DESCRIPTOR "):
@@ -104,7 +105,7 @@ def signal_when_data_lands(local: np.ndarray, peer: PeerProcess, sig: int) -> th
 
 
 def big_read(local: np.ndarray) -> list[ReadPiece]:
-    return [ReadPiece(0, off, local[off:off + PIECE]) for off in range(0, BIG, PIECE)]
+    return [ReadPiece(0, off, local[off : off + PIECE]) for off in range(0, BIG, PIECE)]
 
 
 def check_other_peer_still_works(transport: Transport, local: np.ndarray, peers) -> None:
@@ -153,7 +154,7 @@ def test_owner_frozen_before_write(backend: str, consumer, peers) -> None:
     peer = transport.connect(owner.descriptor, deadline=DEADLINE)
     owner.signal(signal.SIGSTOP)
     start = time.monotonic()
-    pieces = [WritePiece(local[off:off + PIECE], 0, off) for off in range(0, BIG, PIECE)]
+    pieces = [WritePiece(local[off : off + PIECE], 0, off) for off in range(0, BIG, PIECE)]
     try:
         transport.write(peer, pieces, deadline=DEADLINE)
         outcome: BaseException | None = None
@@ -194,9 +195,18 @@ def test_consumer_dies_or_freezes_mid_read_owner_releases(sig: int) -> None:
     with SocketTransport("owner", io_timeout=0.5, idle_timeout=1.0) as owner:
         owner.register(0, region)
         consumer = subprocess.Popen(
-            [sys.executable, str(HELPER), "consume", "socket", "faulty-consumer", str(size),
-             owner.descriptor().hex()], stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": os.getcwd()})
+            [
+                sys.executable,
+                str(HELPER),
+                "consume",
+                "socket",
+                "faulty-consumer",
+                str(size),
+                owner.descriptor().hex(),
+            ],
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
         try:
             assert consumer.stdout is not None
             assert consumer.stdout.readline().strip() == b"READING"

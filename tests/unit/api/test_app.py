@@ -89,14 +89,17 @@ def put_prefix(daemon: FakeDaemon, tokens: list[int], n_chunks: int) -> list[byt
     return [r.key for r in refs]
 
 
-def scrape(client: TestClient, headers: dict[str, str] = ADMIN) -> dict[tuple[str, frozenset],
-                                                                         float]:
+def scrape(
+    client: TestClient, headers: dict[str, str] = ADMIN
+) -> dict[tuple[str, frozenset], float]:
     response = client.get("/metrics", headers=headers)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(response.text)
-            for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
 
 
 def sample(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:
@@ -104,6 +107,7 @@ def sample(samples: dict[tuple[str, frozenset], float], name: str, **labels: str
 
 
 # ---------------------------------------------------------------------- probes
+
 
 def test_healthz_answers_without_a_token(client: TestClient) -> None:
     response = client.get("/healthz")
@@ -124,16 +128,24 @@ def test_readyz_follows_the_daemon(client: TestClient, daemon: FakeDaemon) -> No
 
 # ---------------------------------------------------------------------- lookup
 
-def test_lookup_by_token_ids_matches_full_chunks_only(client: TestClient,
-                                                      daemon: FakeDaemon) -> None:
+
+def test_lookup_by_token_ids_matches_full_chunks_only(
+    client: TestClient, daemon: FakeDaemon
+) -> None:
     tokens = prompt(3 * CT + 5)
     put_prefix(daemon, tokens, 2)
-    response = client.post("/v1/lookup", json={"namespace": ns_body(), "token_ids": tokens},
-                           headers=TENANT)
+    response = client.post(
+        "/v1/lookup", json={"namespace": ns_body(), "token_ids": tokens}, headers=TENANT
+    )
     assert response.status_code == 200
-    assert response.json() == {"matched_tokens": 2 * CT, "matched_chunks": 2,
-                               "requested_chunks": 3, "requested_tokens": 3 * CT + 5,
-                               "chunk_tokens": CT, "tiers": {"dram": 2 * CT}}
+    assert response.json() == {
+        "matched_tokens": 2 * CT,
+        "matched_chunks": 2,
+        "requested_chunks": 3,
+        "requested_tokens": 3 * CT + 5,
+        "chunk_tokens": CT,
+        "tiers": {"dram": 2 * CT},
+    }
 
 
 def test_lookup_by_chunk_hashes(client: TestClient, daemon: FakeDaemon) -> None:
@@ -141,22 +153,22 @@ def test_lookup_by_chunk_hashes(client: TestClient, daemon: FakeDaemon) -> None:
     put_prefix(daemon, tokens, 1)
     hashes = [key.hex() for key in chunk_keys(ACME, tokens)]
     hashes[0] = hashes[0].upper()  # hex is case-insensitive
-    response = client.post("/v1/lookup", json={"namespace": ns_body(), "chunk_hashes": hashes},
-                           headers=TENANT)
+    response = client.post(
+        "/v1/lookup", json={"namespace": ns_body(), "chunk_hashes": hashes}, headers=TENANT
+    )
     assert response.status_code == 200
     body = response.json()
-    assert (body["matched_tokens"], body["matched_chunks"], body["requested_chunks"]) == \
-        (CT, 1, 3)
+    assert (body["matched_tokens"], body["matched_chunks"], body["requested_chunks"]) == (CT, 1, 3)
     assert body["requested_tokens"] is None and body["tiers"] == {"dram": CT}
 
 
-def test_token_counters_move_by_the_right_amounts(client: TestClient,
-                                                  daemon: FakeDaemon) -> None:
+def test_token_counters_move_by_the_right_amounts(client: TestClient, daemon: FakeDaemon) -> None:
     before = scrape(client)
     tokens = prompt(3 * CT)
     put_prefix(daemon, tokens, 2)
-    response = client.post("/v1/lookup", json={"namespace": ns_body(), "token_ids": tokens},
-                           headers=TENANT)
+    response = client.post(
+        "/v1/lookup", json={"namespace": ns_body(), "token_ids": tokens}, headers=TENANT
+    )
     assert response.status_code == 200
     after = scrape(client)
 
@@ -176,8 +188,10 @@ def test_token_counters_move_by_the_right_amounts(client: TestClient,
 
 # ---------------------------------------------------------------------- stats and admin
 
-def test_stats_reports_tiers_totals_namespaces_and_node(client: TestClient,
-                                                        daemon: FakeDaemon) -> None:
+
+def test_stats_reports_tiers_totals_namespaces_and_node(
+    client: TestClient, daemon: FakeDaemon
+) -> None:
     daemon.session_count = 3
     tokens = prompt(3 * CT)
     put_prefix(daemon, tokens, 2)
@@ -196,8 +210,15 @@ def test_stats_reports_tiers_totals_namespaces_and_node(client: TestClient,
     assert (totals["objects"], totals["puts"], totals["lookups"]) == (2, 2, 1)
     assert (totals["hit_tokens"], totals["miss_tokens"]) == (2 * CT, CT)
     assert totals["hit_rate"] == pytest.approx(2 / 3)
-    assert body["namespaces"] == [{"model": "tiny", "tenant": "acme", "lookups": 1,
-                                   "lookup_tokens": 3 * CT, "hit_tokens": 2 * CT}]
+    assert body["namespaces"] == [
+        {
+            "model": "tiny",
+            "tenant": "acme",
+            "lookups": 1,
+            "lookup_tokens": 3 * CT,
+            "hit_tokens": 2 * CT,
+        }
+    ]
 
 
 def test_admin_evict_by_bytes_then_all(client: TestClient, daemon: FakeDaemon) -> None:
@@ -205,8 +226,7 @@ def test_admin_evict_by_bytes_then_all(client: TestClient, daemon: FakeDaemon) -
     response = client.post("/v1/admin/evict", json={"bytes": 1}, headers=ADMIN)
     assert response.status_code == 200 and response.json() == {"evicted": 1}
     assert not daemon.store.contains(ACME, keys[2])  # the chain's tail went first
-    response = client.post("/v1/admin/evict", json={"tier": "dram", "bytes": None},
-                           headers=ADMIN)
+    response = client.post("/v1/admin/evict", json={"tier": "dram", "bytes": None}, headers=ADMIN)
     assert response.json() == {"evicted": 2}
     assert daemon.store.stats().tier("dram").evictions == 3
 
@@ -219,8 +239,12 @@ def test_admin_evict_of_an_unknown_tier_is_404(client: TestClient) -> None:
 
 
 def test_admin_flush_waits_for_ssd_writes(tmp_path: Path) -> None:
-    daemon = make_daemon(tmp_path, AUTH, TierConfig(TierKind.DRAM, CHUNK, page_size=4096),
-                         TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20))
+    daemon = make_daemon(
+        tmp_path,
+        AUTH,
+        TierConfig(TierKind.DRAM, CHUNK, page_size=4096),
+        TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20),
+    )
     client = TestClient(create_app(daemon))
     keys = put_prefix(daemon, prompt(3 * CT), 3)  # dram holds one: two go to SSD
     response = client.post("/v1/admin/flush", headers=ADMIN)
@@ -230,13 +254,22 @@ def test_admin_flush_waits_for_ssd_writes(tmp_path: Path) -> None:
     daemon.store.close()
 
 
-@pytest.mark.parametrize(("error", "status"), [
-    (SpecError("bad"), 400), (UnavailableError("draining"), 503),
-    (DeadlineExceededError("SSD demotions did not complete"), 504),
-    (KVFabricError("store is closed"), 500)])
-def test_kvfabric_errors_map_to_status_and_kind(client: TestClient, daemon: FakeDaemon,
-                                                monkeypatch: pytest.MonkeyPatch,
-                                                error: KVFabricError, status: int) -> None:
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (SpecError("bad"), 400),
+        (UnavailableError("draining"), 503),
+        (DeadlineExceededError("SSD demotions did not complete"), 504),
+        (KVFabricError("store is closed"), 500),
+    ],
+)
+def test_kvfabric_errors_map_to_status_and_kind(
+    client: TestClient,
+    daemon: FakeDaemon,
+    monkeypatch: pytest.MonkeyPatch,
+    error: KVFabricError,
+    status: int,
+) -> None:
     def fail(*_: object) -> None:
         raise error
 
@@ -245,23 +278,37 @@ def test_kvfabric_errors_map_to_status_and_kind(client: TestClient, daemon: Fake
     assert response.status_code == status
     assert response.json() == {"error": {"kind": error.kind, "message": str(error)}}
     samples = scrape(client)
-    assert sample(samples, "kvfabric_request_errors_total", plane="http", op="flush",
-                  kind=error.kind) == 1
+    assert (
+        sample(samples, "kvfabric_request_errors_total", plane="http", op="flush", kind=error.kind)
+        == 1
+    )
 
 
 # ---------------------------------------------------------------------- auth
 
-PROTECTED = [("GET", "/metrics", None), ("GET", "/v1/stats", None),
-             ("POST", "/v1/lookup", {"namespace": ns_body(), "token_ids": [1]}),
-             ("POST", "/v1/admin/evict", {}), ("POST", "/v1/admin/flush", None)]
+PROTECTED = [
+    ("GET", "/metrics", None),
+    ("GET", "/v1/stats", None),
+    ("POST", "/v1/lookup", {"namespace": ns_body(), "token_ids": [1]}),
+    ("POST", "/v1/admin/evict", {}),
+    ("POST", "/v1/admin/flush", None),
+]
 ADMIN_ONLY = [p for p in PROTECTED if p[1] not in ("/metrics", "/v1/lookup")]
 
 
 @pytest.mark.parametrize(("method", "path", "body"), PROTECTED)
-@pytest.mark.parametrize("headers", [{}, bearer("wrong"), {"Authorization": f"Basic {ADMIN_TOKEN}"},
-                                     bearer(ADMIN_TOKEN + "x")])
-def test_missing_or_wrong_token_is_401(client: TestClient, daemon: FakeDaemon, method: str,
-                                       path: str, body: Any, headers: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    "headers",
+    [{}, bearer("wrong"), {"Authorization": f"Basic {ADMIN_TOKEN}"}, bearer(ADMIN_TOKEN + "x")],
+)
+def test_missing_or_wrong_token_is_401(
+    client: TestClient,
+    daemon: FakeDaemon,
+    method: str,
+    path: str,
+    body: Any,
+    headers: dict[str, str],
+) -> None:
     put_prefix(daemon, prompt(CT), 1)
     response = client.request(method, path, json=body, headers=headers)
     assert response.status_code == 401
@@ -272,8 +319,9 @@ def test_missing_or_wrong_token_is_401(client: TestClient, daemon: FakeDaemon, m
 
 
 @pytest.mark.parametrize(("method", "path", "body"), ADMIN_ONLY)
-def test_tenant_token_on_admin_endpoints_is_403(client: TestClient, daemon: FakeDaemon,
-                                                method: str, path: str, body: Any) -> None:
+def test_tenant_token_on_admin_endpoints_is_403(
+    client: TestClient, daemon: FakeDaemon, method: str, path: str, body: Any
+) -> None:
     put_prefix(daemon, prompt(CT), 1)
     response = client.request(method, path, json=body, headers=TENANT)
     assert response.status_code == 403
@@ -281,8 +329,9 @@ def test_tenant_token_on_admin_endpoints_is_403(client: TestClient, daemon: Fake
     assert len(daemon.store.store) == 1
 
 
-def test_tenant_token_may_only_look_up_its_own_tenant(client: TestClient,
-                                                      daemon: FakeDaemon) -> None:
+def test_tenant_token_may_only_look_up_its_own_tenant(
+    client: TestClient, daemon: FakeDaemon
+) -> None:
     body = {"namespace": ns_body("globex"), "token_ids": prompt(CT)}
     response = client.post("/v1/lookup", json=body, headers=TENANT)
     assert response.status_code == 403
@@ -353,8 +402,9 @@ BAD_BODIES = {
 
 
 @pytest.mark.parametrize("case", list(BAD_BODIES))
-def test_bad_lookup_bodies_are_422_with_a_clear_message(client: TestClient, daemon: FakeDaemon,
-                                                        case: str) -> None:
+def test_bad_lookup_bodies_are_422_with_a_clear_message(
+    client: TestClient, daemon: FakeDaemon, case: str
+) -> None:
     body, needle = BAD_BODIES[case]
     response = client.post("/v1/lookup", json=body, headers=TENANT)
     assert response.status_code == 422, response.text
@@ -363,12 +413,21 @@ def test_bad_lookup_bodies_are_422_with_a_clear_message(client: TestClient, daem
     assert needle in error["message"]
     assert response.json()["detail"]
     assert daemon.store.stats().lookups == 0
-    assert sample(scrape(client), "kvfabric_request_errors_total", plane="http", op="lookup",
-                  kind="bad_request") == 1
+    assert (
+        sample(
+            scrape(client),
+            "kvfabric_request_errors_total",
+            plane="http",
+            op="lookup",
+            kind="bad_request",
+        )
+        == 1
+    )
 
 
-def test_too_many_token_ids_are_refused_without_echoing_them(client: TestClient,
-                                                             daemon: FakeDaemon) -> None:
+def test_too_many_token_ids_are_refused_without_echoing_them(
+    client: TestClient, daemon: FakeDaemon
+) -> None:
     """Counted before any id is validated: 413 at limits.lookup_max_tokens (default 1 Mi)."""
     limit = daemon.config.limits.lookup_max_tokens
     assert limit < MAX_TOKENS
@@ -378,18 +437,28 @@ def test_too_many_token_ids_are_refused_without_echoing_them(client: TestClient,
     assert response.json()["error"]["kind"] == "too_large"
     assert f"at most {limit}" in response.json()["error"]["message"]
     assert len(response.content) < 2048  # the input is never echoed back
-    assert sample(scrape(client), "kvfabric_request_errors_total", plane="http", op="lookup",
-                  kind="too_large") == 1
+    assert (
+        sample(
+            scrape(client),
+            "kvfabric_request_errors_total",
+            plane="http",
+            op="lookup",
+            kind="too_large",
+        )
+        == 1
+    )
 
 
-def test_a_million_bad_token_ids_are_refused_fast_and_summarised(client: TestClient,
-                                                                daemon: FakeDaemon) -> None:
+def test_a_million_bad_token_ids_are_refused_fast_and_summarised(
+    client: TestClient, daemon: FakeDaemon
+) -> None:
     """Regression: on the old code pydantic built one error per bad id, on the event loop:
     13 s for a million (every other request on the daemon waited)."""
     body = json.dumps({"namespace": NS, "token_ids": [1 << 40] * 1_000_000})
     start = time.monotonic()
-    response = client.post("/v1/lookup", content=body,
-                           headers={**TENANT, "Content-Type": "application/json"})
+    response = client.post(
+        "/v1/lookup", content=body, headers={**TENANT, "Content-Type": "application/json"}
+    )
     assert time.monotonic() - start < 5.0
     assert response.status_code == 422
     error = response.json()["error"]
@@ -400,16 +469,20 @@ def test_a_million_bad_token_ids_are_refused_fast_and_summarised(client: TestCli
 
 
 def test_many_bad_items_are_summarised(client: TestClient) -> None:
-    response = client.post("/v1/lookup", json={"namespace": NS, "chunk_hashes": ["x"] * 50},
-                           headers=TENANT)
+    response = client.post(
+        "/v1/lookup", json={"namespace": NS, "chunk_hashes": ["x"] * 50}, headers=TENANT
+    )
     assert response.status_code == 422
     assert len(response.json()["detail"]) == 10
     assert response.json()["error"]["message"].endswith("and 40 more")
 
 
 def test_malformed_json_is_422(client: TestClient) -> None:
-    response = client.post("/v1/lookup", content=b'{"namespace": ',
-                           headers={**TENANT, "Content-Type": "application/json"})
+    response = client.post(
+        "/v1/lookup",
+        content=b'{"namespace": ',
+        headers={**TENANT, "Content-Type": "application/json"},
+    )
     assert response.status_code == 422
     assert response.json()["error"]["kind"] == "bad_request"
 
@@ -425,8 +498,9 @@ def test_bad_evict_bodies_are_422(client: TestClient, daemon: FakeDaemon, body: 
 def test_oversized_body_is_413_before_parsing(daemon: FakeDaemon) -> None:
     client = TestClient(create_app(daemon, max_body_bytes=4096))
     body = json.dumps({"namespace": NS, "token_ids": prompt(2000)})
-    response = client.post("/v1/lookup", content=body,
-                           headers={**TENANT, "Content-Type": "application/json"})
+    response = client.post(
+        "/v1/lookup", content=body, headers={**TENANT, "Content-Type": "application/json"}
+    )
     assert response.status_code == 413
     assert daemon.store.stats().lookups == 0
 
@@ -439,18 +513,27 @@ def test_a_streamed_body_is_cut_off_at_the_limit(daemon: FakeDaemon) -> None:
         for _ in range(100):
             yield b"1, " * 100
 
-    response = client.post("/v1/lookup", content=body(),
-                           headers={**TENANT, "Content-Type": "application/json"})
+    response = client.post(
+        "/v1/lookup", content=body(), headers={**TENANT, "Content-Type": "application/json"}
+    )
     assert response.status_code == 413
     assert daemon.store.stats().lookups == 0
 
 
 # ---------------------------------------------------------------------- schema and threads
 
+
 def test_openapi_schema_documents_bodies_bounds_and_bearer_auth(client: TestClient) -> None:
     schema = client.get("/openapi.json").json()
-    assert {"/healthz", "/readyz", "/metrics", "/v1/lookup", "/v1/stats", "/v1/admin/evict",
-            "/v1/admin/flush"} <= set(schema["paths"])
+    assert {
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/v1/lookup",
+        "/v1/stats",
+        "/v1/admin/evict",
+        "/v1/admin/flush",
+    } <= set(schema["paths"])
     lookup = schema["components"]["schemas"]["LookupRequest"]["properties"]
     assert lookup["token_ids"]["anyOf"][0]["maxItems"] == MAX_TOKENS
     assert lookup["chunk_hashes"]["anyOf"][0]["maxItems"] == MAX_KEYS
@@ -458,8 +541,9 @@ def test_openapi_schema_documents_bodies_bounds_and_bearer_auth(client: TestClie
     assert "LookupResponse" in schema["components"]["schemas"]
 
 
-def test_a_blocked_store_call_does_not_block_the_event_loop(daemon: FakeDaemon,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_blocked_store_call_does_not_block_the_event_loop(
+    daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
     entered, release = threading.Event(), threading.Event()
     released_in_time: list[bool] = []
 
@@ -473,8 +557,9 @@ def test_a_blocked_store_call_does_not_block_the_event_loop(daemon: FakeDaemon,
     async def scenario() -> tuple[int, int]:
         transport = httpx.ASGITransport(app=create_app(daemon))
         async with httpx.AsyncClient(transport=transport, base_url="http://kvfabric") as http:
-            lookup = asyncio.create_task(http.post(
-                "/v1/lookup", json={"namespace": NS, "token_ids": [1]}, headers=TENANT))
+            lookup = asyncio.create_task(
+                http.post("/v1/lookup", json={"namespace": NS, "token_ids": [1]}, headers=TENANT)
+            )
             assert await asyncio.to_thread(entered.wait, 5)
             health = await http.get("/healthz")  # served while the lookup is still blocked
             release.set()

@@ -17,10 +17,22 @@ from kvfabric.api.lookup_body import BodyInvalid, BodyTooLarge, parse_lookup
 NS = {"model": "m", "spec": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8}}
 
 
-@pytest.mark.parametrize("text", [
-    '{}', '{"a": 1}', ' {"token_ids": [1, 2 ,3], "x": {"y": [1,2]}} ', '{"token_ids": []}',
-    '{"token_ids": [ ]}', '[1,2]', '"s"', '{"chunk_hashes": ["ab", "cd"], "scope": "local"}',
-    '{"token_ids": [1], "token_ids": [2]}', '{"token_ids": "x"}', '{"token_ids": null}'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{}",
+        '{"a": 1}',
+        ' {"token_ids": [1, 2 ,3], "x": {"y": [1,2]}} ',
+        '{"token_ids": []}',
+        '{"token_ids": [ ]}',
+        "[1,2]",
+        '"s"',
+        '{"chunk_hashes": ["ab", "cd"], "scope": "local"}',
+        '{"token_ids": [1], "token_ids": [2]}',
+        '{"token_ids": "x"}',
+        '{"token_ids": null}',
+    ],
+)
 def test_valid_json_parses_as_json_loads_does(text: str) -> None:
     assert lookup_body._loads(text) == json.loads(text)
 
@@ -28,17 +40,30 @@ def test_valid_json_parses_as_json_loads_does(text: str) -> None:
 def test_long_lists_cut_into_pieces_parse_as_json_loads_does() -> None:
     rng = random.Random(3)
     ids = [rng.randint(-(1 << 31), (1 << 31) - 1) for _ in range(300_000)]
-    hashes = ["%064x" % rng.getrandbits(256) for _ in range(20_000)]
+    hashes = [f"{rng.getrandbits(256):064x}" for _ in range(20_000)]
     for separators in ((",", ":"), (" , ", " : "), (",\n  ", ":\t")):
-        text = json.dumps({"namespace": NS, "token_ids": ids, "chunk_hashes": hashes},
-                          separators=separators)
+        text = json.dumps(
+            {"namespace": NS, "token_ids": ids, "chunk_hashes": hashes}, separators=separators
+        )
         assert lookup_body._loads(text) == json.loads(text)
 
 
-@pytest.mark.parametrize("text", [
-    '{"token_ids": [1,2,]}', '{"token_ids": [,]}', '{"token_ids": [1 2]}', '{"a": 1,}',
-    '{"a" 1}', '{"a": 1} x', '{"token_ids": [1, "]", 2]}', '{', '{"token_ids": [1',
-    '{"token_ids": [[1,2]]}', ''])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"token_ids": [1,2,]}',
+        '{"token_ids": [,]}',
+        '{"token_ids": [1 2]}',
+        '{"a": 1,}',
+        '{"a" 1}',
+        '{"a": 1} x',
+        '{"token_ids": [1, "]", 2]}',
+        "{",
+        '{"token_ids": [1',
+        '{"token_ids": [[1,2]]}',
+        "",
+    ],
+)
 def test_malformed_bodies_are_refused(text: str) -> None:
     with pytest.raises((ValueError, IndexError)):
         lookup_body._loads(text)
@@ -46,7 +71,7 @@ def test_malformed_bodies_are_refused(text: str) -> None:
 
 def test_a_small_field_may_not_be_huge() -> None:
     with pytest.raises(ValueError, match="delimiter|over"):
-        lookup_body._loads('{"namespace": ' + json.dumps(list(range(100_000))) + '}')
+        lookup_body._loads('{"namespace": ' + json.dumps(list(range(100_000))) + "}")
 
 
 def test_parsing_a_15_mb_body_never_holds_the_gil_long() -> None:
@@ -68,8 +93,7 @@ def test_parsing_a_15_mb_body_never_holds_the_gil_long() -> None:
     ticker.start()
     try:
         with pytest.raises(BodyInvalid) as info:
-            parse_lookup(body, LookupRequest, max_tokens=1 << 20, max_hashes=1 << 16,
-                         hash_chars=64)
+            parse_lookup(body, LookupRequest, max_tokens=1 << 20, max_hashes=1 << 16, hash_chars=64)
     finally:
         stop.set()
         ticker.join()

@@ -56,8 +56,11 @@ def outcome(call):
 
 BODIES = {
     "tokens": {"namespace": NS, "token_ids": list(range(-5000, 45_000))},
-    "hashes": {"namespace": NS, "chunk_hashes": ["%032x" % i for i in range(5000)],
-               "scope": "cluster"},
+    "hashes": {
+        "namespace": NS,
+        "chunk_hashes": [f"{i:032x}" for i in range(5000)],
+        "scope": "cluster",
+    },
     "bad_ids": {"namespace": NS, "token_ids": [1 << 40] * 200_000},
     "some_bad": {"namespace": NS, "token_ids": [1] * 12000 + [True, 2.5, "x", 1 << 31]},
     "bad_hashes": {"namespace": NS, "chunk_hashes": ["zz" * 16] * 3000},
@@ -80,10 +83,15 @@ def test_a_worker_answers_as_the_daemon_would(parsers, name: str) -> None:
 
 def test_malformed_json_and_a_non_object_are_refused_alike(parsers) -> None:
     p = parsers(1)
-    for raw in (b"[" * 40000, b'{"token_ids": [' + b"1," * 20000 + b"]}",
-                json.dumps([1] * 20000).encode(), b"\xff" * 40000):
-        assert outcome(lambda: parse(p, raw)) == \
-            outcome(lambda: parse_lookup(raw, LookupRequest, **LIMITS))
+    for raw in (
+        b"[" * 40000,
+        b'{"token_ids": [' + b"1," * 20000 + b"]}",
+        json.dumps([1] * 20000).encode(),
+        b"\xff" * 40000,
+    ):
+        assert outcome(lambda: parse(p, raw)) == outcome(  # noqa: B023 (called at once)
+            lambda: parse_lookup(raw, LookupRequest, **LIMITS)  # noqa: B023
+        )
 
 
 def test_token_ids_come_back_as_an_int32_array_and_small_bodies_stay_here(parsers) -> None:
@@ -129,7 +137,7 @@ def test_a_killed_worker_fails_its_request_and_is_replaced(parsers) -> None:
     def busy() -> None:
         try:
             p.parse_blocking(raw)
-        except BaseException as exc:  # noqa: BLE001 - checked below
+        except BaseException as exc:
             failed.append(exc)
 
     thread = threading.Thread(target=busy)
@@ -171,8 +179,9 @@ def test_close_ends_the_workers_and_refuses_more(parsers) -> None:
     raw = json.dumps(BODIES["tokens"]).encode()
 
     async def two() -> None:
-        await asyncio.gather(p.parse(raw, LookupRequest), p.parse(raw, LookupRequest),
-                             p.parse(raw, LookupRequest))
+        await asyncio.gather(
+            p.parse(raw, LookupRequest), p.parse(raw, LookupRequest), p.parse(raw, LookupRequest)
+        )
 
     asyncio.run(two())
     pids = p.pids()
@@ -191,11 +200,14 @@ def test_a_worker_process_imports_neither_pydantic_nor_asyncio_nor_prometheus() 
     import subprocess
     import sys
 
-    code = ("import sys, kvfabric.api.lookup_workers; print(sorted({m.split('.')[0] for m in "
-            "sys.modules} & {'pydantic', 'asyncio', 'numpy', 'prometheus_client', 'anyio', "
-            "'fastapi'}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60)
+    code = (
+        "import sys, kvfabric.api.lookup_workers; print(sorted({m.split('.')[0] for m in "
+        "sys.modules} & {'pydantic', 'asyncio', 'numpy', 'prometheus_client', 'anyio', "
+        "'fastapi'}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     assert out.stdout.strip() == "[]", out.stdout
 
 

@@ -32,19 +32,56 @@ class FixedStats:
     """A stats source with a distinct number in every field, to catch crossed wires."""
 
     def stats(self) -> StoreStats:
-        ssd = TierStats(name="ssd", kind="ssd", capacity_bytes=1000, used_bytes=400, objects=7,
-                        hit_tokens=0, hit_chunks=0, evictions=11, promotions=12, demotions=13,
-                        bytes_in=14, bytes_out=15, corrupt_records=16, torn_records=17,
-                        degraded=True, disk_errors={"ENOSPC": 18, "EIO": 19},
-                        refused_demotions=20, quota_refused_demotions=26,
-                        tenant_bytes={"acme": 27, "zeta": 0})
-        dram = TierStats(name="dram", kind="dram", capacity_bytes=500, used_bytes=100, objects=3,
-                         hit_tokens=0, hit_chunks=0, evictions=21, promotions=22, demotions=23,
-                         bytes_in=24, bytes_out=25, tenant_bytes={"acme": 28})
-        return StoreStats(tiers=(dram, ssd), objects=10, lookups=0, lookup_tokens=0,
-                          hit_tokens=0, miss_tokens=0, puts=31, gets=32, deletes=33,
-                          expired_leases=34, aborted_writes=35,
-                          namespaces=(NamespaceStats("tiny", "acme", 1, 2, 3),))
+        ssd = TierStats(
+            name="ssd",
+            kind="ssd",
+            capacity_bytes=1000,
+            used_bytes=400,
+            objects=7,
+            hit_tokens=0,
+            hit_chunks=0,
+            evictions=11,
+            promotions=12,
+            demotions=13,
+            bytes_in=14,
+            bytes_out=15,
+            corrupt_records=16,
+            torn_records=17,
+            degraded=True,
+            disk_errors={"ENOSPC": 18, "EIO": 19},
+            refused_demotions=20,
+            quota_refused_demotions=26,
+            tenant_bytes={"acme": 27, "zeta": 0},
+        )
+        dram = TierStats(
+            name="dram",
+            kind="dram",
+            capacity_bytes=500,
+            used_bytes=100,
+            objects=3,
+            hit_tokens=0,
+            hit_chunks=0,
+            evictions=21,
+            promotions=22,
+            demotions=23,
+            bytes_in=24,
+            bytes_out=25,
+            tenant_bytes={"acme": 28},
+        )
+        return StoreStats(
+            tiers=(dram, ssd),
+            objects=10,
+            lookups=0,
+            lookup_tokens=0,
+            hit_tokens=0,
+            miss_tokens=0,
+            puts=31,
+            gets=32,
+            deletes=33,
+            expired_leases=34,
+            aborted_writes=35,
+            namespaces=(NamespaceStats("tiny", "acme", 1, 2, 3),),
+        )
 
 
 class BrokenStats:
@@ -105,13 +142,19 @@ def test_repeated_label_values_keep_adding_to_one_series_each() -> None:
     assert value(metrics, "kvfabric_lookups_total", tenant="a") == 3
     assert value(metrics, "kvfabric_lookups_total", tenant=OTHER_TENANT) == 6
     assert value(metrics, "kvfabric_hit_tokens_total", tier="dram", tenant="b") == 48
-    assert value(metrics, "kvfabric_request_duration_seconds_count", plane="control",
-                 op="get") == 3
-    assert value(metrics, "kvfabric_request_errors_total", plane="control", op="get",
-                 kind="not_found") == 3
+    assert value(metrics, "kvfabric_request_duration_seconds_count", plane="control", op="get") == 3
+    assert (
+        value(metrics, "kvfabric_request_errors_total", plane="control", op="get", kind="not_found")
+        == 3
+    )
     assert value(metrics, "kvfabric_engine_bytes_total", engine="vllm", direction="read") == 24
-    lookups = [s for f in metrics.registry.collect() if f.name == "kvfabric_lookups"
-               for s in f.samples if s.name == "kvfabric_lookups_total"]
+    lookups = [
+        s
+        for f in metrics.registry.collect()
+        if f.name == "kvfabric_lookups"
+        for s in f.samples
+        if s.name == "kvfabric_lookups_total"
+    ]
     assert sorted(s.labels["tenant"] for s in lookups) == [OTHER_TENANT, "a", "b"]
 
 
@@ -120,16 +163,28 @@ def test_requests_are_timed_per_plane_and_errors_counted_by_kind() -> None:
     metrics.observe_request("get", 0.002, None)
     metrics.observe_request("get", 0.5, "not_found")
     metrics.observe_request("lookup", 0.001, "forbidden", plane="http")
-    assert value(metrics, "kvfabric_request_duration_seconds_count", plane="control",
-                 op="get") == 2
-    assert value(metrics, "kvfabric_request_duration_seconds_sum", plane="control",
-                 op="get") == pytest.approx(0.502)
-    assert value(metrics, "kvfabric_request_duration_seconds_bucket", plane="control", op="get",
-                 le="0.0025") == 1
-    assert value(metrics, "kvfabric_request_errors_total", plane="control", op="get",
-                 kind="not_found") == 1
-    assert value(metrics, "kvfabric_request_errors_total", plane="http", op="lookup",
-                 kind="forbidden") == 1
+    assert value(metrics, "kvfabric_request_duration_seconds_count", plane="control", op="get") == 2
+    assert value(
+        metrics, "kvfabric_request_duration_seconds_sum", plane="control", op="get"
+    ) == pytest.approx(0.502)
+    assert (
+        value(
+            metrics,
+            "kvfabric_request_duration_seconds_bucket",
+            plane="control",
+            op="get",
+            le="0.0025",
+        )
+        == 1
+    )
+    assert (
+        value(metrics, "kvfabric_request_errors_total", plane="control", op="get", kind="not_found")
+        == 1
+    )
+    assert (
+        value(metrics, "kvfabric_request_errors_total", plane="http", op="lookup", kind="forbidden")
+        == 1
+    )
 
 
 def test_store_ops_are_timed_and_errors_counted_by_kind() -> None:
@@ -152,19 +207,26 @@ def test_store_snapshot_maps_every_field_to_its_metric() -> None:
     expected = {  # (metric, tier): value
         ("kvfabric_tier_capacity_bytes", "dram"): 500,
         ("kvfabric_tier_capacity_bytes", "ssd"): 1000,
-        ("kvfabric_tier_used_bytes", "dram"): 100, ("kvfabric_tier_used_bytes", "ssd"): 400,
-        ("kvfabric_tier_objects", "dram"): 3, ("kvfabric_tier_objects", "ssd"): 7,
-        ("kvfabric_tier_evictions_total", "dram"): 21, ("kvfabric_tier_evictions_total", "ssd"): 11,
+        ("kvfabric_tier_used_bytes", "dram"): 100,
+        ("kvfabric_tier_used_bytes", "ssd"): 400,
+        ("kvfabric_tier_objects", "dram"): 3,
+        ("kvfabric_tier_objects", "ssd"): 7,
+        ("kvfabric_tier_evictions_total", "dram"): 21,
+        ("kvfabric_tier_evictions_total", "ssd"): 11,
         ("kvfabric_tier_promotions_total", "dram"): 22,
         ("kvfabric_tier_promotions_total", "ssd"): 12,
-        ("kvfabric_tier_demotions_total", "dram"): 23, ("kvfabric_tier_demotions_total", "ssd"): 13,
-        ("kvfabric_tier_in_bytes_total", "dram"): 24, ("kvfabric_tier_in_bytes_total", "ssd"): 14,
-        ("kvfabric_tier_out_bytes_total", "dram"): 25, ("kvfabric_tier_out_bytes_total", "ssd"): 15,
+        ("kvfabric_tier_demotions_total", "dram"): 23,
+        ("kvfabric_tier_demotions_total", "ssd"): 13,
+        ("kvfabric_tier_in_bytes_total", "dram"): 24,
+        ("kvfabric_tier_in_bytes_total", "ssd"): 14,
+        ("kvfabric_tier_out_bytes_total", "dram"): 25,
+        ("kvfabric_tier_out_bytes_total", "ssd"): 15,
         ("kvfabric_tier_corrupt_records_total", "dram"): 0,
         ("kvfabric_tier_corrupt_records_total", "ssd"): 16,
         ("kvfabric_tier_torn_records_total", "dram"): 0,
         ("kvfabric_tier_torn_records_total", "ssd"): 17,
-        ("kvfabric_tier_degraded", "dram"): 0, ("kvfabric_tier_degraded", "ssd"): 1,
+        ("kvfabric_tier_degraded", "dram"): 0,
+        ("kvfabric_tier_degraded", "ssd"): 1,
         ("kvfabric_tier_refused_demotions_total", "dram"): 0,
         ("kvfabric_tier_refused_demotions_total", "ssd"): 20,
         ("kvfabric_tier_quota_refused_demotions_total", "dram"): 0,
@@ -176,27 +238,30 @@ def test_store_snapshot_maps_every_field_to_its_metric() -> None:
     assert value(metrics, "kvfabric_tier_disk_errors_total", tier="ssd", errno="ENOSPC") == 18
     assert value(metrics, "kvfabric_tier_disk_errors_total", tier="ssd", errno="EIO") == 19
     for tier, tenant, used in (("ssd", "acme", 27), ("ssd", "zeta", 0), ("dram", "acme", 28)):
-        assert value(metrics, "kvfabric_tier_tenant_used_bytes", tier=tier,
-                     tenant=tenant) == used
-    store_counters = {"kvfabric_store_commits_total": 31, "kvfabric_store_pins_total": 32,
-                      "kvfabric_store_deletes_total": 33,
-                      "kvfabric_store_leases_expired_total": 34,
-                      "kvfabric_store_aborted_writes_total": 35}
+        assert value(metrics, "kvfabric_tier_tenant_used_bytes", tier=tier, tenant=tenant) == used
+    store_counters = {
+        "kvfabric_store_commits_total": 31,
+        "kvfabric_store_pins_total": 32,
+        "kvfabric_store_deletes_total": 33,
+        "kvfabric_store_leases_expired_total": 34,
+        "kvfabric_store_aborted_writes_total": 35,
+    }
     for name, number in store_counters.items():
         assert value(metrics, name) == number, name
 
 
 def test_store_snapshot_follows_a_live_store(tmp_path: Path) -> None:
-    config = StoreConfig(data_dir=str(tmp_path),
-                         tiers=(TierConfig(TierKind.DRAM, 8 * SPEC.chunk_bytes, page_size=4096),))
+    config = StoreConfig(
+        data_dir=str(tmp_path),
+        tiers=(TierConfig(TierKind.DRAM, 8 * SPEC.chunk_bytes, page_size=4096),),
+    )
     with TieredStore(config, maintenance=False) as store:
         metrics = Metrics(store)
         for ref in chunk_hashes(NS, list(range(3 * SPEC.chunk_tokens))):
             store.put(NS, ref.key, np.zeros(SPEC.chunk_bytes, np.uint8), parent=ref.parent)
         assert value(metrics, "kvfabric_tier_objects", tier="dram") == 3
         assert value(metrics, "kvfabric_tier_used_bytes", tier="dram") == 3 * SPEC.chunk_bytes
-        assert value(metrics, "kvfabric_tier_in_bytes_total", tier="dram") == \
-            3 * SPEC.chunk_bytes
+        assert value(metrics, "kvfabric_tier_in_bytes_total", tier="dram") == 3 * SPEC.chunk_bytes
         assert value(metrics, "kvfabric_store_commits_total") == 3
         assert store.evict() == 3
         assert value(metrics, "kvfabric_tier_objects", tier="dram") == 0  # read at scrape time
@@ -217,16 +282,19 @@ def test_render_is_prometheus_text() -> None:
     metrics.count_lookup("acme", 32, {"dram": 16})
     body, content_type = metrics.render()
     assert content_type.startswith("text/plain")
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(body.decode())
-               for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
     assert samples[("kvfabric_hit_tokens_total", (("tenant", "acme"), ("tier", "dram")))] == 16
     assert samples[("kvfabric_tier_objects", (("tier", "ssd"),))] == 7
 
 
 def _exposed_names(metrics: Metrics) -> set[str]:
-    return {f"{f.name}_total" if f.type == "counter" else f.name
-            for f in metrics.registry.collect()}
+    return {
+        f"{f.name}_total" if f.type == "counter" else f.name for f in metrics.registry.collect()
+    }
 
 
 def test_every_metric_is_documented_and_every_documented_metric_exists() -> None:
@@ -240,12 +308,14 @@ def _exposed_types_and_labels(metrics: Metrics) -> dict[str, tuple[str, frozense
     # Event metrics may have no samples yet: their declared label names are the truth.
     # (labelled metrics sit in a cache of their children: unwrap those)
     wrappers = (getattr(attr, "metric", attr) for attr in vars(metrics).values())
-    declared = {w._name: frozenset(w._labelnames) for w in wrappers
-                if isinstance(w, MetricWrapperBase)}
+    declared = {
+        w._name: frozenset(w._labelnames) for w in wrappers if isinstance(w, MetricWrapperBase)
+    }
     out = {}
     for family in metrics.registry.collect():
-        labels = declared.get(family.name,
-                              frozenset(k for s in family.samples for k in s.labels) - {"le"})
+        labels = declared.get(
+            family.name, frozenset(k for s in family.samples for k in s.labels) - {"le"}
+        )
         name = f"{family.name}_total" if family.type == "counter" else family.name
         out[name] = (family.type, labels)
     return out
@@ -253,8 +323,10 @@ def _exposed_types_and_labels(metrics: Metrics) -> dict[str, tuple[str, frozense
 
 def test_every_documented_metric_has_its_real_type_and_labels() -> None:
     exposed = _exposed_types_and_labels(Metrics(FixedStats()))
-    rows = re.findall(r"^\| `(kvfabric_\w+)` \| (\w+) \| ([^|]*) \|", DOCS.read_text(),
-                      re.MULTILINE)
-    documented = {name: (kind, frozenset(re.findall(r"`(\w+)`", labels)))
-                  for name, kind, labels in rows}
+    rows = re.findall(
+        r"^\| `(kvfabric_\w+)` \| (\w+) \| ([^|]*) \|", DOCS.read_text(), re.MULTILINE
+    )
+    documented = {
+        name: (kind, frozenset(re.findall(r"`(\w+)`", labels))) for name, kind, labels in rows
+    }
     assert documented == exposed

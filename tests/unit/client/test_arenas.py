@@ -15,12 +15,13 @@ FLAT = np.arange(16 * PAGE, dtype=np.uint8)
 
 
 def expected(pages: list[int], offset: int, length: int) -> bytes:
-    return b"".join(bytes(FLAT[p * PAGE:(p + 1) * PAGE]) for p in pages)[offset:offset + length]
+    return b"".join(bytes(FLAT[p * PAGE : (p + 1) * PAGE]) for p in pages)[offset : offset + length]
 
 
 @pytest.mark.parametrize("pages", [[2, 3, 4, 5], [5, 4, 3, 2], [1, 3, 4, 6], [9, 8, 11, 10]])
-@pytest.mark.parametrize("offset, length", [(0, 4 * PAGE), (3, 17), (PAGE, PAGE), (5, 0),
-                                            (PAGE - 1, 2)])
+@pytest.mark.parametrize(
+    "offset, length", [(0, 4 * PAGE), (3, 17), (PAGE, PAGE), (5, 0), (PAGE - 1, 2)]
+)
 def test_pieces_hold_the_objects_bytes_in_order(pages, offset, length) -> None:
     pieces = PageViewer(FLAT, PAGE, array("I", pages)).pieces(offset, length)
     assert b"".join(bytes(p) for p in pieces) == expected(pages, offset, length)

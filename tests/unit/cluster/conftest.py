@@ -13,8 +13,7 @@ from kvfabric.cluster.redis_index import RedisGlobalIndex
 
 
 @pytest.fixture(scope="session")
-def shared_redis_cluster(
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
+def shared_redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
     """One 3-master Redis Cluster for the session; tests isolate themselves with a prefix."""
     cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster")).start()
     yield cluster
@@ -35,8 +34,7 @@ def make_index(request: pytest.FixtureRequest) -> Iterator[IndexFactory]:
     made: list[GlobalIndex] = []
     state: list[EmbeddedState] = []
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    fixture = {"redis": "shared_redis", "redis-cluster": "shared_redis_cluster"}.get(
-        request.param)
+    fixture = {"redis": "shared_redis", "redis-cluster": "shared_redis_cluster"}.get(request.param)
     server = None if fixture is None else request.getfixturevalue(fixture)
 
     def make(lease_ttl: float = 10.0, **options: object) -> GlobalIndex:
@@ -46,8 +44,7 @@ def make_index(request: pytest.FixtureRequest) -> Iterator[IndexFactory]:
                 state.append(EmbeddedState(lease_ttl=lease_ttl))
             index = EmbeddedIndex(state[0], **options)  # type: ignore[arg-type]
         else:
-            index = RedisGlobalIndex(server.url, prefix=prefix, lease_ttl=lease_ttl,
-                                     **options)  # type: ignore[arg-type]
+            index = RedisGlobalIndex(server.url, prefix=prefix, lease_ttl=lease_ttl, **options)  # type: ignore[arg-type]
         made.append(index)
         return index
 

@@ -20,13 +20,22 @@ CHAIN = chunk_keys(NS, list(range(24)))  # six full chunks
 
 def records(keys: list[bytes], tier: str, start: int = 0, ns: Namespace = NS) -> list[ChunkRecord]:
     """ChunkRecords of keys[start:], each chained to its predecessor in ``keys``."""
-    return [ChunkRecord(ns.seed, keys[i], tier, keys[i - 1] if i else ROOT, 4)
-            for i in range(start, len(keys))]
+    return [
+        ChunkRecord(ns.seed, keys[i], tier, keys[i - 1] if i else ROOT, 4)
+        for i in range(start, len(keys))
+    ]
 
 
 def node(index: GlobalIndex, name: str, tiers: tuple[str, ...] = ("dram", "ssd")) -> NodeInfo:
-    return index.register(NodeInfo(name, f"10.0.0.{len(name)}:7000", tiers, "h200",
-                                   {"nixl": "ucx://x", "socket": "tcp://y"}))
+    return index.register(
+        NodeInfo(
+            name,
+            f"10.0.0.{len(name)}:7000",
+            tiers,
+            "h200",
+            {"nixl": "ucx://x", "socket": "tcp://y"},
+        )
+    )
 
 
 def owners(index: GlobalIndex, keys: list[bytes] = CHAIN, ns: Namespace = NS) -> list[set]:
@@ -56,12 +65,19 @@ def test_longest_prefix_across_nodes(make_index) -> None:
         index.flush()
     result = c.lookup(NS.seed, CHAIN)
     assert result.requested_chunks == 6 and result.matched_chunks == 6 and not result.stale
-    assert owners(c) == [{("n1", "dram"), ("n2", "ssd")},
-                         {("n1", "dram"), ("n2", "ssd"), ("n3", "dram")},
-                         {("n1", "dram")}, {("n1", "dram")}, {("n2", "dram")}, {("n2", "dram")}]
+    assert owners(c) == [
+        {("n1", "dram"), ("n2", "ssd")},
+        {("n1", "dram"), ("n2", "ssd"), ("n3", "dram")},
+        {("n1", "dram")},
+        {("n1", "dram")},
+        {("n2", "dram")},
+        {("n2", "dram")},
+    ]
     per_node = result.nodes()
     assert {k: (v.chunks, v.tier_chunks) for k, v in per_node.items()} == {
-        "n1": (4, {"dram": 4}), "n2": (2, {"ssd": 2})}
+        "n1": (4, {"dram": 4}),
+        "n2": (2, {"ssd": 2}),
+    }
     # A chain that diverges after chunk 2 matches only the shared prefix.
     other = CHAIN[:2] + chunk_keys(NS, list(range(100, 116)), parent=CHAIN[1])
     assert c.lookup(NS.seed, other).matched_chunks == 2
@@ -75,8 +91,9 @@ def test_removal_shortens_the_prefix(make_index) -> None:
     a.flush()
     a.publish(removed=[records(CHAIN, "dram")[2]])
     a.flush()
-    assert owners(a) == ([{("n1", "dram"), ("n1", "ssd")}] * 2 + [{("n1", "ssd")}]
-                        + [{("n1", "dram")}] * 3)
+    assert owners(a) == (
+        [{("n1", "dram"), ("n1", "ssd")}] * 2 + [{("n1", "ssd")}] + [{("n1", "dram")}] * 3
+    )
     a.publish(removed=records(CHAIN[:3], "ssd"))
     a.flush()
     assert a.lookup(NS.seed, CHAIN).matched_chunks == 2
@@ -106,8 +123,10 @@ def test_new_epoch_hides_old_entries_at_once(make_index) -> None:
     with pytest.raises(LeaseExpiredError):
         old.heartbeat()
     assert [n.epoch for n in restarted.nodes()] == [restarted.nodes()[0].epoch]
-    assert all(ev.epoch != restarted.nodes()[0].epoch or ev.tier == "ssd"
-               for ev in restarted.snapshot().events)
+    assert all(
+        ev.epoch != restarted.nodes()[0].epoch or ev.tier == "ssd"
+        for ev in restarted.snapshot().events
+    )
     assert {ev.tier for ev in restarted.snapshot().events} == {"ssd"}
 
 
@@ -176,7 +195,10 @@ def test_events_resume_without_loss_or_duplicates(make_index) -> None:
     a.flush()
     everything = a.events(count=10_000)
     assert [(ev.kind, ev.node_id, len(ev.keys)) for ev in everything] == [
-        ("stored", "n1", 6), ("stored", "n2", 3), ("removed", "n1", 2)]
+        ("stored", "n1", 6),
+        ("stored", "n2", 3),
+        ("removed", "n1", 2),
+    ]
     assert everything[0].seed_hex == NS.seed.hex() and everything[0].epoch == info_a.epoch
     assert everything[1].seed_hex == OTHER_NS.seed.hex() and everything[1].tier == "ssd"
     # A consumer reads one event, "restarts" with the saved id, and reads the rest.

@@ -25,8 +25,9 @@ SPACES = [Namespace("model-a", SPEC, tenant_salt=f"tenant-{i}") for i in range(1
 
 def records(ns: Namespace, tier: str) -> list[ChunkRecord]:
     keys = chunk_keys(ns, list(range(12)))  # three chunks
-    return [ChunkRecord(ns.seed, key, tier, keys[i - 1] if i else ROOT, 4)
-            for i, key in enumerate(keys)]
+    return [
+        ChunkRecord(ns.seed, key, tier, keys[i - 1] if i else ROOT, 4) for i, key in enumerate(keys)
+    ]
 
 
 def register(index: RedisGlobalIndex, name: str) -> NodeInfo:
@@ -39,8 +40,7 @@ def cluster_index(shared_redis_cluster):
     made: list[RedisGlobalIndex] = []
 
     def make(**options: object) -> RedisGlobalIndex:
-        made.append(RedisGlobalIndex(shared_redis_cluster.url, prefix=prefix,
-                                     **options))  # type: ignore[arg-type]
+        made.append(RedisGlobalIndex(shared_redis_cluster.url, prefix=prefix, **options))  # type: ignore[arg-type]
         return made[-1]
 
     make.prefix = prefix  # type: ignore[attr-defined]
@@ -50,7 +50,8 @@ def cluster_index(shared_redis_cluster):
 
 
 def test_namespaces_on_every_master_restart_heartbeat_and_snapshot(
-        cluster_index, shared_redis_cluster) -> None:
+    cluster_index, shared_redis_cluster
+) -> None:
     raw = RedisCluster.from_url(shared_redis_cluster.url.replace("redis+cluster", "redis"))
     old = cluster_index()
     register(old, "n1")
@@ -58,8 +59,7 @@ def test_namespaces_on_every_master_restart_heartbeat_and_snapshot(
         old.publish(stored=records(ns, "dram"))
     old.flush()
     tags = [ns.seed.hex() for ns in SPACES] + ["reg"]
-    masters = {raw.get_node_from_key(f"{cluster_index.prefix}:{{{tag}}}:live").name
-               for tag in tags}
+    masters = {raw.get_node_from_key(f"{cluster_index.prefix}:{{{tag}}}:live").name for tag in tags}
     raw.close()
     assert len(masters) == 3  # every master holds some (fixed seeds, slots split evenly)
 

@@ -33,8 +33,13 @@ LAYERS, HEADS, TOKENS, DIM = 3, 4, 16, 32
 
 
 def spec_for(dtype: torch.dtype) -> KVSpec:
-    return KVSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
-                  dtype=str(dtype).removeprefix("torch."), chunk_tokens=TOKENS)
+    return KVSpec(
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=DIM,
+        dtype=str(dtype).removeprefix("torch."),
+        chunk_tokens=TOKENS,
+    )
 
 
 def kv(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -70,9 +75,9 @@ def big_pages(tmp_path: Path):
 
 @pytest.mark.parametrize("stored_dtype", DTYPES)
 @pytest.mark.parametrize("requested", DTYPES)
-def test_every_layer_and_head_range_converts_like_torch(small_pages: TieredStore,
-                                                       stored_dtype: torch.dtype,
-                                                       requested: torch.dtype) -> None:
+def test_every_layer_and_head_range_converts_like_torch(
+    small_pages: TieredStore, stored_dtype: torch.dtype, requested: torch.dtype
+) -> None:
     data = kv(stored_dtype)
     with stored(small_pages, data) as reader:
         for layer in range(LAYERS):
@@ -82,7 +87,7 @@ def test_every_layer_and_head_range_converts_like_torch(small_pages: TieredStore
             for heads in [(0, 1), (1, 3), (2, 4), (0, HEADS)]:
                 part = read_layer(reader, layer, heads=heads, dtype=requested)
                 assert part.shape == layer_shape(reader.layout, heads)
-                assert torch.equal(part, data[layer, :, heads[0]:heads[1]].to(requested))
+                assert torch.equal(part, data[layer, :, heads[0] : heads[1]].to(requested))
         assert torch.equal(read_payload(reader, dtype=requested), data.to(requested))
 
 
@@ -120,8 +125,10 @@ def test_a_head_range_is_two_runs_and_is_copied(big_pages: TieredStore) -> None:
         assert got.data_ptr() not in {p.ctypes.data for p in pieces}
         assert torch.equal(got, data[2, :, 1:2])
         # every head: K and V runs are adjacent again
-        assert read_layer(reader, 2, heads=(0, HEADS)).data_ptr() == \
-            reader.layer_pieces(2)[0].ctypes.data
+        assert (
+            read_layer(reader, 2, heads=(0, HEADS)).data_ptr()
+            == reader.layer_pieces(2)[0].ctypes.data
+        )
 
 
 def test_a_writers_layer_in_place_aliases_its_pages(big_pages: TieredStore) -> None:
@@ -151,8 +158,13 @@ def test_out_is_filled_and_returned(small_pages: TieredStore, requested: torch.d
         with pytest.raises(PayloadSizeError):
             read_layer(reader, 0, heads=(0, 1), dtype=requested, out=out)  # wrong shape
         with pytest.raises(SpecError):
-            read_layer(reader, 0, heads=(2, 4), dtype=torch.float16 if requested !=
-                       torch.float16 else torch.float32, out=out)  # wrong dtype
+            read_layer(
+                reader,
+                0,
+                heads=(2, 4),
+                dtype=torch.float16 if requested != torch.float16 else torch.float32,
+                out=out,
+            )  # wrong dtype
         with pytest.raises(ValueError, match="contiguous"):
             wide = torch.empty(2, 2, TOKENS, 2 * DIM, dtype=requested)[..., :DIM]
             read_layer(reader, 0, heads=(2, 4), dtype=requested, out=wide)
@@ -204,18 +216,21 @@ def test_read_only_pieces_convert_without_warnings() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(convert_pieces([frozen], "float16", shape=values.shape), values)
-        assert torch.equal(convert_pieces([frozen[:16], frozen[16:]], "float16", "float32",
-                                          values.shape), values.float())
+        assert torch.equal(
+            convert_pieces([frozen[:16], frozen[16:]], "float16", "float32", values.shape),
+            values.float(),
+        )
 
 
 def test_torch_pieces_of_one_pool_coalesce_and_convert() -> None:
     values = torch.randn(2, 3, 5, 4)
     pool = values.view(-1).view(torch.uint8)  # a device pool's bytes (cpu here)
-    pieces = [pool[i:i + 32] for i in range(0, pool.numel(), 32)]
+    pieces = [pool[i : i + 32] for i in range(0, pool.numel(), 32)]
     got = convert_pieces(pieces, "float32", shape=values.shape)
     assert got.data_ptr() == pool.data_ptr() and torch.equal(got, values)
-    as_half = convert_pieces(pieces[:1] + pieces[2:3] + pieces[1:2] + pieces[3:], "float32",
-                             "float16", values.shape)  # out of order: a copy
+    as_half = convert_pieces(
+        pieces[:1] + pieces[2:3] + pieces[1:2] + pieces[3:], "float32", "float16", values.shape
+    )  # out of order: a copy
     reordered = torch.cat([pool[0:32], pool[64:96], pool[32:64], pool[96:]])
     assert torch.equal(as_half, reordered.view(torch.float32).view(values.shape).half())
 
@@ -223,8 +238,7 @@ def test_torch_pieces_of_one_pool_coalesce_and_convert() -> None:
 def test_coalesce_merges_only_adjacent_views_of_one_buffer() -> None:
     buf = np.arange(100, dtype=np.uint8)
     other = np.arange(100, dtype=np.uint8)
-    assert [p.tolist() for p in coalesce([buf[0:10], buf[10:30], buf[30:31]])] == \
-        [list(range(31))]
+    assert [p.tolist() for p in coalesce([buf[0:10], buf[10:30], buf[30:31]])] == [list(range(31))]
     assert len(coalesce([buf[0:10], buf[11:20]])) == 2  # a gap
     assert len(coalesce([buf[10:20], buf[0:10]])) == 2  # out of order
     assert len(coalesce([buf[0:10], other[10:20]])) == 2  # another buffer
@@ -243,13 +257,16 @@ def test_convert_tensor_is_identity_when_nothing_changes() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(src=st.sampled_from(DTYPES), dst=st.sampled_from(DTYPES),
-       shape=st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(0, 5),
-                       st.integers(1, 6)),
-       cuts=st.lists(st.integers(0, 400), max_size=4), seed=st.integers(0, 2 ** 31))
-def test_any_split_into_pieces_converts_like_torch(src: torch.dtype, dst: torch.dtype,
-                                                  shape: tuple[int, ...], cuts: list[int],
-                                                  seed: int) -> None:
+@given(
+    src=st.sampled_from(DTYPES),
+    dst=st.sampled_from(DTYPES),
+    shape=st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(0, 5), st.integers(1, 6)),
+    cuts=st.lists(st.integers(0, 400), max_size=4),
+    seed=st.integers(0, 2**31),
+)
+def test_any_split_into_pieces_converts_like_torch(
+    src: torch.dtype, dst: torch.dtype, shape: tuple[int, ...], cuts: list[int], seed: int
+) -> None:
     generator = torch.Generator().manual_seed(seed)
     values = (torch.randn(shape, generator=generator) * 100).to(src)
     raw = values.view(-1).view(torch.uint8).numpy().copy()
@@ -261,19 +278,21 @@ def test_any_split_into_pieces_converts_like_torch(src: torch.dtype, dst: torch.
 
 @pytest.mark.parametrize("requested", DTYPES)
 @pytest.mark.parametrize("page_size", [4096, 256 * 1024])
-def test_a_tensor_parallel_share_of_every_layer(tmp_path: Path, requested: torch.dtype,
-                                                page_size: int) -> None:
+def test_a_tensor_parallel_share_of_every_layer(
+    tmp_path: Path, requested: torch.dtype, page_size: int
+) -> None:
     data = kv(torch.bfloat16, seed=7)
     with open_store(tmp_path, page_size) as store:
         # objects put and deleted around it: its pages need not be adjacent or in order
-        fillers = [stored(store, kv(torch.bfloat16, seed=8), first_token=1000 * (i + 1))
-                   for i in range(3)]
+        fillers = [
+            stored(store, kv(torch.bfloat16, seed=8), first_token=1000 * (i + 1)) for i in range(3)
+        ]
         for filler in fillers[::2]:
             filler.release()
             store.delete(filler.namespace, filler.key)
         with stored(store, data) as reader:
             for heads in [(0, 1), (1, 3), (0, HEADS)]:
-                want = data[:, :, heads[0]:heads[1]].to(requested)
+                want = data[:, :, heads[0] : heads[1]].to(requested)
                 got = read_payload(reader, heads=heads, dtype=requested)
                 assert got.is_contiguous() and torch.equal(got, want)
                 out = torch.empty_like(want)
@@ -282,5 +301,9 @@ def test_a_tensor_parallel_share_of_every_layer(tmp_path: Path, requested: torch
             with pytest.raises(SpecError):
                 read_payload(reader, heads=(2, 1))
             with pytest.raises(PayloadSizeError):
-                read_payload(reader, heads=(0, 2), dtype=requested,
-                             out=torch.empty(LAYERS, 2, 1, TOKENS, DIM, dtype=requested))
+                read_payload(
+                    reader,
+                    heads=(0, 2),
+                    dtype=requested,
+                    out=torch.empty(LAYERS, 2, 1, TOKENS, DIM, dtype=requested),
+                )

@@ -31,6 +31,7 @@ def headline_bound(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- tensors hypothesis draws
 
+
 def finite_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
@@ -43,7 +44,7 @@ def kv_layers(draw: st.DrawFn, dtypes: list[torch.dtype] = DTYPES) -> torch.Tens
     planes, heads = draw(st.integers(1, 2)), draw(st.integers(1, 3))
     tokens, dim = draw(st.integers(1, 6)), draw(st.integers(1, 8))
     limit = finite_max(dtype)
-    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     out = np.empty((planes, heads, tokens * dim), dtype=np.float64)
     for plane in range(planes):
         for head in range(heads):
@@ -54,18 +55,26 @@ def kv_layers(draw: st.DrawFn, dtypes: list[torch.dtype] = DTYPES) -> torch.Tens
                 out[plane, head] = draw(st.floats(-limit, limit, width=32))
             elif kind == "random":
                 exponent = draw(st.integers(-150, 127))
-                out[plane, head] = rng.standard_normal(tokens * dim) * 2.0 ** exponent
+                out[plane, head] = rng.standard_normal(tokens * dim) * 2.0**exponent
                 out[plane, head, rng.random(tokens * dim) < 0.2] = 0.0
             else:
-                values = draw(st.lists(st.floats(-limit, limit, width=32),
-                                       min_size=tokens * dim, max_size=tokens * dim))
+                values = draw(
+                    st.lists(
+                        st.floats(-limit, limit, width=32),
+                        min_size=tokens * dim,
+                        max_size=tokens * dim,
+                    )
+                )
                 out[plane, head] = values
     out = np.clip(out, -limit, limit)  # what the producer's dtype can hold
     return torch.from_numpy(out.reshape(planes, heads, tokens, dim)).to(dtype)
 
 
-FAST = settings(max_examples=300, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FAST = settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @FAST
@@ -78,14 +87,16 @@ def test_error_bound_holds_for_float32_output(x: torch.Tensor) -> None:
     worst = torch.argmax(error - bound)
     assert bool((error <= bound).all()), (
         f"x={x.double().view(-1)[worst]!r} got {back.double().view(-1)[worst]!r} "
-        f"bound {bound.view(-1)[worst]!r}")
+        f"bound {bound.view(-1)[worst]!r}"
+    )
     assert torch.equal(bound, fp8.error_bound(x, layer.scales))
 
 
 @FAST
 @given(x=kv_layers(), out_dtype=st.sampled_from(DTYPES))
-def test_error_bound_widened_by_the_output_rounding(x: torch.Tensor,
-                                                   out_dtype: torch.dtype) -> None:
+def test_error_bound_widened_by_the_output_rounding(
+    x: torch.Tensor, out_dtype: torch.dtype
+) -> None:
     if float(x.double().abs().max()) > finite_max(out_dtype):
         return  # beyond the output dtype's range: inf by definition, not an fp8 error
     layer = fp8.quantize(x)
@@ -97,8 +108,9 @@ def test_error_bound_widened_by_the_output_rounding(x: torch.Tensor,
 
 @FAST
 @given(x=kv_layers(), out_dtype=st.sampled_from(DTYPES))
-def test_dequantize_is_bit_identical_to_the_float_definition(x: torch.Tensor,
-                                                            out_dtype: torch.dtype) -> None:
+def test_dequantize_is_bit_identical_to_the_float_definition(
+    x: torch.Tensor, out_dtype: torch.dtype
+) -> None:
     layer = fp8.quantize(x)
     got = fp8.dequantize(*layer, dtype=out_dtype)
     want = reference_dequantize(layer, out_dtype)
@@ -180,6 +192,7 @@ def test_huge_scales_dequantize_without_overflow() -> None:
 
 # ---------------------------------------------------------------------- serialized form
 
+
 @pytest.mark.parametrize("shape", [(2, 8, 256, 128), (1, 1, 256, 576), (2, 3, 1, 1)])
 def test_serialized_size(shape: tuple[int, int, int, int]) -> None:
     planes, heads, tokens, dim = shape
@@ -195,14 +208,14 @@ def test_serialized_layout_is_one_record_per_head_scale_first() -> None:
     assert raw.dtype == torch.uint8 and raw.numel() == fp8.serialized_nbytes(x.shape)
     record = 4 + 4 * 5
     for index, (plane, head) in enumerate((p, h) for p in range(2) for h in range(3)):
-        at = raw[index * record:(index + 1) * record].numpy().tobytes()
+        at = raw[index * record : (index + 1) * record].numpy().tobytes()
         (scale,) = struct.unpack("<f", at[:4])  # little-endian, [plane][head] order
         assert scale == float(layer.scales[plane, head])
         assert at[4:] == layer.data[plane, head].contiguous().view(torch.uint8).numpy().tobytes()
     assert torch.equal(fp8.pack(layer), raw)
     # heads [1, 3): one run per plane, scales included, which together are the
     # serialized form of the [2, 2, 4, 5] sub-layer
-    runs = [raw[(plane * 3 + 1) * record:(plane * 3 + 3) * record] for plane in range(2)]
+    runs = [raw[(plane * 3 + 1) * record : (plane * 3 + 3) * record] for plane in range(2)]
     sub = fp8.unpack(torch.cat(runs), (2, 2, 4, 5))
     assert torch.equal(sub.scales, layer.scales[:, 1:3])
     assert torch.equal(sub.data.view(torch.uint8), layer.data[:, 1:3].view(torch.uint8))
@@ -217,8 +230,9 @@ def test_unpack_views_the_values_and_decode_round_trips() -> None:
     assert torch.equal(fp8.decode_layer(raw, x.shape), fp8.dequantize(*fp8.quantize(x)))
     # from the bytes a store would hand back (read-only numpy, or plain bytes)
     frozen = raw.numpy().tobytes()
-    assert torch.equal(fp8.decode_layer(frozen, x.shape, torch.float32),
-                       fp8.dequantize(*view, dtype=torch.float32))
+    assert torch.equal(
+        fp8.decode_layer(frozen, x.shape, torch.float32), fp8.dequantize(*view, dtype=torch.float32)
+    )
     with pytest.raises(PayloadSizeError):
         fp8.unpack(raw[:-1], x.shape)
 
@@ -228,13 +242,16 @@ def test_encode_into_a_callers_buffer() -> None:
     buf = np.zeros(fp8.serialized_nbytes(x.shape), dtype=np.uint8)  # e.g. a store's page
     raw = fp8.encode_layer(x, out=buf)
     assert raw.data_ptr() == buf.ctypes.data
-    assert torch.equal(fp8.decode_layer(buf, x.shape, torch.float16),
-                       fp8.dequantize(*fp8.quantize(x), dtype=torch.float16))
+    assert torch.equal(
+        fp8.decode_layer(buf, x.shape, torch.float16),
+        fp8.dequantize(*fp8.quantize(x), dtype=torch.float16),
+    )
     with pytest.raises(PayloadSizeError):
         fp8.encode_layer(x, out=np.zeros(10, dtype=np.uint8))
 
 
 # ---------------------------------------------------------------------------- savings
+
 
 def test_bytes_saved_and_chunk_size() -> None:
     spec = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")

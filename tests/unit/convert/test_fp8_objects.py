@@ -25,8 +25,7 @@ from kvfabric.tiers.base import TierKind
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 LAYERS, HEADS, TOKENS, DIM = 3, 4, 16, 32
-SPEC = KVSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype="fp8",
-              chunk_tokens=TOKENS)
+SPEC = KVSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype="fp8", chunk_tokens=TOKENS)
 NS = Namespace("fp8-objects", SPEC)
 
 
@@ -68,8 +67,11 @@ def test_the_layout_counts_a_scale_per_head_and_leaves_other_dtypes_alone() -> N
     assert layout.head_bytes == 4 + 10 * DIM
     assert layout.nbytes == LAYERS * 2 * HEADS * (4 + 10 * DIM)
     bf16 = dataclasses.replace(SPEC, dtype="bfloat16")
-    assert layout.nbytes == fp8.chunk_nbytes(bf16, 10) == \
-        LAYERS * fp8.serialized_nbytes((2, HEADS, 10, DIM))
+    assert (
+        layout.nbytes
+        == fp8.chunk_nbytes(bf16, 10)
+        == LAYERS * fp8.serialized_nbytes((2, HEADS, 10, DIM))
+    )
     for dtype, itemsize in (("bfloat16", 2), ("float16", 2), ("float32", 4)):
         plain = dataclasses.replace(SPEC, dtype=dtype).layout(10)
         assert KVDtype.parse(dtype).scale_bytes == 0
@@ -78,15 +80,18 @@ def test_the_layout_counts_a_scale_per_head_and_leaves_other_dtypes_alone() -> N
     # heads [1, 3) of layer 2: one run per plane, records 1 and 2 of that plane
     record = 4 + 10 * DIM
     base = 2 * layout.layer_bytes
-    assert layout.head_ranges(2, 1, 3) == [(base + record, 2 * record),
-                                           (base + HEADS * record + record, 2 * record)]
+    assert layout.head_ranges(2, 1, 3) == [
+        (base + record, 2 * record),
+        (base + HEADS * record + record, 2 * record),
+    ]
     assert fp8.bytes_saved(bf16) == bf16.chunk_bytes - SPEC.chunk_bytes
 
 
 @pytest.mark.parametrize("source", DTYPES)
 @pytest.mark.parametrize("requested", DTYPES)
-def test_written_quantized_read_back_within_the_bound(store: TieredStore, source: torch.dtype,
-                                                      requested: torch.dtype) -> None:
+def test_written_quantized_read_back_within_the_bound(
+    store: TieredStore, source: torch.dtype, requested: torch.dtype
+) -> None:
     data = kv(source)
     key = put(store, data)
     with store.get(NS, key) as reader:
@@ -104,13 +109,14 @@ def test_written_quantized_read_back_within_the_bound(store: TieredStore, source
 
 
 def test_the_payload_is_the_serialized_form_with_each_heads_scale_in_front(
-        store: TieredStore) -> None:
+    store: TieredStore,
+) -> None:
     data = kv(torch.bfloat16, seed=3)
     key = put(store, data)
     with store.get(NS, key) as reader:
         raw = np.frombuffer(reader.to_bytes(), dtype=np.uint8)
     for layer in range(LAYERS):
-        one = raw[layer * SPEC.layout().layer_bytes:(layer + 1) * SPEC.layout().layer_bytes]
+        one = raw[layer * SPEC.layout().layer_bytes : (layer + 1) * SPEC.layout().layer_bytes]
         assert torch.equal(torch.from_numpy(one.copy()), fp8.encode_layer(data[layer]))
         records = one.reshape(2, HEADS, 4 + TOKENS * DIM)
         scales = records[:, :, :4].copy().view("<f4").reshape(2, HEADS)
@@ -118,8 +124,9 @@ def test_the_payload_is_the_serialized_form_with_each_heads_scale_in_front(
 
 
 @pytest.mark.parametrize("heads", [(0, 1), (1, 3), (2, 4), (0, 4)])
-def test_a_head_range_reads_only_its_heads_values_and_scales(store: TieredStore,
-                                                             heads: tuple[int, int]) -> None:
+def test_a_head_range_reads_only_its_heads_values_and_scales(
+    store: TieredStore, heads: tuple[int, int]
+) -> None:
     data = kv(torch.float16, seed=1)
     key = put(store, data)
     a, b = heads
@@ -132,8 +139,9 @@ def test_a_head_range_reads_only_its_heads_values_and_scales(store: TieredStore,
             assert torch.equal(part, whole[layer, :, a:b])
             # the same bytes decoded as a standalone [2, b - a, tokens, dim] layer
             joined = np.concatenate([np.asarray(p) for p in pieces])
-            assert torch.equal(fp8.decode_layer(joined, layer_shape(reader.layout, heads),
-                                                torch.float32), part)
+            assert torch.equal(
+                fp8.decode_layer(joined, layer_shape(reader.layout, heads), torch.float32), part
+            )
         out = torch.empty(LAYERS, 2, b - a, TOKENS, DIM, dtype=torch.bfloat16)
         assert read_payload(reader, heads=heads, dtype=torch.bfloat16, out=out) is out
         assert torch.equal(out, whole[:, :, a:b].to(torch.bfloat16))
@@ -146,19 +154,17 @@ def test_head_range_writers_build_the_same_object_as_one_writer(tmp_path: Path) 
     ref = chunk_hashes(NS, list(range(TOKENS)))[0]
     with open_store(tmp_path / "one", 4096) as one, open_store(tmp_path / "ranks", 4096) as ranks:
         put(one, data, seed=0)
-        writers = [ranks.reserve(NS, ref.key, parent=ref.parent, heads=(h, h + 2))
-                   for h in (0, 2)]
+        writers = [ranks.reserve(NS, ref.key, parent=ref.parent, heads=(h, h + 2)) for h in (0, 2)]
         for writer in writers:
             for layer in range(LAYERS):
                 h = writer.heads[0]
-                write_layer(writer, layer, data[layer, :, h:h + 2])
+                write_layer(writer, layer, data[layer, :, h : h + 2])
             writer.commit()
         with one.get(NS, ref.key) as a, ranks.get(NS, ref.key) as b:
             assert a.to_bytes() == b.to_bytes()
 
 
-def test_non_finite_or_misshapen_input_is_refused_and_nothing_is_published(
-        tmp_path: Path) -> None:
+def test_non_finite_or_misshapen_input_is_refused_and_nothing_is_published(tmp_path: Path) -> None:
     data = kv(torch.bfloat16)
     ref = chunk_hashes(NS, list(range(TOKENS)))[0]
     with open_store(tmp_path, 4096) as store:
@@ -189,16 +195,29 @@ def test_non_finite_or_misshapen_input_is_refused_and_nothing_is_published(
             with pytest.raises(SpecError):
                 read_payload(reader)
             with pytest.raises(PayloadSizeError):
-                read_payload(reader, dtype=torch.float32,
-                             out=torch.empty(LAYERS, 2, HEADS, TOKENS, DIM - 1))
+                read_payload(
+                    reader, dtype=torch.float32, out=torch.empty(LAYERS, 2, HEADS, TOKENS, DIM - 1)
+                )
             with pytest.raises(PayloadSizeError):
-                fp8.read_pieces(reader.layer_pieces(0)[:-1] or [np.zeros(1, np.uint8)],
-                                (2, HEADS, TOKENS, DIM), torch.float32)
+                fp8.read_pieces(
+                    reader.layer_pieces(0)[:-1] or [np.zeros(1, np.uint8)],
+                    (2, HEADS, TOKENS, DIM),
+                    torch.float32,
+                )
 
 
 def test_a_partial_chunk_and_an_mla_namespace(tmp_path: Path) -> None:
-    mla = Namespace("fp8-mla", KVSpec(num_layers=2, num_kv_heads=1, head_dim=72,
-                                      dtype="float8_e4m3", kind="mla", chunk_tokens=TOKENS))
+    mla = Namespace(
+        "fp8-mla",
+        KVSpec(
+            num_layers=2,
+            num_kv_heads=1,
+            head_dim=72,
+            dtype="float8_e4m3",
+            kind="mla",
+            chunk_tokens=TOKENS,
+        ),
+    )
     data = torch.randn(2, 1, 1, 5, 72, generator=torch.Generator().manual_seed(4))
     ref = chunk_hashes(mla, list(range(5)))[0]  # 5 tokens of a 16-token chunk
     with open_store(tmp_path, 4096) as store:
@@ -208,8 +227,9 @@ def test_a_partial_chunk_and_an_mla_namespace(tmp_path: Path) -> None:
                 write_layer(writer, layer, data[layer])
             writer.commit()
         with store.get(mla, ref.key) as reader:
-            assert torch.equal(read_payload(reader, dtype=torch.float32),
-                               expected(data, torch.float32))
+            assert torch.equal(
+                read_payload(reader, dtype=torch.float32), expected(data, torch.float32)
+            )
 
 
 def test_write_layer_converts_into_plain_dtypes_too(tmp_path: Path) -> None:
@@ -232,10 +252,8 @@ def test_a_consumers_read_spec_names_its_dtype_heads_and_layout(tmp_path: Path) 
         with store.get(NS, key) as reader:
             whole = read_payload(reader, dtype=torch.float32)
             want = ReadSpec(dtype="float32", heads=(1, 3), layout="nhd")
-            assert torch.equal(read_layer_as(reader, 2, want),
-                               whole[2, :, 1:3].transpose(1, 2))
-            assert torch.equal(read_as(reader, ReadSpec(dtype="bf16")),
-                               whole.to(torch.bfloat16))
+            assert torch.equal(read_layer_as(reader, 2, want), whole[2, :, 1:3].transpose(1, 2))
+            assert torch.equal(read_as(reader, ReadSpec(dtype="bf16")), whole.to(torch.bfloat16))
             with pytest.raises(SpecError):  # no plain fp8 tensor to hand out
                 read_as(reader, ReadSpec(dtype="fp8"))
     with pytest.raises(SpecError, match="no conversion"):  # quantizing is the writer's job

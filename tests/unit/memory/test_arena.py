@@ -28,8 +28,8 @@ def test_pages_are_disjoint_views_of_one_region() -> None:
     with SharedArena.create(PAGE * 4, PAGE, prefault=True) as arena:
         assert arena.num_pages == 4
         arena.page(2)[:] = 7
-        assert arena.array[2 * PAGE:3 * PAGE].min() == 7
-        assert arena.array[:2 * PAGE].max() == 0
+        assert arena.array[2 * PAGE : 3 * PAGE].min() == 7
+        assert arena.array[: 2 * PAGE].max() == 0
         with pytest.raises(IndexError):
             arena.page(4)
 
@@ -39,7 +39,7 @@ def test_second_process_maps_the_arena_and_reads_zero_copy() -> None:
     arena = SharedArena.create(PAGE * 4, PAGE)
     try:
         payload = np.random.default_rng(1).integers(0, 256, PAGE + 100, dtype=np.uint8)
-        arena.array[:payload.size] = payload  # an "object" spanning pages 0 and 1
+        arena.array[: payload.size] = payload  # an "object" spanning pages 0 and 1
         child = textwrap.dedent(f"""
             import hashlib, sys
             from kvfabric.memory.arena import SharedArena
@@ -48,9 +48,16 @@ def test_second_process_maps_the_arena_and_reads_zero_copy() -> None:
             print(hashlib.sha256(view).hexdigest())
             arena.page(3)[:16] = 0xAB  # written in place, seen by the parent
         """)
-        out = subprocess.run([sys.executable, "-c", child], pass_fds=(arena.fd,),
-                             capture_output=True, text=True, check=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-c", child],
+            pass_fds=(arena.fd,),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
         import hashlib
+
         assert out.stdout.strip() == hashlib.sha256(payload.tobytes()).hexdigest()
         assert (arena.page(3)[:16] == 0xAB).all()
     finally:
@@ -99,6 +106,7 @@ def test_the_region_cannot_be_resized_by_anyone_who_holds_its_descriptor() -> No
                 with pytest.raises(PermissionError):
                     os.ftruncate(fd, size)
             import fcntl
+
             with pytest.raises(PermissionError):  # no seal can be added (or removed) either
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
         finally:
@@ -151,7 +159,7 @@ def test_a_read_only_descriptor_cannot_be_reopened_writable_through_proc() -> No
                 outcome = "reopened"
             except PermissionError:
                 outcome = "refused"
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        except BaseException as exc:
             outcome = f"error: {exc!r}"
         finally:
             os.write(write_end, json.dumps(outcome).encode())
@@ -169,7 +177,7 @@ def test_release_gives_the_memory_back_and_leaves_zeros() -> None:
         before = os.fstat(arena.fd).st_blocks
         arena.release(2 * PAGE, 4 * PAGE)
         assert os.fstat(arena.fd).st_blocks < before  # the file holds fewer blocks
-        assert arena.array[2 * PAGE:6 * PAGE].max() == 0
-        assert arena.array[:2 * PAGE].min() == 1 and arena.array[6 * PAGE:].min() == 1
+        assert arena.array[2 * PAGE : 6 * PAGE].max() == 0
+        assert arena.array[: 2 * PAGE].min() == 1 and arena.array[6 * PAGE :].min() == 1
         with pytest.raises(ValueError, match="page-aligned"):
             arena.release(1, PAGE)

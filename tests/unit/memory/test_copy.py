@@ -12,7 +12,7 @@ from kvfabric.memory.copy import as_bytes_view, copy_pieces
 def split(buf: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     out, start = [], 0
     for n in sizes:
-        out.append(buf[start:start + n])
+        out.append(buf[start : start + n])
         start += n
     return out
 

@@ -64,8 +64,9 @@ def test_copy_writes_what_an_as_strided_copy_writes(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_regions_are_relative_to_each_tensors_first_element(copy_routine: str,
-                                                            dtype: torch.dtype) -> None:
+def test_regions_are_relative_to_each_tensors_first_element(
+    copy_routine: str, dtype: torch.dtype
+) -> None:
     # dst a column-strided view into the middle of a larger buffer; src a transposed view
     buffer = _random_bits(4 * 40 * 50, dtype, seed=3).view(4, 40, 50)
     dst = buffer[1:3, 5:35, 10:40]
@@ -79,8 +80,10 @@ def test_regions_are_relative_to_each_tensors_first_element(copy_routine: str,
 def test_several_regions_in_one_call(copy_routine: str) -> None:
     src = _random_bits(4096, torch.bfloat16, seed=5)
     dst = torch.zeros(4096, dtype=torch.bfloat16)
-    regions = [Region(0, (0, 32, 1), 0, (0, 1, 32), (1, 32, 32)),
-               Region(1024, (0, 32, 1), 2048, (0, 32, 1), (1, 32, 32))]
+    regions = [
+        Region(0, (0, 32, 1), 0, (0, 1, 32), (1, 32, 32)),
+        Region(1024, (0, 32, 1), 2048, (0, 32, 1), (1, 32, 32)),
+    ]
     want = dst.clone()
     for region in regions:
         want = _expected(want, src, region)
@@ -88,14 +91,20 @@ def test_several_regions_in_one_call(copy_routine: str) -> None:
     assert torch.equal(_bits(dst), _bits(want))
 
 
-@pytest.mark.parametrize(("name", "region"), [
-    ("dst past the end", Region(1, (0, 10, 1), 0, (0, 10, 1), (1, 10, 10))),
-    ("src past the end", Region(0, (0, 10, 1), 0, (0, 1, 11), (1, 10, 10))),
-    ("negative offset", Region(-1, (0, 10, 1), 0, (0, 10, 1), (1, 2, 2))),
-    ("negative stride", Region(50, (0, -10, 1), 0, (0, 10, 1), (1, 2, 2))),
-    ("a stride that overflows 64 bits", Region(0, (0, 2**62, 1), 0, (0, 10, 1), (1, 5, 2))),
-    ("an offset that overflows 64 bits", Region(0, (0, 10, 1), 2**63 - 2, (0, 10, 1), (1, 2, 2))),
-])
+@pytest.mark.parametrize(
+    ("name", "region"),
+    [
+        ("dst past the end", Region(1, (0, 10, 1), 0, (0, 10, 1), (1, 10, 10))),
+        ("src past the end", Region(0, (0, 10, 1), 0, (0, 1, 11), (1, 10, 10))),
+        ("negative offset", Region(-1, (0, 10, 1), 0, (0, 10, 1), (1, 2, 2))),
+        ("negative stride", Region(50, (0, -10, 1), 0, (0, 10, 1), (1, 2, 2))),
+        ("a stride that overflows 64 bits", Region(0, (0, 2**62, 1), 0, (0, 10, 1), (1, 5, 2))),
+        (
+            "an offset that overflows 64 bits",
+            Region(0, (0, 10, 1), 2**63 - 2, (0, 10, 1), (1, 2, 2)),
+        ),
+    ],
+)
 def test_regions_outside_a_tensor_are_refused_before_anything_is_copied(
     copy_routine: str, name: str, region: Region
 ) -> None:
@@ -124,12 +133,16 @@ def test_empty_regions_copy_nothing(copy_routine: str) -> None:
     assert not dst.any()
 
 
-@pytest.mark.parametrize(("name", "region"), [
-    ("into its own source", Region(16, (0, 1, 32), 0, (0, 32, 1), (1, 32, 32))),
-    ("onto itself", Region(0, (0, 0, 1), 0, (0, 8, 1), (1, 8, 8))),
-])
-def test_overlapping_destinations_are_torchs_error(copy_routine: str, name: str,
-                                                  region: Region) -> None:
+@pytest.mark.parametrize(
+    ("name", "region"),
+    [
+        ("into its own source", Region(16, (0, 1, 32), 0, (0, 32, 1), (1, 32, 32))),
+        ("onto itself", Region(0, (0, 0, 1), 0, (0, 8, 1), (1, 8, 8))),
+    ],
+)
+def test_overlapping_destinations_are_torchs_error(
+    copy_routine: str, name: str, region: Region
+) -> None:
     buffer = _random_bits(4096, torch.bfloat16, seed=7)
     before = buffer.clone()
     with pytest.raises(RuntimeError, match="single memory location"):

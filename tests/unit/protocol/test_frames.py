@@ -27,18 +27,29 @@ from kvfabric.protocol.frames import (
     frame_length,
 )
 
-FAST = settings(max_examples=100, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FAST = settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 # ---------------------------------------------------------------------- strategies
 
-scalars = (st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1)
-           | st.floats(allow_nan=False) | st.text(max_size=40) | st.binary(max_size=40))
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=40)
+    | st.binary(max_size=40)
+)
 values = st.recursive(
     scalars,
-    lambda children: st.lists(children, max_size=6)
-    | st.dictionaries(st.text(max_size=10), children, max_size=6),
-    max_leaves=30)
+    lambda children: (
+        st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=10), children, max_size=6)
+    ),
+    max_leaves=30,
+)
 messages = st.dictionaries(st.text(max_size=10), values, max_size=8)
 
 
@@ -46,7 +57,7 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
     """``data`` cut at the given offsets (any order, duplicates allowed)."""
     points = sorted({c % (len(data) + 1) for c in cuts})
     pieces, start = [], 0
-    for point in points + [len(data)]:
+    for point in [*points, len(data)]:
         pieces.append(data[start:point])
         start = point
     return pieces
@@ -64,6 +75,7 @@ def frame_of_body(body: bytes) -> bytes:
 
 
 # ---------------------------------------------------------------------- valid streams
+
 
 @FAST
 @given(st.lists(messages, min_size=1, max_size=6), st.lists(st.integers(0, 1 << 20), max_size=12))
@@ -85,7 +97,7 @@ def test_byte_by_byte_feeding_decodes_the_same_messages(msgs) -> None:
     decoder = FrameDecoder()
     out = []
     for i in range(len(stream)):
-        out.extend(decoder.feed(stream[i:i + 1]))
+        out.extend(decoder.feed(stream[i : i + 1]))
         assert decoder.pending < largest
     assert out == msgs
     assert decoder.pending == 0
@@ -127,6 +139,7 @@ def test_encoding_a_message_over_the_limit_raises_protocol_error() -> None:
 
 # ---------------------------------------------------------------------- hostile input
 
+
 @pytest.mark.parametrize("length", [MAX_FRAME + 1, 1 << 31, 0xFFFFFFFF])
 def test_an_oversized_length_is_refused_from_the_header_alone(length) -> None:
     decoder = FrameDecoder()
@@ -144,26 +157,29 @@ def test_an_oversized_length_split_across_feeds_is_refused() -> None:
         list(decoder.feed(header[2:] + b"junk"))
 
 
-@pytest.mark.parametrize("body", [
-    b"",                                   # empty body
-    b"\xc1",                               # the one byte msgpack never uses
-    b"\x81\xa1a",                          # map missing its value
-    b"\x92\x01",                           # array missing an element
-    b"\xdd\xff\xff\xff\xff",               # array32 announcing 4G items, none present
-    b"\xdf\xff\xff\xff\xff",               # map32 announcing 4G entries
-    b"\xdb\xff\xff\xff\xff",               # str32 announcing 4 GiB
-    b"\xc6\xff\xff\xff\xff",               # bin32 announcing 4 GiB
-    b"\xd6\xff\x00\x00\x00\x00",           # ext -1 (timestamp): no ext types on this wire
-    b"\xc7\x01\x05\x00",                   # ext8 type 5
-    b"\x81\x01\x02",                       # map with an int key
-    b"\x81\xc0\x02",                       # map with a nil key
-    b"\xa2\xff\xfe",                       # invalid UTF-8 in a str
-    b"\x80\x80",                           # two objects in one frame (extra data)
-    b"\x01",                               # a valid msgpack int, not a map
-    b"\x90",                               # an empty array, not a map
-    b"\xa3abc",                            # a string, not a map
-    b"\x91" * 5000 + b"\x80",              # nesting deeper than any real request
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",  # empty body
+        b"\xc1",  # the one byte msgpack never uses
+        b"\x81\xa1a",  # map missing its value
+        b"\x92\x01",  # array missing an element
+        b"\xdd\xff\xff\xff\xff",  # array32 announcing 4G items, none present
+        b"\xdf\xff\xff\xff\xff",  # map32 announcing 4G entries
+        b"\xdb\xff\xff\xff\xff",  # str32 announcing 4 GiB
+        b"\xc6\xff\xff\xff\xff",  # bin32 announcing 4 GiB
+        b"\xd6\xff\x00\x00\x00\x00",  # ext -1 (timestamp): no ext types on this wire
+        b"\xc7\x01\x05\x00",  # ext8 type 5
+        b"\x81\x01\x02",  # map with an int key
+        b"\x81\xc0\x02",  # map with a nil key
+        b"\xa2\xff\xfe",  # invalid UTF-8 in a str
+        b"\x80\x80",  # two objects in one frame (extra data)
+        b"\x01",  # a valid msgpack int, not a map
+        b"\x90",  # an empty array, not a map
+        b"\xa3abc",  # a string, not a map
+        b"\x91" * 5000 + b"\x80",  # nesting deeper than any real request
+    ],
+)
 def test_undecodable_or_non_map_bodies_raise_protocol_error(body) -> None:
     with pytest.raises(ProtocolError):
         decode_body(body)

@@ -57,14 +57,22 @@ NS = Namespace("model-a", SPEC, tenant_salt="t1", lora_id="l0")
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 garbage = st.recursive(
-    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats()
-    | st.text(max_size=20) | st.binary(max_size=20),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=8) | st.binary(max_size=8), children, max_size=4),
-    max_leaves=12)
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(st.text(max_size=8) | st.binary(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 # ---------------------------------------------------------------------- envelope
+
 
 @pytest.mark.parametrize("op", list(Op))
 def test_request_round_trips_through_parse_request(op) -> None:
@@ -136,8 +144,12 @@ def test_request_id_of_never_raises(message) -> None:
 def test_replies_have_the_documented_shape() -> None:
     assert ok_reply(3, "pong") == {"v": PROTOCOL_VERSION, "id": 3, "ok": True, "result": "pong"}
     reply = error_reply(4, NotFoundError("gone"))
-    assert reply == {"v": PROTOCOL_VERSION, "id": 4, "ok": False,
-                     "error": {"kind": "not_found", "message": "gone"}}
+    assert reply == {
+        "v": PROTOCOL_VERSION,
+        "id": 4,
+        "ok": False,
+        "error": {"kind": "not_found", "message": "gone"},
+    }
 
 
 def test_error_messages_are_truncated_but_keep_their_kind() -> None:
@@ -146,8 +158,16 @@ def test_error_messages_are_truncated_but_keep_their_kind() -> None:
     assert len(reply["error"]["message"]) == MAX_STRING
 
 
-@pytest.mark.parametrize("error", [ProtocolError("a"), UnsupportedVersionError("b"),
-                                   AuthError("c"), LeaseExpiredError("d"), NotFoundError("e")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ProtocolError("a"),
+        UnsupportedVersionError("b"),
+        AuthError("c"),
+        LeaseExpiredError("d"),
+        NotFoundError("e"),
+    ],
+)
 def test_error_kinds_rebuild_the_same_exception_type(error) -> None:
     rebuilt = error_for_kind(error.kind, str(error))
     assert type(rebuilt) is type(error) and str(rebuilt) == str(error)
@@ -160,8 +180,10 @@ def test_unknown_error_kinds_rebuild_a_base_error_with_that_kind() -> None:
 
 # ---------------------------------------------------------------------- scalar validators
 
-@pytest.mark.parametrize("value", [True, False, 1.0, 2.5, "3", b"3", [3], {"v": 3}, -1,
-                                   1 << 63, 1 << 64])
+
+@pytest.mark.parametrize(
+    "value", [True, False, 1.0, 2.5, "3", b"3", [3], {"v": 3}, -1, 1 << 63, 1 << 64]
+)
 def test_arg_int_refuses_non_integers_bools_and_out_of_range(value) -> None:
     with pytest.raises(ProtocolError, match="lease"):
         arg_int({"lease": value}, "lease")
@@ -180,8 +202,22 @@ def test_arg_int_bounds_default_and_missing() -> None:
         arg_int({"n": None}, "n")
 
 
-@pytest.mark.parametrize("value", [True, -0.001, -1, MAX_TIMEOUT_S + 0.001, math.inf, -math.inf,
-                                   math.nan, "1", b"1", [1.0], {"t": 1}])
+@pytest.mark.parametrize(
+    "value",
+    [
+        True,
+        -0.001,
+        -1,
+        MAX_TIMEOUT_S + 0.001,
+        math.inf,
+        -math.inf,
+        math.nan,
+        "1",
+        b"1",
+        [1.0],
+        {"t": 1},
+    ],
+)
 def test_arg_float_refuses_bad_timeouts(value) -> None:
     with pytest.raises(ProtocolError, match="timeout"):
         arg_float({"timeout": value}, "timeout")
@@ -195,8 +231,9 @@ def test_arg_float_accepts_ints_and_floats_in_range_and_none() -> None:
     assert arg_float({}, "timeout", default=2.0) == 2.0
 
 
-@pytest.mark.parametrize("value", [None, 1, 1.0, True, b"abc", ["a"], {"a": 1},
-                                   "x" * (MAX_STRING + 1)])
+@pytest.mark.parametrize(
+    "value", [None, 1, 1.0, True, b"abc", ["a"], {"a": 1}, "x" * (MAX_STRING + 1)]
+)
 def test_arg_str_refuses_non_strings_and_long_strings(value) -> None:
     with pytest.raises(ProtocolError, match="client"):
         arg_str({"client": value}, "client")
@@ -207,8 +244,20 @@ def test_arg_str_default_and_limit() -> None:
     assert arg_str({"client": "x" * MAX_STRING}, "client") == "x" * MAX_STRING
 
 
-@pytest.mark.parametrize("value", [None, b"", b"\x00" * (KEY_BYTES - 1), b"\x00" * (KEY_BYTES + 1),
-                                   "a" * KEY_BYTES, [0] * KEY_BYTES, KEY_BYTES, 1.5, True])
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        b"",
+        b"\x00" * (KEY_BYTES - 1),
+        b"\x00" * (KEY_BYTES + 1),
+        "a" * KEY_BYTES,
+        [0] * KEY_BYTES,
+        KEY_BYTES,
+        1.5,
+        True,
+    ],
+)
 def test_arg_key_must_be_exactly_16_bytes(value) -> None:
     with pytest.raises(ProtocolError, match="key"):
         arg_key({"key": value}, "key")
@@ -218,12 +267,25 @@ def test_arg_key_accepts_16_bytes() -> None:
     assert arg_key({"key": b"\x01" * KEY_BYTES}, "key") == b"\x01" * KEY_BYTES
 
 
-@pytest.mark.parametrize("value", [None, b"\x00" * (KEY_BYTES - 1), b"\x00" * (KEY_BYTES + 1),
-                                   bytearray(KEY_BYTES), "keys", "k" * KEY_BYTES, {"k": 1}, 3,
-                                   [b"\x00" * 15], [b"\x00" * KEY_BYTES, None],
-                                   [b"\x00" * KEY_BYTES, "a" * KEY_BYTES],
-                                   [b"\x00" * KEY_BYTES, bytearray(KEY_BYTES)],
-                                   [b"\x00" * 15, b"\x00" * 17], [[b"\x00" * KEY_BYTES]]])
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        b"\x00" * (KEY_BYTES - 1),
+        b"\x00" * (KEY_BYTES + 1),
+        bytearray(KEY_BYTES),
+        "keys",
+        "k" * KEY_BYTES,
+        {"k": 1},
+        3,
+        [b"\x00" * 15],
+        [b"\x00" * KEY_BYTES, None],
+        [b"\x00" * KEY_BYTES, "a" * KEY_BYTES],
+        [b"\x00" * KEY_BYTES, bytearray(KEY_BYTES)],
+        [b"\x00" * 15, b"\x00" * 17],
+        [[b"\x00" * KEY_BYTES]],
+    ],
+)
 def test_arg_keys_refuses_anything_but_a_list_of_keys_or_packed_keys(value) -> None:
     with pytest.raises(ProtocolError, match="keys"):
         arg_keys({"keys": value})
@@ -256,15 +318,17 @@ def test_packed_and_listed_keys_decode_alike(keys) -> None:
     assert arg_keys({"keys": pack_keys(keys)}) == arg_keys({"keys": keys}) == keys
 
 
-@pytest.mark.parametrize("keys", [[b"\x00" * 15], [b"\x00" * 15, b"\x00" * 17],
-                                  ["k" * KEY_BYTES], [None], [3]])
+@pytest.mark.parametrize(
+    "keys", [[b"\x00" * 15], [b"\x00" * 15, b"\x00" * 17], ["k" * KEY_BYTES], [None], [3]]
+)
 def test_pack_keys_refuses_keys_of_the_wrong_size_or_type(keys) -> None:
     with pytest.raises(SpecError, match="16 bytes"):
         pack_keys(keys)
 
 
-@pytest.mark.parametrize("value", [None, [1, 2, 3], "abcd", b"abc", b"\x00" * 5, 7,
-                                   b"\x00" * (4 * MAX_TOKENS + 4)])
+@pytest.mark.parametrize(
+    "value", [None, [1, 2, 3], "abcd", b"abc", b"\x00" * 5, 7, b"\x00" * (4 * MAX_TOKENS + 4)]
+)
 def test_arg_tokens_must_be_int32_bytes_within_the_limit(value) -> None:
     with pytest.raises(ProtocolError, match="tokens"):
         arg_tokens({"tokens": value})
@@ -275,8 +339,9 @@ def test_arg_tokens_accepts_whole_int32s() -> None:
     assert len(arg_tokens({"tokens": b"\x00" * (4 * MAX_TOKENS)})) == 4 * MAX_TOKENS
 
 
-@pytest.mark.parametrize("value", [None, [], (), "items", b"xx", {"a": 1}, 3, True,
-                                   [0] * (MAX_BATCH + 1)])
+@pytest.mark.parametrize(
+    "value", [None, [], (), "items", b"xx", {"a": 1}, 3, True, [0] * (MAX_BATCH + 1)]
+)
 def test_arg_list_wants_a_non_empty_bounded_list(value) -> None:
     with pytest.raises(ProtocolError, match="items"):
         arg_list({"items": value}, "items")
@@ -298,10 +363,15 @@ def test_batch_items_have_the_documented_shape() -> None:
 @given(garbage, st.sampled_from(["int", "float", "str", "key", "keys", "tokens", "list"]))
 def test_validators_raise_only_protocol_errors(value, which) -> None:
     args = {"a": value}
-    validator = {"int": lambda: arg_int(args, "a"), "float": lambda: arg_float(args, "a"),
-                 "str": lambda: arg_str(args, "a"), "key": lambda: arg_key(args, "a"),
-                 "keys": lambda: arg_keys(args, "a"), "tokens": lambda: arg_tokens(args, "a"),
-                 "list": lambda: arg_list(args, "a")}
+    validator = {
+        "int": lambda: arg_int(args, "a"),
+        "float": lambda: arg_float(args, "a"),
+        "str": lambda: arg_str(args, "a"),
+        "key": lambda: arg_key(args, "a"),
+        "keys": lambda: arg_keys(args, "a"),
+        "tokens": lambda: arg_tokens(args, "a"),
+        "list": lambda: arg_list(args, "a"),
+    }
     try:
         result = validator[which]()
     except ProtocolError:
@@ -323,6 +393,7 @@ def test_validators_raise_only_protocol_errors(value, which) -> None:
 
 
 # ---------------------------------------------------------------------- namespaces
+
 
 def test_namespace_round_trips() -> None:
     assert decode_namespace(encode_namespace(NS)) == NS
@@ -353,22 +424,53 @@ def _spec(**changes):
     return _ns(spec=spec)
 
 
-@pytest.mark.parametrize("raw", [
-    None, [], "ns", 1, b"ns",
-    _ns(model=KeyError), _ns(model=1), _ns(model=b"m"), _ns(model="x" * (MAX_STRING + 1)),
-    _ns(model=""),
-    _ns(tenant=1), _ns(tenant=None), _ns(lora=["l"]), _ns(spec=KeyError), _ns(spec=[1, 2]),
-    _ns(spec="mha"), _ns(extra=1), {**_ns(), b"model": "m"},
-    _spec(num_layers=KeyError), _spec(num_layers=0), _spec(num_layers=-4), _spec(num_layers=4.0),
-    _spec(num_layers=True), _spec(num_layers="4"), _spec(num_layers=1 << 40),
-    _spec(num_kv_heads=2.5), _spec(head_dim=None), _spec(head_dim=1 << 20),
-    _spec(chunk_tokens=0), _spec(chunk_tokens=False), _spec(chunk_tokens=(1 << 16) + 1),
-    _spec(dtype="int8"), _spec(dtype=1), _spec(dtype=[]), _spec(dtype={"a": 1}),
-    _spec(kind="gqa"), _spec(kind=[1]), _spec(kind={}), _spec(kind="mla"),  # mla with 2 heads
-    _spec(extra_field=1),
-    {**_ns(), "spec": {**SPEC.to_dict(), b"raw": 1, "text": 2}},
-    {**_ns(), "spec": {**SPEC.to_dict(), b"num_layers": 4}},
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        None,
+        [],
+        "ns",
+        1,
+        b"ns",
+        _ns(model=KeyError),
+        _ns(model=1),
+        _ns(model=b"m"),
+        _ns(model="x" * (MAX_STRING + 1)),
+        _ns(model=""),
+        _ns(tenant=1),
+        _ns(tenant=None),
+        _ns(lora=["l"]),
+        _ns(spec=KeyError),
+        _ns(spec=[1, 2]),
+        _ns(spec="mha"),
+        _ns(extra=1),
+        {**_ns(), b"model": "m"},
+        _spec(num_layers=KeyError),
+        _spec(num_layers=0),
+        _spec(num_layers=-4),
+        _spec(num_layers=4.0),
+        _spec(num_layers=True),
+        _spec(num_layers="4"),
+        _spec(num_layers=1 << 40),
+        _spec(num_kv_heads=2.5),
+        _spec(head_dim=None),
+        _spec(head_dim=1 << 20),
+        _spec(chunk_tokens=0),
+        _spec(chunk_tokens=False),
+        _spec(chunk_tokens=(1 << 16) + 1),
+        _spec(dtype="int8"),
+        _spec(dtype=1),
+        _spec(dtype=[]),
+        _spec(dtype={"a": 1}),
+        _spec(kind="gqa"),
+        _spec(kind=[1]),
+        _spec(kind={}),
+        _spec(kind="mla"),  # mla with 2 heads
+        _spec(extra_field=1),
+        {**_ns(), "spec": {**SPEC.to_dict(), b"raw": 1, "text": 2}},
+        {**_ns(), "spec": {**SPEC.to_dict(), b"num_layers": 4}},
+    ],
+)
 def test_bad_namespaces_are_protocol_errors(raw) -> None:
     with pytest.raises(ProtocolError):
         decode_namespace(raw)
@@ -385,17 +487,22 @@ def test_decode_namespace_raises_only_protocol_errors_on_garbage(raw) -> None:
 
 
 spec_fields = st.fixed_dictionaries(
-    {}, optional={"num_layers": garbage | st.integers(-3, 2000),
-                  "num_kv_heads": garbage | st.integers(-3, 2000),
-                  "head_dim": garbage | st.integers(-3, 70000),
-                  "dtype": garbage | st.sampled_from(["bfloat16", "fp16", "float8_e4m3fn", "x"]),
-                  "kind": garbage | st.sampled_from(["mha", "mla", "MHA"]),
-                  "chunk_tokens": garbage | st.integers(-3, 70000)})
+    {},
+    optional={
+        "num_layers": garbage | st.integers(-3, 2000),
+        "num_kv_heads": garbage | st.integers(-3, 2000),
+        "head_dim": garbage | st.integers(-3, 70000),
+        "dtype": garbage | st.sampled_from(["bfloat16", "fp16", "float8_e4m3fn", "x"]),
+        "kind": garbage | st.sampled_from(["mha", "mla", "MHA"]),
+        "chunk_tokens": garbage | st.integers(-3, 70000),
+    },
+)
 
 
 @FAST
-@given(spec_fields, st.dictionaries(st.text(max_size=6) | st.binary(max_size=6), garbage,
-                                    max_size=2))
+@given(
+    spec_fields, st.dictionaries(st.text(max_size=6) | st.binary(max_size=6), garbage, max_size=2)
+)
 def test_decode_namespace_raises_only_protocol_errors_on_near_valid_specs(spec, extra) -> None:
     """Specs close to valid reach KVSpec's own checks: those must surface as ProtocolError."""
     try:

@@ -24,7 +24,8 @@ def test_the_daemon_runs_on_uvloop_when_it_is_installed() -> None:
 
 
 def test_without_uvloop_the_daemon_runs_on_asyncios_own_loop(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now raises ImportError
     assert _loop_module().startswith("asyncio")
     assert event_loop_factory() is asyncio.new_event_loop

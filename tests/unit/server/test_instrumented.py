@@ -22,8 +22,7 @@ CT = SPEC.chunk_tokens
 CHUNK = SPEC.chunk_bytes
 ACME = Namespace("tiny", SPEC, tenant_salt="acme")
 GLOBEX = Namespace("tiny", SPEC, tenant_salt="globex")
-WRAPPED = ("lookup", "lookup_tokens", "reserve", "put", "get", "pin", "contains", "delete",
-           "evict")
+WRAPPED = ("lookup", "lookup_tokens", "reserve", "put", "get", "pin", "contains", "delete", "evict")
 
 
 def payload(seed: int) -> np.ndarray:
@@ -52,8 +51,9 @@ def prompt(n_tokens: int) -> list[int]:
     return list(range(1000, 1000 + n_tokens))
 
 
-def put_prefix(store: InstrumentedStore | TieredStore, ns: Namespace, tokens: list[int],
-               n_chunks: int) -> list[bytes]:
+def put_prefix(
+    store: InstrumentedStore | TieredStore, ns: Namespace, tokens: list[int], n_chunks: int
+) -> list[bytes]:
     refs = chunk_hashes(ns, tokens, include_partial=False)[:n_chunks]
     for i, ref in enumerate(refs):
         assert store.put(ns, ref.key, payload(i), parent=ref.parent)
@@ -116,8 +116,10 @@ def test_a_lookup_in_a_namespace_holding_nothing_takes_no_tenant_label(parts) ->
 
 def test_hits_are_attributed_to_the_tier_that_held_them(tmp_path: Path) -> None:
     store, metrics, instrumented = make(
-        tmp_path, TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=4096),
-        TierConfig(TierKind.CXL, 8 * CHUNK, page_size=4096, numa_node=0))
+        tmp_path,
+        TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=4096),
+        TierConfig(TierKind.CXL, 8 * CHUNK, page_size=4096, numa_node=0),
+    )
     tokens = prompt(4 * CT)
     keys = put_prefix(instrumented, ACME, tokens, 4)  # dram holds two: two were demoted
     result = instrumented.lookup_tokens(ACME, tokens)
@@ -204,5 +206,6 @@ def test_unwrapped_attributes_fall_through_to_the_store(parts) -> None:
 
 @pytest.mark.parametrize("name", WRAPPED)
 def test_wrapped_signatures_match_the_store(name: str) -> None:
-    assert inspect.signature(getattr(InstrumentedStore, name)) == \
-        inspect.signature(getattr(TieredStore, name))
+    assert inspect.signature(getattr(InstrumentedStore, name)) == inspect.signature(
+        getattr(TieredStore, name)
+    )

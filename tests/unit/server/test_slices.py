@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,11 +36,17 @@ STORED = 40
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Context]:
     tiers = (TierConfig(TierKind.DRAM, 1 << 20, page_size=4096),)  # room for every chunk
-    store = TieredStore(StoreConfig(data_dir=str(tmp_path_factory.mktemp("store")),
-                                    tiers=tiers), maintenance=False)
+    store = TieredStore(
+        StoreConfig(data_dir=str(tmp_path_factory.mktemp("store")), tiers=tiers), maintenance=False
+    )
     for ref in chunk_hashes(NS, PROMPT):
-        store.put(NS, ref.key, np.zeros(SPEC.chunk_bytes, np.uint8), parent=ref.parent,
-                  num_tokens=ref.num_tokens)
+        store.put(
+            NS,
+            ref.key,
+            np.zeros(SPEC.chunk_bytes, np.uint8),
+            parent=ref.parent,
+            num_tokens=ref.num_tokens,
+        )
     yield Context(store, AuthConfig(), "node", 16)
     store.close()
 
@@ -88,8 +93,7 @@ def test_contains_in_slices_is_the_one_go_answer(ctx: Context, n: int, packed: b
 
 @pytest.mark.parametrize("n", [slices.LARGE_LOOKUP_KEYS + 1, MAX_KEYS])
 @pytest.mark.parametrize("packed", [False, True])
-def test_lookup_of_keys_in_slices_is_the_one_go_answer(ctx: Context, n: int,
-                                                        packed: bool) -> None:
+def test_lookup_of_keys_in_slices_is_the_one_go_answer(ctx: Context, n: int, packed: bool) -> None:
     extra = np.arange(10**6, 10**6 + (n - STORED) * SPEC.chunk_tokens, dtype=np.int32)
     keys = chunk_keys(NS, np.concatenate([PROMPT, extra]))
     assert len(keys) == n
@@ -99,13 +103,15 @@ def test_lookup_of_keys_in_slices_is_the_one_go_answer(ctx: Context, n: int,
     assert answer["chunks"] == STORED
 
 
-@pytest.mark.parametrize("extra", [0, 1, 15, 16 * slices.HASH_SLICE, 16 * slices.HASH_SLICE + 7,
-                                   (1 << 22) - len(PROMPT)])
+@pytest.mark.parametrize(
+    "extra", [0, 1, 15, 16 * slices.HASH_SLICE, 16 * slices.HASH_SLICE + 7, (1 << 22) - len(PROMPT)]
+)
 def test_lookup_of_tokens_in_slices_is_the_one_go_answer(ctx: Context, extra: int) -> None:
     """Hashed a slice at a time as a continuation of the chain: the same keys, whatever the
     length (partial last chunk, a slice boundary, the protocol's maximum)."""
-    tokens = np.concatenate([PROMPT, np.arange(7, 7 + slices.LARGE_LOOKUP_TOKENS + extra,
-                                               dtype=np.int32)])[:1 << 22]
+    tokens = np.concatenate(
+        [PROMPT, np.arange(7, 7 + slices.LARGE_LOOKUP_TOKENS + extra, dtype=np.int32)]
+    )[: 1 << 22]
     args = {"ns": encode_namespace(NS), "tokens": tokens.astype("<i4").tobytes()}
     answer = sliced(ctx, Op.LOOKUP, args)
     assert answer == one_go(ctx, Op.LOOKUP, args)
@@ -113,17 +119,21 @@ def test_lookup_of_tokens_in_slices_is_the_one_go_answer(ctx: Context, extra: in
     assert answer["requested_chunks"] == len(tokens) // SPEC.chunk_tokens
 
 
-@pytest.mark.parametrize("op, args", [
-    (Op.CONTAINS, {"keys": [b"\x00" * 16] * 5000 + [b"short"]}),  # bad key in the last slice
-    (Op.CONTAINS, {"keys": [b"\x00" * 16] * (MAX_KEYS + 1)}),
-    (Op.CONTAINS, {"keys": b"\x00" * (16 * 5000 + 3)}),
-    (Op.CONTAINS, {"keys": b"\x00" * (16 * (MAX_KEYS + 1))}),
-    (Op.LOOKUP, {"keys": [b"\x00" * 16] * 9000 + [None]}),
-    (Op.LOOKUP, {"tokens": b"\x00" * (4 * (1 << 22) + 4)}),
-    (Op.LOOKUP, {"tokens": b"\x00" * (4 * 70000 + 1)}),
-])
-def test_bad_large_requests_get_the_one_go_error(ctx: Context, op: Op,
-                                                 args: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "op, args",
+    [
+        (Op.CONTAINS, {"keys": [b"\x00" * 16] * 5000 + [b"short"]}),  # bad key in the last slice
+        (Op.CONTAINS, {"keys": [b"\x00" * 16] * (MAX_KEYS + 1)}),
+        (Op.CONTAINS, {"keys": b"\x00" * (16 * 5000 + 3)}),
+        (Op.CONTAINS, {"keys": b"\x00" * (16 * (MAX_KEYS + 1))}),
+        (Op.LOOKUP, {"keys": [b"\x00" * 16] * 9000 + [None]}),
+        (Op.LOOKUP, {"tokens": b"\x00" * (4 * (1 << 22) + 4)}),
+        (Op.LOOKUP, {"tokens": b"\x00" * (4 * 70000 + 1)}),
+    ],
+)
+def test_bad_large_requests_get_the_one_go_error(
+    ctx: Context, op: Op, args: dict[str, Any]
+) -> None:
     args = {"ns": encode_namespace(NS), **args}
     assert sliced(ctx, op, args) is ProtocolError
     assert one_go(ctx, op, args) is ProtocolError
@@ -138,8 +148,9 @@ def test_small_malformed_and_cluster_requests_are_not_sliced() -> None:
     ns = encode_namespace(NS)
     assert not slices.is_large(Op.CONTAINS, {"ns": ns, "keys": [b"\x00" * 16] * 10})
     assert not slices.is_large(Op.CONTAINS, {"ns": ns, "keys": 12345})
-    assert not slices.is_large(Op.LOOKUP, {"ns": ns, "scope": "cluster",
-                                           "tokens": b"\x00" * (4 << 20)})
+    assert not slices.is_large(
+        Op.LOOKUP, {"ns": ns, "scope": "cluster", "tokens": b"\x00" * (4 << 20)}
+    )
     assert not slices.is_large(Op.PING, {})
 
 

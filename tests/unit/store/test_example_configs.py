@@ -35,13 +35,15 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVFABRIC_")} | extra
 
 
-def _check(config: Path, *settings: str, env: dict[str, str] | None = None
-           ) -> subprocess.CompletedProcess[str]:
+def _check(
+    config: Path, *settings: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     args = [sys.executable, "-m", "kvfabric.cli", "serve", "--config", str(config), "--check"]
     for item in settings:
         args += ["--set", item]
-    return subprocess.run(args, capture_output=True, text=True, timeout=120, check=False,
-                          env=env or _clean_env())
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=120, check=False, env=env or _clean_env()
+    )
 
 
 def _relocated(raw: dict, tmp: Path) -> list[str]:
@@ -49,8 +51,11 @@ def _relocated(raw: dict, tmp: Path) -> list[str]:
     token, secret = tmp / "admin-token", tmp / "cluster-secret"
     token.write_text("t" * 43 + "\n")
     secret.write_text("s" * 43 + "\n")
-    settings = [f"store.data_dir={tmp / 'data'}", f"socket_path={tmp / 'kvfabric.sock'}",
-                "http.port=0"]
+    settings = [
+        f"store.data_dir={tmp / 'data'}",
+        f"socket_path={tmp / 'kvfabric.sock'}",
+        "http.port=0",
+    ]
     if (raw.get("tcp") or {}).get("port") is not None:
         settings.append("tcp.port=0")
     if (raw.get("auth") or {}).get("token_file"):
@@ -64,9 +69,11 @@ def _needs(raw: dict) -> tuple[int, int, int]:
     """(memory tiers, prefaulted memory tiers, ssd) bytes the config asks for."""
     tiers = (raw.get("store") or {}).get("tiers") or []
     memory = [t for t in tiers if t["kind"] in ("dram", "cxl")]
-    return (sum(parse_size(t["capacity"]) for t in memory),
-            sum(parse_size(t["capacity"]) for t in memory if t.get("prefault")),
-            sum(parse_size(t["capacity"]) for t in tiers if t["kind"] == "ssd"))
+    return (
+        sum(parse_size(t["capacity"]) for t in memory),
+        sum(parse_size(t["capacity"]) for t in memory if t.get("prefault")),
+        sum(parse_size(t["capacity"]) for t in tiers if t["kind"] == "ssd"),
+    )
 
 
 def test_there_are_examples_and_a_dev_config() -> None:
@@ -75,8 +82,7 @@ def test_there_are_examples_and_a_dev_config() -> None:
 
 
 @pytest.mark.parametrize("config", EXAMPLES, ids=lambda p: p.name)
-def test_every_example_passes_serve_check_or_is_a_big_node(config: Path,
-                                                           tmp_path: Path) -> None:
+def test_every_example_passes_serve_check_or_is_a_big_node(config: Path, tmp_path: Path) -> None:
     """Regression: on the old code there was no --check, and a 2 TiB SSD tier or 128 GiB of
     prefaulted DRAM on a 64 GiB machine was accepted until the store failed or the OOM killer
     came."""
@@ -85,8 +91,9 @@ def test_every_example_passes_serve_check_or_is_a_big_node(config: Path,
     memory, prefaulted, ssd = _needs(raw)
     big = text.startswith("# Big node:")
     if not big:
-        assert memory <= SMALL_RAM and ssd <= SMALL_DISK, \
+        assert memory <= SMALL_RAM and ssd <= SMALL_DISK, (
             f"{config.name} asks for more than a small machine has: mark it '# Big node:'"
+        )
     assert '"$(hostname)"' not in text  # two daemons on one host would share the id
     machine = memory_info()
     free = shutil.disk_usage(tmp_path).free
@@ -112,9 +119,21 @@ def test_dev_config_checks_verbatim_once_the_token_is_made(tmp_path: Path) -> No
     before = _check(CONFIGS / "dev.yaml", "http.port=0", env=env)
     assert before.returncode == 2
     assert "auth.token_file" in before.stderr and "kvfabric token new" in before.stderr
-    made = subprocess.run([sys.executable, "-m", "kvfabric.cli", "token", "new",
-                           str(home / ".local/share/kvfabric/admin-token")],
-                          capture_output=True, text=True, timeout=120, env=env, check=False)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvfabric.cli",
+            "token",
+            "new",
+            str(home / ".local/share/kvfabric/admin-token"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
     assert made.returncode == 0, made.stderr
     after = _check(CONFIGS / "dev.yaml", "http.port=0", env=env)
     assert after.returncode == 0, after.stderr

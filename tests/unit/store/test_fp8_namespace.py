@@ -22,9 +22,16 @@ BF16 = Namespace("fp8-at-put", dataclasses.replace(SPEC, dtype="bfloat16"))
 
 
 def store_at(tmp_path: Path) -> TieredStore:
-    tiers = (TierConfig(TierKind.DRAM, 2 * BF16.spec.chunk_bytes, page_size=4096),
-             TierConfig(TierKind.SSD, 64 * BF16.spec.chunk_bytes, path="ssd",
-                         segment_bytes=1 << 20, format="fp8"))
+    tiers = (
+        TierConfig(TierKind.DRAM, 2 * BF16.spec.chunk_bytes, page_size=4096),
+        TierConfig(
+            TierKind.SSD,
+            64 * BF16.spec.chunk_bytes,
+            path="ssd",
+            segment_bytes=1 << 20,
+            format="fp8",
+        ),
+    )
     return TieredStore(StoreConfig(data_dir=str(tmp_path), tiers=tiers), maintenance=False)
 
 

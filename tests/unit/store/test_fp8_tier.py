@@ -23,9 +23,12 @@ PAGE = 4096
 
 
 def store_at(tmp_path: Path, fmt: str = "fp8") -> TieredStore:
-    tiers = (TierConfig(TierKind.DRAM, 2 * SPEC.chunk_bytes, page_size=PAGE),
-             TierConfig(TierKind.SSD, 64 * SPEC.chunk_bytes, path="ssd",
-                        segment_bytes=1 << 20, format=fmt))
+    tiers = (
+        TierConfig(TierKind.DRAM, 2 * SPEC.chunk_bytes, page_size=PAGE),
+        TierConfig(
+            TierKind.SSD, 64 * SPEC.chunk_bytes, path="ssd", segment_bytes=1 << 20, format=fmt
+        ),
+    )
     return TieredStore(StoreConfig(data_dir=str(tmp_path), tiers=tiers), maintenance=False)
 
 
@@ -33,8 +36,10 @@ def kv(seed: int, num_tokens: int) -> torch.Tensor:
     """Plausible KV: [layers, 2, heads, tokens, dim] bf16 with per-head magnitudes."""
     gen = torch.Generator().manual_seed(seed)
     scale = torch.rand(SPEC.num_layers, 2, SPEC.num_kv_heads, 1, 1, generator=gen) * 8
-    values = torch.randn(SPEC.num_layers, 2, SPEC.num_kv_heads, num_tokens, SPEC.head_dim,
-                         generator=gen) * scale
+    values = (
+        torch.randn(SPEC.num_layers, 2, SPEC.num_kv_heads, num_tokens, SPEC.head_dim, generator=gen)
+        * scale
+    )
     return values.to(torch.bfloat16)
 
 
@@ -50,8 +55,11 @@ def put_chain(store: TieredStore, tokens: int) -> list[tuple[bytes, torch.Tensor
 def read_back(store: TieredStore, key: bytes, num_tokens: int) -> torch.Tensor:
     with store.get(NS, key) as reader:
         raw = np.frombuffer(reader.to_bytes(), dtype=np.uint8).copy()
-    return torch.from_numpy(raw).view(torch.bfloat16).view(
-        SPEC.num_layers, 2, SPEC.num_kv_heads, num_tokens, SPEC.head_dim)
+    return (
+        torch.from_numpy(raw)
+        .view(torch.bfloat16)
+        .view(SPEC.num_layers, 2, SPEC.num_kv_heads, num_tokens, SPEC.head_dim)
+    )
 
 
 def assert_within_bound(original: torch.Tensor, got: torch.Tensor) -> None:
@@ -97,13 +105,16 @@ def test_other_dtypes_and_native_tiers_stay_byte_exact(tmp_path: Path) -> None:
     for key, data in chain:
         assert torch.equal(read_back(store, key, data.shape[3]), data)
     store.close()
-    fp8_spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float8_e4m3fn",
-                      chunk_tokens=8)
+    fp8_spec = KVSpec(
+        num_layers=1, num_kv_heads=1, head_dim=16, dtype="float8_e4m3fn", chunk_tokens=8
+    )
     ns = Namespace("already-fp8", fp8_spec)
     store = store_at(tmp_path / "fp8", fmt="fp8")
     refs = chunk_hashes(ns, list(range(64)))
-    payloads = [np.random.default_rng(i).integers(0, 256, fp8_spec.chunk_bytes, np.uint8)
-                for i in range(len(refs))]
+    payloads = [
+        np.random.default_rng(i).integers(0, 256, fp8_spec.chunk_bytes, np.uint8)
+        for i in range(len(refs))
+    ]
     for ref, data in zip(refs, payloads):
         store.put(ns, ref.key, data, parent=ref.parent)
     store.close()

@@ -21,8 +21,9 @@ REF = chunk_hashes(NS, list(range(SPEC.chunk_tokens)))[0]
 
 @pytest.fixture
 def store(tmp_path: Path):
-    config = StoreConfig(data_dir=str(tmp_path), tiers=(
-        TierConfig(TierKind.DRAM, 1 << 20, page_size=4096),))
+    config = StoreConfig(
+        data_dir=str(tmp_path), tiers=(TierConfig(TierKind.DRAM, 1 << 20, page_size=4096),)
+    )
     s = TieredStore(config, maintenance=False)
     yield s
     s.close()
@@ -41,8 +42,7 @@ def ranges(parts: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("writers", [1, 2, 4])
 @pytest.mark.parametrize("readers", [1, 2, 4])
-def test_any_tp_split_reads_back_byte_exact(store: TieredStore, writers: int,
-                                            readers: int) -> None:
+def test_any_tp_split_reads_back_byte_exact(store: TieredStore, writers: int, readers: int) -> None:
     data = canonical()
     ranks = [store.reserve(NS, REF.key, parent=REF.parent, heads=h) for h in ranges(writers)]
     for layer in range(SPEC.num_layers):
@@ -91,8 +91,7 @@ def test_ranges_must_not_overlap_or_mix_with_a_whole_object_writer(store: Tiered
     with pytest.raises(SpecError):
         store.reserve(NS, REF.key, parent=REF.parent, heads=(3, 9))
     with pytest.raises(ValueError, match="outside this writer's range"):
-        writer.write_layer(0, np.zeros(4 * 2 * SPEC.layout().head_bytes, np.uint8),
-                           heads=(0, 4))
+        writer.write_layer(0, np.zeros(4 * 2 * SPEC.layout().head_bytes, np.uint8), heads=(0, 4))
     with pytest.raises(ValueError, match="layer by layer"):
         writer.write(np.zeros(SPEC.chunk_bytes, np.uint8))
     writer.abort()

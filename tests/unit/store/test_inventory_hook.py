@@ -22,13 +22,16 @@ SPEC = KVSpec(num_layers=4, num_kv_heads=4, head_dim=32, dtype="bfloat16", chunk
 NS = Namespace("tiny", SPEC)
 CHUNK = SPEC.chunk_bytes
 PAGE = 4096
-DRAM_SSD = (TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=PAGE),
-            TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20))
+DRAM_SSD = (
+    TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=PAGE),
+    TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20),
+)
 
 
 def payload(key: bytes) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, CHUNK, dtype=np.uint8)
+        0, 256, CHUNK, dtype=np.uint8
+    )
 
 
 def make_store(tmp_path: Path, *tiers: TierConfig, **policy: object) -> TieredStore:
@@ -116,8 +119,7 @@ def test_moves_between_tiers_report_the_new_tier_and_drop_the_old(tmp_path: Path
     on_ssd = [k for k in keys if store.tier_of(NS, k) == "ssd"]
     assert len(on_ssd) == 4 and all(mirror.held[k] == {"ssd"} for k in on_ssd)
     moves = [c for c in mirror.calls if c[0] and c[1]]
-    assert {(s[0][1], s[0][4], r[0][2]) for s, r in moves} == {(k, "ssd", "dram")
-                                                               for k in on_ssd}
+    assert {(s[0][1], s[0][4], r[0][2]) for s, r in moves} == {(k, "ssd", "dram") for k in on_ssd}
     with store.get(NS, on_ssd[0]):  # promoted on hit
         pass
     store.flush()
@@ -128,8 +130,7 @@ def test_moves_between_tiers_report_the_new_tier_and_drop_the_old(tmp_path: Path
 
 
 def test_corrupt_ssd_record_is_reported_removed(tmp_path: Path) -> None:
-    store = make_store(tmp_path, TierConfig(TierKind.DRAM, 1 * CHUNK, page_size=PAGE),
-                       DRAM_SSD[1])
+    store = make_store(tmp_path, TierConfig(TierKind.DRAM, 1 * CHUNK, page_size=PAGE), DRAM_SSD[1])
     mirror = Mirror()
     store.add_inventory_listener(mirror)
     keys = put_chain(store, 2)

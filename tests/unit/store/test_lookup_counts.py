@@ -21,9 +21,10 @@ PROMPT = list(range(72))  # four full chunks and a partial one of 8 tokens
 
 @pytest.fixture
 def store(tmp_path: Path):
-    config = StoreConfig(data_dir=str(tmp_path),
-                         tiers=(TierConfig(TierKind.DRAM, 64 * SPEC.chunk_bytes,
-                                           page_size=SPEC.chunk_bytes),))
+    config = StoreConfig(
+        data_dir=str(tmp_path),
+        tiers=(TierConfig(TierKind.DRAM, 64 * SPEC.chunk_bytes, page_size=SPEC.chunk_bytes),),
+    )
     s = TieredStore(config, maintenance=False)
     yield s
     s.close()

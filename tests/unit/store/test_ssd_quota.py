@@ -24,21 +24,25 @@ NS_B = Namespace("m", SPEC, tenant_salt="team-b")
 
 def payload(key: bytes) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, CHUNK, dtype=np.uint8)
+        0, 256, CHUNK, dtype=np.uint8
+    )
 
 
 def make_store(tmp_path: Path, quotas: dict, *, ssd_records: int = 24) -> TieredStore:
-    tiers = [TierConfig(TierKind.DRAM, 4 * CHUNK, page_size=PAGE),
-             TierConfig(TierKind.SSD, ssd_records * RECORD, segment_bytes=8 * RECORD)]
-    config = StoreConfig.from_dict({"data_dir": str(tmp_path), "tiers": tiers,
-                                    "quotas": quotas})
+    tiers = [
+        TierConfig(TierKind.DRAM, 4 * CHUNK, page_size=PAGE),
+        TierConfig(TierKind.SSD, ssd_records * RECORD, segment_bytes=8 * RECORD),
+    ]
+    config = StoreConfig.from_dict({"data_dir": str(tmp_path), "tiers": tiers, "quotas": quotas})
     return TieredStore(config, maintenance=False, tenants=["team-a", "team-b"])
 
 
 def prompts(ns: Namespace, n: int, start: int = 0) -> list[bytes]:
     """Keys of ``n`` one-chunk prompts (each a chain of its own: an SSD leaf once there)."""
-    return [chunk_keys(ns, list(range(i * 100, i * 100 + SPEC.chunk_tokens)))[0]
-            for i in range(start, start + n)]
+    return [
+        chunk_keys(ns, list(range(i * 100, i * 100 + SPEC.chunk_tokens)))[0]
+        for i in range(start, start + n)
+    ]
 
 
 def ssd_bytes(store: TieredStore) -> dict[str, int]:
@@ -77,7 +81,7 @@ def test_a_tenant_flooding_the_ssd_evicts_its_own_records_not_anothers(tmp_path:
                 assert reader.to_bytes() == payload(key).tobytes()
         kept = [key for key in a_keys if store.contains(NS_A, key)]
         on_ssd = [key for key in kept if store.tier_of(NS_A, key) == "ssd"]
-        assert len(on_ssd) == 8 and kept == a_keys[-len(kept):]  # the oldest went
+        assert len(on_ssd) == 8 and kept == a_keys[-len(kept) :]  # the oldest went
         stats = store.stats()
         assert stats.tier("ssd").evictions == 60 - len(kept)  # every one through the SSD
         assert stats.tier("dram").evictions == stats.tier("ssd").quota_refused_demotions == 0
@@ -86,7 +90,8 @@ def test_a_tenant_flooding_the_ssd_evicts_its_own_records_not_anothers(tmp_path:
 
 
 def test_a_tenant_with_a_quota_that_finds_the_disk_full_gives_up_its_own_records(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Without compaction A's own dead records fill the 24-record SSD: a full disk then
     costs A its own SSD leaves (and the chunk it was demoting), never B's.
 
@@ -107,8 +112,7 @@ def test_a_tenant_with_a_quota_that_finds_the_disk_full_gives_up_its_own_records
         store.close()
 
 
-def test_a_record_over_the_whole_quota_is_evicted_from_memory_and_counted(
-        tmp_path: Path) -> None:
+def test_a_record_over_the_whole_quota_is_evicted_from_memory_and_counted(tmp_path: Path) -> None:
     """A quota smaller than one record: A's victims leave DRAM without an SSD write (each
     counted in DRAM's evictions and the SSD tier's ``quota_refused_demotions``), and A's
     SSD bytes stay 0; B, without a quota, demotes as before."""
@@ -160,8 +164,12 @@ def test_ssd_bytes_per_tenant_stay_exact_and_survive_a_restart(tmp_path: Path) -
         after_close = store.stats().tier("ssd").tenant_bytes
         assert sum(after_close.values()) == disk_live_bytes(store)
         assert after_close["team-a"] >= before["team-a"] and after_close["team-b"] > 0
-        left = [(ns, key) for ns, chain in ((NS_A, a_keys), (NS_B, b_keys)) for key in chain
-                if store.contains(ns, key)]
+        left = [
+            (ns, key)
+            for ns, chain in ((NS_A, a_keys), (NS_B, b_keys))
+            for key in chain
+            if store.contains(ns, key)
+        ]
         assert sum(after_close.values()) == len(left) * RECORD
         for ns, key in left:
             assert store.delete(ns, key)

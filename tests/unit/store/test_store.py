@@ -9,9 +9,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvfabric.errors import (AlreadyExistsError, CapacityError, ConfigError,
-                             DeadlineExceededError, LeaseExpiredError, NotFoundError,
-                             ObjectAbortedError, PayloadSizeError, SpecError, SpecMismatchError)
+from kvfabric.errors import (
+    AlreadyExistsError,
+    CapacityError,
+    ConfigError,
+    DeadlineExceededError,
+    LeaseExpiredError,
+    NotFoundError,
+    ObjectAbortedError,
+    PayloadSizeError,
+    SpecError,
+    SpecMismatchError,
+)
 from kvfabric.hashing import ROOT, chunk_hashes, chunk_keys
 from kvfabric.spec import KVSpec, Namespace
 from kvfabric.store import StoreConfig, TierConfig, TieredStore
@@ -25,7 +34,8 @@ PAGE = 4096
 
 def payload(key: bytes, nbytes: int = CHUNK) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, nbytes, dtype=np.uint8)
+        0, 256, nbytes, dtype=np.uint8
+    )
 
 
 def make_store(tmp_path: Path, *tiers: TierConfig, **policy: object) -> TieredStore:
@@ -191,9 +201,8 @@ def test_bad_input_leaves_the_store_intact(store: TieredStore) -> None:
     with pytest.raises(AlreadyExistsError):
         store.reserve(NS, keys[0])
     assert store.put(NS, keys[0], payload(keys[0])) is False
-    with store.get(NS, keys[1]) as reader:
-        with pytest.raises(PayloadSizeError):
-            reader.read_into(np.zeros(10, np.uint8))
+    with store.get(NS, keys[1]) as reader, pytest.raises(PayloadSizeError):
+        reader.read_into(np.zeros(10, np.uint8))
     assert not store.contains(NS, b"k" * 16)
     assert [read(store, NS, k) for k in keys] == [payload(k).tobytes() for k in keys]
     assert store._tiers[0].used_bytes == 2 * CHUNK  # type: ignore[union-attr]
@@ -203,8 +212,9 @@ def test_partial_last_chunk_is_its_own_object(store: TieredStore) -> None:
     refs = chunk_hashes(NS, list(range(16 + 5)))
     tail = refs[-1]
     nbytes = SPEC.layout(tail.num_tokens).nbytes
-    store.put(NS, tail.key, payload(tail.key, nbytes), parent=tail.parent,
-              num_tokens=tail.num_tokens)
+    store.put(
+        NS, tail.key, payload(tail.key, nbytes), parent=tail.parent, num_tokens=tail.num_tokens
+    )
     with store.get(NS, tail.key) as reader:
         assert reader.num_tokens == 5 and reader.to_bytes() == payload(tail.key, nbytes).tobytes()
 
@@ -241,7 +251,8 @@ def test_demotion_through_every_tier_and_promotion_on_hit(tmp_path: Path) -> Non
         TierConfig(TierKind.DEVICE, 2 * CHUNK, page_size=PAGE, device="cpu"),
         TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=PAGE),
         TierConfig(TierKind.CXL, 2 * CHUNK, page_size=PAGE, numa_node=0),
-        TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20))
+        TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20),
+    )
     keys = put_chain(store, NS, 8)
     store.flush()
     store.maintain()
@@ -265,7 +276,8 @@ def test_a_full_middle_tier_sends_victims_further_down_not_away(tmp_path: Path) 
         TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=PAGE),
         TierConfig(TierKind.CXL, 2 * CHUNK, page_size=PAGE, numa_node=0),
         TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20),
-        promote_on_hit=False)
+        promote_on_hit=False,
+    )
     first = [put_chain(store, NS, 1, start=100 * i)[0] for i in range(4)]
     assert {store.tier_of(NS, k) for k in first[:2]} == {"cxl"}
     readers = [store.get(NS, k) for k in first[:2]]  # cxl: nothing there can move
@@ -281,8 +293,10 @@ def test_a_full_middle_tier_sends_victims_further_down_not_away(tmp_path: Path) 
 
 
 def test_ssd_contents_survive_a_restart(tmp_path: Path) -> None:
-    tiers = (TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=PAGE),
-             TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20))
+    tiers = (
+        TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=PAGE),
+        TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20),
+    )
     store = make_store(tmp_path, *tiers, persist_on_close=False)
     keys = put_chain(store, NS, 6)
     store.flush()
@@ -299,9 +313,11 @@ def test_ssd_contents_survive_a_restart(tmp_path: Path) -> None:
 
 
 def test_close_persists_memory_resident_objects(tmp_path: Path) -> None:
-    tiers = (TierConfig(TierKind.DRAM, 4 * CHUNK, page_size=PAGE),
-             TierConfig(TierKind.CXL, 2 * CHUNK, page_size=PAGE),
-             TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20))
+    tiers = (
+        TierConfig(TierKind.DRAM, 4 * CHUNK, page_size=PAGE),
+        TierConfig(TierKind.CXL, 2 * CHUNK, page_size=PAGE),
+        TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20),
+    )
     store = make_store(tmp_path, *tiers)  # persist_on_close is the default
     keys = put_chain(store, NS, 8)
     reader = store.get(NS, keys[0])
@@ -316,8 +332,10 @@ def test_close_persists_memory_resident_objects(tmp_path: Path) -> None:
 
 
 def test_corrupt_ssd_record_is_never_served(tmp_path: Path) -> None:
-    tiers = (TierConfig(TierKind.DRAM, 1 * CHUNK, page_size=PAGE),
-             TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20))
+    tiers = (
+        TierConfig(TierKind.DRAM, 1 * CHUNK, page_size=PAGE),
+        TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd", segment_bytes=1 << 20),
+    )
     store = make_store(tmp_path, *tiers)
     keys = put_chain(store, NS, 2)
     store.flush()
@@ -340,8 +358,11 @@ def test_corrupt_ssd_record_is_never_served(tmp_path: Path) -> None:
 def test_hostile_ssd_path_is_refused(tmp_path: Path) -> None:
     for hostile in ("../escape", "/etc", "a/../../b"):
         with pytest.raises(ConfigError):
-            make_store(tmp_path / "data", TierConfig(TierKind.DRAM, CHUNK, page_size=PAGE),
-                       TierConfig(TierKind.SSD, 1 << 20, path=hostile))
+            make_store(
+                tmp_path / "data",
+                TierConfig(TierKind.DRAM, CHUNK, page_size=PAGE),
+                TierConfig(TierKind.SSD, 1 << 20, path=hostile),
+            )
     assert not (tmp_path / "escape").exists() and not (tmp_path / "b").exists()
 
 
@@ -387,12 +408,14 @@ def test_each_committed_layer_renews_the_reservation(tmp_path: Path) -> None:
 
 
 def test_a_writer_frozen_past_its_deadline_never_writes_into_another_objects_pages(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Regression: on the old code an expired reservation's pages were freed at the deadline
     and handed to the next object while the frozen writer still held views of them; when it
     resumed, its bytes landed in the other object (1 of 16 chunks served wrong)."""
-    store = make_store(tmp_path, TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=PAGE),
-                       reservation_timeout_s=0.05)
+    store = make_store(
+        tmp_path, TierConfig(TierKind.DRAM, 2 * CHUNK, page_size=PAGE), reservation_timeout_s=0.05
+    )
     frozen_key, *others = chunk_keys(NS, list(range(16 * 8)))
     frozen = store.reserve(NS, frozen_key)
     views = frozen.layer_pieces(0)  # taken before it froze
@@ -443,10 +466,16 @@ def test_delete_while_pinned_frees_on_release(store: TieredStore) -> None:
 
 
 def test_background_maintenance_keeps_memory_under_the_high_watermark(tmp_path: Path) -> None:
-    config = StoreConfig(data_dir=str(tmp_path), high_watermark=0.5, low_watermark=0.25,
-                         maintenance_interval_s=0.02,
-                         tiers=(TierConfig(TierKind.DRAM, 8 * CHUNK, page_size=PAGE),
-                                TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd")))
+    config = StoreConfig(
+        data_dir=str(tmp_path),
+        high_watermark=0.5,
+        low_watermark=0.25,
+        maintenance_interval_s=0.02,
+        tiers=(
+            TierConfig(TierKind.DRAM, 8 * CHUNK, page_size=PAGE),
+            TierConfig(TierKind.SSD, 64 * CHUNK, path="ssd"),
+        ),
+    )
     with TieredStore(config) as store:
         put_chain(store, NS, 6)
         deadline = time.monotonic() + 10

@@ -39,7 +39,8 @@ def key_of(i: int) -> bytes:
 
 def payload(key: bytes) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, CHUNK, dtype=np.uint8)
+        0, 256, CHUNK, dtype=np.uint8
+    )
 
 
 def put_keys(store: TieredStore, indices: range) -> list[bytes]:
@@ -54,10 +55,13 @@ def read(store: TieredStore, key: bytes) -> bytes:
         return reader.to_bytes()
 
 
-def make_store(data_dir: Path, *, ssd_capacity: int = 64 * MiB, segment_bytes: int = MiB,
-               **policy: object) -> TieredStore:
-    tiers = (TierConfig(TierKind.DRAM, 16 * CHUNK, page_size=PAGE),
-             TierConfig(TierKind.SSD, ssd_capacity, path="ssd", segment_bytes=segment_bytes))
+def make_store(
+    data_dir: Path, *, ssd_capacity: int = 64 * MiB, segment_bytes: int = MiB, **policy: object
+) -> TieredStore:
+    tiers = (
+        TierConfig(TierKind.DRAM, 16 * CHUNK, page_size=PAGE),
+        TierConfig(TierKind.SSD, ssd_capacity, path="ssd", segment_bytes=segment_bytes),
+    )
     config = StoreConfig(data_dir=str(data_dir), tiers=tiers, **policy)  # type: ignore[arg-type]
     return TieredStore(config, maintenance=False)
 
@@ -75,7 +79,8 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_full_disk_degrades_the_ssd_tier_and_no_put_fails(
-        small_fs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    small_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Regression: on the old code, with the disk full, puts failed with raw OSErrors
     (``internal`` on the wire), the SSD tier's used_bytes leaked towards its capacity, which
     then evicted the objects the SSD already held, and every failed write logged a line."""
@@ -176,8 +181,7 @@ def test_kept_copies_are_the_first_ssd_space_given_up(tmp_path: Path) -> None:
     """Regression: on the old code a read-back chunk's record was dead at once (the promise
     above broken); the copies it now keeps must not cost the SSD any object: when the SSD
     needs space, copies go before any SSD-only object is evicted."""
-    store = make_store(tmp_path, ssd_capacity=12 * SPAN, high_watermark=1.0,
-                       low_watermark=0.9)
+    store = make_store(tmp_path, ssd_capacity=12 * SPAN, high_watermark=1.0, low_watermark=0.9)
     try:
         put_keys(store, range(26))
         store.flush()
@@ -209,8 +213,12 @@ def test_a_record_compaction_finds_corrupt_leaves_the_index(tmp_path: Path) -> N
         put_keys(store, range(28))
         store.flush()
         index_ns = store._namespaces[NS.seed]
-        in_first = [k for k in map(key_of, range(28)) if store.tier_of(NS, k) == "ssd"
-                    and store._index.find(index_ns, k).handle.segment_id == 1]  # type: ignore
+        in_first = [
+            k
+            for k in map(key_of, range(28))
+            if store.tier_of(NS, k) == "ssd"
+            and store._index.find(index_ns, k).handle.segment_id == 1
+        ]  # type: ignore
         assert len(in_first) == 4
         for key in in_first[:3]:
             assert store.delete(NS, key)

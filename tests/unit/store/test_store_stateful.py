@@ -103,8 +103,10 @@ for _p, _tokens in enumerate(PROMPTS):
     CHAINS.append(_chain)
 CHAIN_OBJS = list(_OBJS.values())
 # Unrelated root objects used to apply pressure; sizes cycle through 1..8 tokens.
-FILLERS = [Obj(f"f{i}", ChunkRef(xxhash.xxh3_128_digest(b"filler%d" % i), ROOT,
-                                 i % SPEC.chunk_tokens + 1)) for i in range(12)]
+FILLERS = [
+    Obj(f"f{i}", ChunkRef(xxhash.xxh3_128_digest(b"filler%d" % i), ROOT, i % SPEC.chunk_tokens + 1))
+    for i in range(12)
+]
 ALL_OBJS = CHAIN_OBJS + FILLERS
 UNKNOWN_KEYS = [xxhash.xxh3_128_digest(b"never stored %d" % i) for i in range(3)]
 
@@ -122,7 +124,7 @@ def expected(obj: Obj) -> bytes:
 
 def layer_bytes(obj: Obj, layer: int) -> bytes:
     offset, length = SPEC.layout(obj.ref.num_tokens).layer_range(layer)
-    return expected(obj)[offset:offset + length]
+    return expected(obj)[offset : offset + length]
 
 
 def pages_of(obj: Obj) -> int:
@@ -180,9 +182,15 @@ class StoreMachine(RuleBasedStateMachine):
     def open_store(self, promote_on_hit: bool) -> None:
         """Without promotion on hit, pinned objects stay in lower memory tiers, so demotions
         into a tier full of pins (which must evict, and count it) happen too."""
-        config = StoreConfig(data_dir=self.tmp, tiers=self.TIERS, high_watermark=0.75,
-                             low_watermark=0.5, promote_on_hit=promote_on_hit,
-                             pin_timeout_s=3600.0, reservation_timeout_s=3600.0)
+        config = StoreConfig(
+            data_dir=self.tmp,
+            tiers=self.TIERS,
+            high_watermark=0.75,
+            low_watermark=0.5,
+            promote_on_hit=promote_on_hit,
+            pin_timeout_s=3600.0,
+            reservation_timeout_s=3600.0,
+        )
         self.store = TieredStore(config, maintenance=False)
 
     def teardown(self) -> None:
@@ -212,8 +220,12 @@ class StoreMachine(RuleBasedStateMachine):
 
     def writing(self, key: bytes) -> bool:
         """``key`` is the open writer's object, still indexed (not deleted meanwhile)."""
-        return self.writer is not None and self.writer.obj.key == key and \
-            key not in self.model and self.writer.gen == -1
+        return (
+            self.writer is not None
+            and self.writer.obj.key == key
+            and key not in self.model
+            and self.writer.gen == -1
+        )
 
     def is_current(self, held: Held) -> bool:
         """The held reader's object is the model's current object of its key."""
@@ -231,8 +243,9 @@ class StoreMachine(RuleBasedStateMachine):
         """Put one object and update the model; True if the store acknowledged it."""
         was_present = self.contains(obj.key)
         try:
-            stored = self.store.put(NS, obj.key, expected(obj), parent=obj.ref.parent,
-                                    num_tokens=obj.ref.num_tokens)
+            stored = self.store.put(
+                NS, obj.key, expected(obj), parent=obj.ref.parent, num_tokens=obj.ref.num_tokens
+            )
         except CapacityError:
             self._done()
             # only pins (readers, the open writer) can fill every memory tier
@@ -257,8 +270,7 @@ class StoreMachine(RuleBasedStateMachine):
         if self.writing(obj.key):  # readers may pin an object still being written
             with self.store.get(NS, obj.key) as reader:
                 assert not reader.complete and reader.ready(0) and not reader.ready(1)
-                assert b"".join(p.tobytes() for p in reader.layer_pieces(0)) == \
-                    layer_bytes(obj, 0)
+                assert b"".join(p.tobytes() for p in reader.layer_pieces(0)) == layer_bytes(obj, 0)
             return
         assert obj.key in self.model, f"{obj} is stored but was never acknowledged"
         try:
@@ -287,8 +299,7 @@ class StoreMachine(RuleBasedStateMachine):
         for obj in chain[start:]:
             self._put(obj)
 
-    @rule(first=st.integers(0, len(FILLERS) - 1), count=st.integers(1, 8),
-          read=st.booleans())
+    @rule(first=st.integers(0, len(FILLERS) - 1), count=st.integers(1, 8), read=st.booleans())
     def pressure(self, first: int, count: int, read: bool) -> None:
         """Rewrite ``count`` fillers (delete, put, maybe read back) while SSD demotions are in
         flight: deletes, puts and reads then meet objects that are still being demoted."""
@@ -361,7 +372,8 @@ class StoreMachine(RuleBasedStateMachine):
         before = len(self.held)
         for stored in list(self.model.values()):
             if self.contains(stored.key) and not (
-                    spare_first_tier and self.store.tier_of(NS, stored.key) == first):
+                spare_first_tier and self.store.tier_of(NS, stored.key) == first
+            ):
                 self._pin(stored)
         self._put(obj)
         while len(self.held) > before:
@@ -390,12 +402,14 @@ class StoreMachine(RuleBasedStateMachine):
             return
         if self.contains(obj.key):
             with pytest.raises(AlreadyExistsError):
-                self.store.reserve(NS, obj.key, parent=obj.ref.parent,
-                                   num_tokens=obj.ref.num_tokens)
+                self.store.reserve(
+                    NS, obj.key, parent=obj.ref.parent, num_tokens=obj.ref.num_tokens
+                )
             return
         try:
-            writer = self.store.reserve(NS, obj.key, parent=obj.ref.parent,
-                                        num_tokens=obj.ref.num_tokens)
+            writer = self.store.reserve(
+                NS, obj.key, parent=obj.ref.parent, num_tokens=obj.ref.num_tokens
+            )
         except CapacityError:
             self._done()
             assert self.held, "CapacityError on reserve although nothing is pinned"
@@ -456,7 +470,7 @@ class StoreMachine(RuleBasedStateMachine):
             longest += 1
         assert result.requested_chunks == len(keys)
         assert result.matched_chunks == longest
-        matched = chain[:result.matched_chunks]
+        matched = chain[: result.matched_chunks]
         for parent, child in pairwise(matched):  # no chunk past a missing parent
             assert child.ref.parent == parent.key and self.contains(parent.key)
         assert result.matched_tokens == sum(obj.ref.num_tokens for obj in matched)
@@ -482,7 +496,8 @@ class StoreMachine(RuleBasedStateMachine):
         vanished = [key for key in self.model if not self.contains(key)]
         assert stats.evictions == self.evicted + len(vanished), (
             f"evictions={stats.evictions}, but {self.evicted} + {len(vanished)} acknowledged "
-            f"objects vanished without a delete")
+            f"objects vanished without a delete"
+        )
         for key in vanished:
             del self.model[key]
         self.evicted += len(vanished)
@@ -514,14 +529,15 @@ class StoreMachine(RuleBasedStateMachine):
             if tier.name in self.memory_tiers:
                 assert tier.used_bytes == pages[tier.name] * PAGE, (
                     f"{tier.name}: {tier.used_bytes} B used, but the objects there and the "
-                    f"dropped ones still held need {pages[tier.name] * PAGE} B")
+                    f"dropped ones still held need {pages[tier.name] * PAGE} B"
+                )
         if self.ssd_tier is not None:
             # objects read back from SSD keep their record there until the space is needed
             copies = store._placement.copies
             assert all(e.tier != store._disk_index and e.ssd_copy is not None for e in copies)
-            assert disk_tier(store).stats().records_live == \
-                per_tier_objects[self.ssd_tier] + len(copies), \
-                "SSD live records != objects the index places on the SSD + kept copies"
+            assert disk_tier(store).stats().records_live == per_tier_objects[self.ssd_tier] + len(
+                copies
+            ), "SSD live records != objects the index places on the SSD + kept copies"
 
         # (3) pinned objects stay stored, in memory, byte-exact
         for held in self.held:
@@ -547,21 +563,29 @@ _HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much]
 
 TestTieredStoreStateful = StoreMachine.TestCase
 TestTieredStoreStateful.settings = settings(
-    max_examples=400, stateful_step_count=60, deadline=None, suppress_health_check=_HEALTH)
+    max_examples=400, stateful_step_count=60, deadline=None, suppress_health_check=_HEALTH
+)
 
 TestMemoryOnlyStoreStateful = MemoryOnlyMachine.TestCase
 TestMemoryOnlyStoreStateful.settings = settings(
-    max_examples=250, stateful_step_count=50, deadline=None, suppress_health_check=_HEALTH)
+    max_examples=250, stateful_step_count=50, deadline=None, suppress_health_check=_HEALTH
+)
 
 
 # ---------------------------------------------------------------------- flush / close
 
+
 def _demoting_store(tmp_path: Path) -> tuple[TieredStore, list[Obj]]:
     """A store whose maintain() queues SSD demotions of a 3-chunk chain's tail."""
-    config = StoreConfig(data_dir=str(tmp_path), high_watermark=0.5, low_watermark=0.25,
-                         tiers=(TierConfig(TierKind.DRAM, 4 * CHUNK_PAGES * PAGE, page_size=PAGE),
-                                TierConfig(TierKind.SSD, 64 * SSD_RECORD, path="ssd",
-                                           segment_bytes=1 << 20)))
+    config = StoreConfig(
+        data_dir=str(tmp_path),
+        high_watermark=0.5,
+        low_watermark=0.25,
+        tiers=(
+            TierConfig(TierKind.DRAM, 4 * CHUNK_PAGES * PAGE, page_size=PAGE),
+            TierConfig(TierKind.SSD, 64 * SSD_RECORD, path="ssd", segment_bytes=1 << 20),
+        ),
+    )
     store = TieredStore(config, maintenance=False)
     chain = CHAINS[0][:3]
     for obj in chain:
@@ -570,8 +594,9 @@ def _demoting_store(tmp_path: Path) -> tuple[TieredStore, list[Obj]]:
     return store, chain
 
 
-def test_flush_covers_the_demotions_it_waited_for(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flush_covers_the_demotions_it_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After ``flush()`` the SSD demotions it waited for are booked: object on SSD, memory free.
 
     ``concurrent.futures`` wakes ``wait()`` before it runs a future's done-callbacks, and the
@@ -596,8 +621,9 @@ def test_flush_covers_the_demotions_it_waited_for(tmp_path: Path,
         store.close()
 
 
-def test_close_does_not_deadlock_with_a_pending_demotion(tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_close_does_not_deadlock_with_a_pending_demotion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``close()`` must not hold the store lock while it joins the SSD writer threads.
 
     A demotion callback still running when close() starts needs the store lock; close()
@@ -629,8 +655,9 @@ def test_a_write_aborted_by_a_delete_counts_once(tmp_path: Path) -> None:
     The delete aborts the entry, and the writer giving up its reservation afterwards (the
     refused commit, leaving its ``with`` block) must not count the same write again.
     """
-    store = TieredStore(StoreConfig(data_dir=str(tmp_path), tiers=StoreMachine.TIERS[:1]),
-                        maintenance=False)
+    store = TieredStore(
+        StoreConfig(data_dir=str(tmp_path), tiers=StoreMachine.TIERS[:1]), maintenance=False
+    )
     try:
         obj = FILLERS[0]
         with store.reserve(NS, obj.key, num_tokens=obj.ref.num_tokens) as writer:

@@ -10,11 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvfabric.errors import CapacityError, QuotaExceededError
+from kvfabric.errors import QuotaExceededError
 from kvfabric.hashing import chunk_keys
 from kvfabric.spec import KVSpec, Namespace
 from kvfabric.store import StoreConfig, TierConfig, TieredStore
-from kvfabric.store.config import Quota
 from kvfabric.tiers.base import TierKind
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", chunk_tokens=16)
@@ -27,14 +26,21 @@ NS_ADMIN = Namespace("m", SPEC)
 
 def payload(key: bytes) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, CHUNK, dtype=np.uint8)
+        0, 256, CHUNK, dtype=np.uint8
+    )
 
 
-def make_store(tmp_path: Path, chunks: int = 16, quotas: dict | None = None,
-               tiers: tuple[TierConfig, ...] | None = None, **policy: object) -> TieredStore:
+def make_store(
+    tmp_path: Path,
+    chunks: int = 16,
+    quotas: dict | None = None,
+    tiers: tuple[TierConfig, ...] | None = None,
+    **policy: object,
+) -> TieredStore:
     tiers = tiers or (TierConfig(TierKind.DRAM, chunks * CHUNK, page_size=PAGE),)
-    config = StoreConfig.from_dict({"data_dir": str(tmp_path), "tiers": list(tiers),
-                                    "quotas": quotas or {}, **policy})
+    config = StoreConfig.from_dict(
+        {"data_dir": str(tmp_path), "tiers": list(tiers), "quotas": quotas or {}, **policy}
+    )
     return TieredStore(config, maintenance=False, tenants=["team-a", "team-b"])
 
 
@@ -73,7 +79,8 @@ def test_each_tenants_objects_live_in_arenas_of_its_own(tmp_path: Path) -> None:
 
 
 def test_one_tenant_holding_its_dram_quota_in_reservations_does_not_starve_another(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Regression: on the old code one tenant holding all DRAM in renewed reservations left
     the others nothing (569 of 578 puts no_capacity); with a quota it holds at most its share
     and gets quota_exceeded itself."""
@@ -129,8 +136,7 @@ def test_reservations_in_flight_are_bounded_per_tenant(tmp_path: Path) -> None:
 
 
 def test_an_expired_reservation_counts_until_its_writer_lets_go(tmp_path: Path) -> None:
-    store = make_store(tmp_path, quotas={"team-a": {"reservations": 1}},
-                       reservation_timeout_s=0.05)
+    store = make_store(tmp_path, quotas={"team-a": {"reservations": 1}}, reservation_timeout_s=0.05)
     try:
         writer = store.reserve(NS_A, keys(NS_A, 1)[0])
         time.sleep(0.1)

@@ -6,8 +6,10 @@ from logprob_bounds import compare, position_diff, top2_margin
 
 
 def out(tokens: list[int], logprobs: list[dict[int, float]]) -> dict:
-    return {"token_ids": tokens,
-            "logprobs": [{str(t): lp for t, lp in p.items()} for p in logprobs]}
+    return {
+        "token_ids": tokens,
+        "logprobs": [{str(t): lp for t, lp in p.items()} for p in logprobs],
+    }
 
 
 def test_equal_runs_differ_by_nothing() -> None:

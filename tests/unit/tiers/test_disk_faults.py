@@ -81,12 +81,16 @@ def open_tier(small_fs: Path) -> Iterator[Opener]:  # after small_fs: closed bef
 
 
 def disk_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name.startswith("kvfabric.tiers.disk") and r.levelno >= logging.WARNING]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("kvfabric.tiers.disk") and r.levelno >= logging.WARNING
+    ]
 
 
 def test_full_disk_degrades_without_losing_leaking_or_flooding(
-        small_fs: Path, open_tier: Opener, caplog: pytest.LogCaptureFixture) -> None:
+    small_fs: Path, open_tier: Opener, caplog: pytest.LogCaptureFixture
+) -> None:
     """Regression: on the old code every write on the full disk raised a raw OSError (the
     store's puts failed as ``internal``), each failed record kept its reservation (used_bytes
     climbed towards the capacity while live bytes stayed put) and a new segment, and so a
@@ -210,8 +214,9 @@ def test_compaction_tells_the_owner_a_corrupt_record_is_gone(tmp_path: Path) -> 
     opener = Opener()
     try:
         tier = opener(tmp_path / "ssd", segment_bytes=8 * ALIGN)  # four 8 KiB records each
-        extents = {key_of(i): tier.write(key_of(i), b"", [payload(4096, i)]).result()
-                   for i in range(6)}
+        extents = {
+            key_of(i): tier.write(key_of(i), b"", [payload(4096, i)]).result() for i in range(6)
+        }
         for i in (0, 1):
             tier.delete(extents[key_of(i)])
         bad = extents[key_of(2)]
@@ -241,8 +246,7 @@ def test_compaction_tells_the_owner_a_corrupt_record_is_gone(tmp_path: Path) -> 
         opener.close_all()
 
 
-def test_failed_records_in_a_segment_are_truncated_away(small_fs: Path,
-                                                        open_tier: Opener) -> None:
+def test_failed_records_in_a_segment_are_truncated_away(small_fs: Path, open_tier: Opener) -> None:
     """Regression: on the old code a failed write's span stayed reserved in its segment
     (used_bytes grew with every failure); now the segment file ends where the last record
     that landed ends, and the next record after recovery follows it directly. Probes that

@@ -31,7 +31,7 @@ def test_device_tier_is_one_torch_pool_on_cpu_cut_into_pages() -> None:
     data = torch.arange(2 * PAGE, dtype=torch.int64).to(torch.uint8)
     offset = 0
     for piece in pieces:
-        piece.copy_(data[offset:offset + piece.numel()])
+        piece.copy_(data[offset : offset + piece.numel()])
         offset += piece.numel()
     assert torch.equal(torch.cat(tier.pieces(pages, 10, 2 * PAGE)), data)
     with pytest.raises(CapacityError):

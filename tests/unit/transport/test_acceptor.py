@@ -55,8 +55,10 @@ def test_a_flood_of_silent_connections_costs_no_thread_and_meets_the_deadline() 
     thread exhaustion ended the accept loop for good."""
     limits = AcceptLimits(handshake_timeout_s=1.0, max_handshakes=64, max_per_ip=16)
     region = np.arange(4096, dtype=np.uint8)
-    with SocketTransport("owner", secret=SECRET, limits=limits) as owner, \
-            SocketTransport("member", secret=SECRET) as member:
+    with (
+        SocketTransport("owner", secret=SECRET, limits=limits) as owner,
+        SocketTransport("member", secret=SECRET) as member,
+    ):
         owner.register(0, region)
         local = np.zeros(4096, np.uint8)
         member.register(0, local)
@@ -115,8 +117,11 @@ def test_an_oversized_handshake_frame_is_refused_unread() -> None:
 
 def test_the_connection_cap_refuses_at_the_handshake() -> None:
     limits = AcceptLimits(max_connections=1)
-    with SocketTransport("owner", limits=limits) as owner, SocketTransport("a") as a, \
-            SocketTransport("b") as b:
+    with (
+        SocketTransport("owner", limits=limits) as owner,
+        SocketTransport("a") as a,
+        SocketTransport("b") as b,
+    ):
         a.connect(owner.descriptor(), deadline=2.0)
         assert wait_until(lambda: owner.inbound_connections == 1)
         with pytest.raises(Exception, match="too many peer connections|cannot reach|closed"):

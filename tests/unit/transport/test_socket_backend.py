@@ -10,12 +10,24 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvfabric.errors import (AuthError, ConfigError, DeadlineExceededError, ProtocolError,
-                             UnavailableError)
+from kvfabric.errors import (
+    AuthError,
+    ConfigError,
+    DeadlineExceededError,
+    ProtocolError,
+    UnavailableError,
+)
 from kvfabric.memory.arena import SharedArena
 from kvfabric.protocol.frames import encode_frame
-from kvfabric.transport import (PeerDescriptor, ReadPiece, SocketTransport, Transport,
-                                WritePiece, nixl_unavailable_reason, select_backend)
+from kvfabric.transport import (
+    PeerDescriptor,
+    ReadPiece,
+    SocketTransport,
+    Transport,
+    WritePiece,
+    nixl_unavailable_reason,
+    select_backend,
+)
 from kvfabric.transport.socket_backend import _recv_frame
 
 PAGE = 64 << 10
@@ -72,30 +84,42 @@ def test_write_many_pieces_byte_exact(pair: tuple) -> None:
     consumer_arena.array[:] = np.random.default_rng(2).integers(0, 256, PAGE * PAGES, np.uint8)
     # Unaligned offsets and odd lengths: the transport must not assume page granularity.
     targets = [(0, 100, 1000), (3, 2 * PAGE + 17, PAGE + 5), (9, 30 * PAGE, 2 * PAGE)]
-    pieces = [WritePiece(consumer_arena.array[src:src + n], 7, dst) for src, dst, n in
-              [(s * PAGE, d, n) for s, d, n in targets]]
+    pieces = [
+        WritePiece(consumer_arena.array[src : src + n], 7, dst)
+        for src, dst, n in [(s * PAGE, d, n) for s, d, n in targets]
+    ]
     consumer.write(peer, pieces, deadline=2.0)
     expected = before.copy()
     for s, d, n in targets:
-        expected[d:d + n] = consumer_arena.array[s * PAGE:s * PAGE + n]
+        expected[d : d + n] = consumer_arena.array[s * PAGE : s * PAGE + n]
     assert np.array_equal(owner_arena.array, expected)
 
 
-@pytest.mark.parametrize("region, offset, length, match", [
-    (99, 0, 10, "region 99"),
-    (7, PAGE * PAGES - 10, 11, "outside region 7"),
-    (7, -1, 10, "outside region 7"),
-])
-def test_bounds_violations_refused_and_peer_keeps_serving(pair: tuple, region: int, offset: int,
-                                                          length: int, match: str) -> None:
+@pytest.mark.parametrize(
+    "region, offset, length, match",
+    [
+        (99, 0, 10, "region 99"),
+        (7, PAGE * PAGES - 10, 11, "outside region 7"),
+        (7, -1, 10, "outside region 7"),
+    ],
+)
+def test_bounds_violations_refused_and_peer_keeps_serving(
+    pair: tuple, region: int, offset: int, length: int, match: str
+) -> None:
     _, owner_arena, consumer, consumer_arena, peer = pair
     before = owner_arena.array.copy()
     with pytest.raises(ProtocolError, match=match):
         consumer.read(peer, [ReadPiece(region, offset, consumer_arena.array[:length])], 2.0)
     with pytest.raises(ProtocolError, match=match):
         # The valid first piece must not land either: a request is checked whole.
-        consumer.write(peer, [WritePiece(consumer_arena.page(1), 7, 0),
-                              WritePiece(consumer_arena.array[:length], region, offset)], 2.0)
+        consumer.write(
+            peer,
+            [
+                WritePiece(consumer_arena.page(1), 7, 0),
+                WritePiece(consumer_arena.array[:length], region, offset),
+            ],
+            2.0,
+        )
     assert np.array_equal(owner_arena.array, before)
     consumer.read(peer, [ReadPiece(7, PAGE, consumer_arena.page(0))], deadline=2.0)
     assert np.array_equal(consumer_arena.page(0), owner_arena.page(1))
@@ -158,8 +182,10 @@ def test_descriptor_with_wrong_or_missing_secret_refused(backend: str) -> None:
     owner = make(backend, secret=b"cluster-A")
     owner.register(1, np.zeros(4096, np.uint8))
     try:
-        with make(backend, secret=b"cluster-B") as outsider, \
-                pytest.raises(AuthError, match="different cluster secret"):
+        with (
+            make(backend, secret=b"cluster-B") as outsider,
+            pytest.raises(AuthError, match="different cluster secret"),
+        ):
             outsider.connect(owner.descriptor(), deadline=2.0)
         with make(backend, secret=b"cluster-A") as insider:
             insider.connect(owner.descriptor(), deadline=2.0)
@@ -174,15 +200,21 @@ def test_socket_handshake_refuses_wrong_or_missing_secret() -> None:
     with SocketTransport("owner", secret=b"cluster-A") as owner:
         owner.register(1, np.zeros(4096, np.uint8))
         desc = PeerDescriptor.decode(owner.descriptor(), b"cluster-A")
-        with SocketTransport("forger", secret=b"cluster-B") as forger, \
-                pytest.raises(AuthError, match="different cluster secret"):
+        with (
+            SocketTransport("forger", secret=b"cluster-B") as forger,
+            pytest.raises(AuthError, match="different cluster secret"),
+        ):
             forger.connect(desc.encode(b"cluster-B"), deadline=2.0)
-        with SocketTransport("anonymous") as anonymous, \
-                pytest.raises(AuthError, match="no credentials"):
+        with (
+            SocketTransport("anonymous") as anonymous,
+            pytest.raises(AuthError, match="no credentials"),
+        ):
             anonymous.connect(desc.encode(None), deadline=2.0)
         # A client with the secret must also refuse a server without it (mutual auth).
-        with SocketTransport("open-server") as open_server, \
-                SocketTransport("careful", secret=b"cluster-A") as careful:
+        with (
+            SocketTransport("open-server") as open_server,
+            SocketTransport("careful", secret=b"cluster-A") as careful,
+        ):
             forged = PeerDescriptor.decode(open_server.descriptor(), None).encode(b"cluster-A")
             with pytest.raises(AuthError, match="no credentials"):
                 careful.connect(forged, deadline=2.0)
@@ -211,8 +243,7 @@ class _SilentServer:
                 sock.sendall(encode_frame({"ok": True, "mac": b""}))
 
     def descriptor(self) -> bytes:
-        return PeerDescriptor("socket", "silent", (), host="127.0.0.1",
-                              port=self.port).encode(None)
+        return PeerDescriptor("socket", "silent", (), host="127.0.0.1", port=self.port).encode(None)
 
     def close(self) -> None:
         self.listener.close()
@@ -248,7 +279,8 @@ def test_unreachable_and_closed() -> None:
 def test_select_backend() -> None:
     assert select_backend("socket") is SocketTransport
     assert select_backend("auto").backend == (
-        "nixl" if nixl_unavailable_reason() is None else "socket")
+        "nixl" if nixl_unavailable_reason() is None else "socket"
+    )
     with pytest.raises(ConfigError, match="unknown transport 'rdma'"):
         select_backend("rdma")
 
@@ -258,8 +290,11 @@ def test_nixl_works_here() -> None:
 
 
 def test_mixed_backends_refused() -> None:
-    with make("nixl") as nixl, make("socket") as sock, \
-            pytest.raises(ProtocolError, match="uses the 'nixl' transport"):
+    with (
+        make("nixl") as nixl,
+        make("socket") as sock,
+        pytest.raises(ProtocolError, match="uses the 'nixl' transport"),
+    ):
         sock.connect(nixl.descriptor(), deadline=1.0)
 
 
@@ -284,11 +319,13 @@ def test_malformed_requests_answered_and_connection_keeps_serving() -> None:
             hello = _recv_frame(sock)
             sock.sendall(encode_frame({"v": 1, "name": "raw", "nonce": b"x" * 16, "mac": b""}))
             assert _recv_frame(sock)["ok"] is True and hello["v"] == 1
-            for request, match in [({"op": "read", "pieces": "junk"}, "non-empty list"),
-                                   ({"op": "read", "pieces": [[0, 0, "9"]]}, "a piece must be"),
-                                   ({"op": "read", "pieces": [[0, 0, True]]}, "a piece must be"),
-                                   ({"op": "erase"}, "unknown transport op"),
-                                   ({"op": "notify", "message": "str"}, "bytes message")]:
+            for request, match in [
+                ({"op": "read", "pieces": "junk"}, "non-empty list"),
+                ({"op": "read", "pieces": [[0, 0, "9"]]}, "a piece must be"),
+                ({"op": "read", "pieces": [[0, 0, True]]}, "a piece must be"),
+                ({"op": "erase"}, "unknown transport op"),
+                ({"op": "notify", "message": "str"}, "bytes message"),
+            ]:
                 sock.sendall(encode_frame(request))
                 reply = _recv_frame(sock)
                 assert reply["ok"] is False and reply["kind"] == "bad_request"

@@ -35,10 +35,12 @@ class Identity:
         self.ca_file = (trusts or ca).write(tmp / f"trust{n}.pem")
 
     def transport(self, **kwargs: object) -> SocketTransport:
-        return SocketTransport(f"n{next(_names)}",
-                               server_ssl=server_context(self.cert, self.ca_file),
-                               client_ssl=lambda: client_context(self.ca_file, self.cert),
-                               **kwargs)  # type: ignore[arg-type]
+        return SocketTransport(
+            f"n{next(_names)}",
+            server_ssl=server_context(self.cert, self.ca_file),
+            client_ssl=lambda: client_context(self.ca_file, self.cert),
+            **kwargs,
+        )  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -100,13 +102,15 @@ class Recorder:
 def via(recorder: Recorder, descriptor: bytes) -> bytes:
     """``descriptor`` pointing at the recorder (no cluster secret here: nothing to re-sign)."""
     desc = PeerDescriptor.decode(descriptor, None)
-    return PeerDescriptor(desc.backend, desc.name, desc.regions, host="127.0.0.1",
-                          port=recorder.port, tls=desc.tls).encode(None)
+    return PeerDescriptor(
+        desc.backend, desc.name, desc.regions, host="127.0.0.1", port=recorder.port, tls=desc.tls
+    ).encode(None)
 
 
 @pytest.mark.parametrize("tls", [True, False])
-def test_chunk_bytes_cross_the_wire_encrypted_only_with_tls(tmp_path: Path, ca: CA,
-                                                             tls: bool) -> None:
+def test_chunk_bytes_cross_the_wire_encrypted_only_with_tls(
+    tmp_path: Path, ca: CA, tls: bool
+) -> None:
     """Regression: on the old code the socket transport had no TLS: a relay on the path saw
     every chunk byte (the plain run below still does, as the control)."""
     rng = np.random.default_rng(3)
@@ -121,15 +125,15 @@ def test_chunk_bytes_cross_the_wire_encrypted_only_with_tls(tmp_path: Path, ca: 
         local = np.zeros(SIZE, np.uint8)
         member.register(0, local)
         peer = member.connect(via(recorder, owner.descriptor()), deadline=5.0)
-        member.read(peer, [ReadPiece(0, 4096, local[:SIZE // 2])], deadline=5.0)
-        assert np.array_equal(local[:SIZE // 2], region[4096:4096 + SIZE // 2])
-        local[SIZE // 2:] = rng.integers(0, 256, SIZE // 2, dtype=np.uint8)
-        member.write(peer, [WritePiece(local[SIZE // 2:], 0, 0)], deadline=5.0)
-        assert np.array_equal(region[:SIZE // 2], local[SIZE // 2:])
+        member.read(peer, [ReadPiece(0, 4096, local[: SIZE // 2])], deadline=5.0)
+        assert np.array_equal(local[: SIZE // 2], region[4096 : 4096 + SIZE // 2])
+        local[SIZE // 2 :] = rng.integers(0, 256, SIZE // 2, dtype=np.uint8)
+        member.write(peer, [WritePiece(local[SIZE // 2 :], 0, 0)], deadline=5.0)
+        assert np.array_equal(region[: SIZE // 2], local[SIZE // 2 :])
         assert owner.inbound_connections == 1
         served = next(iter(owner._inbound))
         assert isinstance(served, ssl.SSLSocket) is tls
-        samples = [bytes(region[o:o + 64]) for o in (8192, 100_000, 300_000)]  # read, written
+        samples = [bytes(region[o : o + 64]) for o in (8192, 100_000, 300_000)]  # read, written
         assert any(sample in recorder.seen for sample in samples) is not tls
     finally:
         member.close()
@@ -177,8 +181,7 @@ def test_plain_tcp_to_a_tls_port_is_refused(tmp_path: Path, ca: CA) -> None:
         port = PeerDescriptor.decode(owner.descriptor(), None).port
         started = time.monotonic()
         with socket.create_connection(("127.0.0.1", port), timeout=3) as raw:
-            raw.sendall(encode_frame({"v": 1, "name": "plain", "nonce": b"n" * 16,
-                                      "mac": b""}))
+            raw.sendall(encode_frame({"v": 1, "name": "plain", "nonce": b"n" * 16, "mac": b""}))
             received = b""
             try:
                 while data := raw.recv(4096):
@@ -194,7 +197,8 @@ def test_plain_tcp_to_a_tls_port_is_refused(tmp_path: Path, ca: CA) -> None:
 
 
 def test_tls_handshakes_stay_inside_the_deadline_and_caps_without_threads(
-        tmp_path: Path, ca: CA) -> None:
+    tmp_path: Path, ca: CA
+) -> None:
     """Regression guard for the acceptor with TLS: strangers that open a TLS handshake and
     stall (half a ClientHello, or a full one and nothing more) cost no thread, are dropped
     at the deadline, and a member completes its handshake while they wait."""
@@ -212,7 +216,7 @@ def test_tls_handshakes_stay_inside_the_deadline_and_caps_without_threads(
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind((f"127.0.0.{2 + i % 10}", 0))
             sock.connect(("127.0.0.1", port))
-            sock.sendall(hello[:len(hello) // 2] if i % 2 else hello)
+            sock.sendall(hello[: len(hello) // 2] if i % 2 else hello)
             strangers.append(sock)
         assert wait_until(lambda: owner._acceptor.stats.accepted >= 120)
         assert threading.active_count() <= threads + 1

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+
 @pytest.fixture
 def lmcache_loop() -> Iterator[asyncio.AbstractEventLoop]:
     """The event loop thread LMCache's storage backends run their coroutines on."""
@@ -18,4 +19,3 @@ def lmcache_loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
     loop.close()
-

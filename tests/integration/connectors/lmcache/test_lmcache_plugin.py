@@ -10,7 +10,6 @@ import asyncio
 import time
 from typing import Any
 
-import pytest
 import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
@@ -25,34 +24,59 @@ from kvfabric_connectors.lmcache import KVFabricRemoteConnector, plugin_stats
 CHUNK = 16
 KV_SHAPE = (2, 2, CHUNK, 2, 32)  # vLLM's (layers, k|v, tokens, heads, head size)
 TOKEN_BYTES = 2 * 2 * 2 * 32 * 2  # k|v x layers x heads x head size x bf16
-SMALL = ["store.tiers.dram.capacity=256KiB", "store.tiers.dram.page_size=16KiB",
-         "store.tiers.ssd.capacity=64MiB"]
+SMALL = [
+    "store.tiers.dram.capacity=256KiB",
+    "store.tiers.dram.page_size=16KiB",
+    "store.tiers.ssd.capacity=64MiB",
+]
 
 
 def plugin_config(socket: str, **settings: Any) -> LMCacheEngineConfig:
     p = "remote_storage_plugin.kvfabric."
-    extra = {p + "module_path": "kvfabric_connectors.lmcache",
-             p + "class_name": "KVFabricConnectorAdapter", p + "socket_path": socket,
-             p + "retry_after_s": 0.2}
+    extra = {
+        p + "module_path": "kvfabric_connectors.lmcache",
+        p + "class_name": "KVFabricConnectorAdapter",
+        p + "socket_path": socket,
+        p + "retry_after_s": 0.2,
+    }
     extra.update({p + k: v for k, v in settings.items()})
-    return LMCacheEngineConfig.from_dict({
-        "chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.2,
-        "remote_serde": "naive", "save_unfull_chunk": True,
-        "pre_caching_hash_algorithm": "sha256_cbor", "remote_storage_plugins": ["kvfabric"],
-        "extra_config": extra})
+    return LMCacheEngineConfig.from_dict(
+        {
+            "chunk_size": CHUNK,
+            "local_cpu": True,
+            "max_local_cpu_size": 0.2,
+            "remote_serde": "naive",
+            "save_unfull_chunk": True,
+            "pre_caching_hash_algorithm": "sha256_cbor",
+            "remote_storage_plugins": ["kvfabric"],
+            "extra_config": extra,
+        }
+    )
 
 
 def metadata(model: str = "tiny-llama", worker_id: int = 0) -> LMCacheMetadata:
-    return LMCacheMetadata(model_name=model, world_size=1, local_world_size=1,
-                           worker_id=worker_id, local_worker_id=worker_id,
-                           kv_dtype=torch.bfloat16, kv_shape=KV_SHAPE, chunk_size=CHUNK)
+    return LMCacheMetadata(
+        model_name=model,
+        world_size=1,
+        local_world_size=1,
+        worker_id=worker_id,
+        local_worker_id=worker_id,
+        kv_dtype=torch.bfloat16,
+        kv_shape=KV_SHAPE,
+        chunk_size=CHUNK,
+    )
 
 
 class Remote:
     """LMCache's RemoteBackend over the kvfabric plugin, with its CPU buffer."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, socket: str, model: str = "tiny-llama",
-                 **settings: Any) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        socket: str,
+        model: str = "tiny-llama",
+        **settings: Any,
+    ) -> None:
         config = plugin_config(socket, **settings)
         md = metadata(model)
         self.cpu = LocalCPUBackend(config=config, metadata=md, dst_device="cpu")
@@ -64,8 +88,9 @@ class Remote:
 
     def key(self, i: int, **tags: str) -> CacheEngineKey:
         configs = {f"lmcache.tag.{k}": v for k, v in tags.items()} or None
-        return CacheEngineKey(self.model, 1, 0, 0x5EED0000 + i, torch.bfloat16,
-                              request_configs=configs)
+        return CacheEngineKey(
+            self.model, 1, 0, 0x5EED0000 + i, torch.bfloat16, request_configs=configs
+        )
 
     def obj(self, seed: int, tokens: int = CHUNK) -> Any:
         c = self.connector
@@ -85,12 +110,14 @@ class Remote:
 
 
 def same_bytes(a: Any, b: Any) -> bool:
-    return a.tensor.shape == b.tensor.shape and torch.equal(a.tensor.view(torch.uint8),
-                                                             b.tensor.view(torch.uint8))
+    return a.tensor.shape == b.tensor.shape and torch.equal(
+        a.tensor.view(torch.uint8), b.tensor.view(torch.uint8)
+    )
 
 
 def test_store_lookup_and_retrieve_byte_exact_through_lmcache_remote_backend(
-        start_daemon, lmcache_loop) -> None:
+    start_daemon, lmcache_loop
+) -> None:
     daemon = start_daemon()
     remote = Remote(lmcache_loop, daemon.socket)
     keys = [remote.key(i) for i in range(5)]
@@ -119,13 +146,15 @@ def test_store_lookup_and_retrieve_byte_exact_through_lmcache_remote_backend(
     # exists_sync is truly synchronous: safe on LMCache's own event loop thread
     async def on_loop() -> bool:
         return remote.connector.exists_sync(keys[1])
+
     assert asyncio.run_coroutine_threadsafe(on_loop(), lmcache_loop).result(5)
     assert plugin_stats()["kvfabric"]["get_hits"] >= 5
     remote.close()
 
 
 def test_batches_with_misses_return_one_entry_per_key_and_count_prefixes(
-        start_daemon, lmcache_loop) -> None:
+    start_daemon, lmcache_loop
+) -> None:
     daemon = start_daemon()
     remote = Remote(lmcache_loop, daemon.socket)
     keys = [remote.key(i) for i in range(6)]
@@ -149,6 +178,7 @@ def test_batches_with_misses_return_one_entry_per_key_and_count_prefixes(
         count = await remote.backend.batched_async_contains("req", keys)
         prefix = await remote.backend.batched_get_non_blocking("req", keys)
         return count, prefix
+
     count, prefix = asyncio.run_coroutine_threadsafe(async_paths(), lmcache_loop).result(10)
     assert count == 2 and len(prefix) == 2
     assert all(same_bytes(o, objs[i]) for i, o in enumerate(prefix))
@@ -172,15 +202,17 @@ def test_tenants_and_models_never_see_each_others_chunks(start_daemon, lmcache_l
     # per-request tags are part of the key too
     assert not team_a.backend.contains(team_a.key(0, user="u1"))
     with Client(daemon.socket) as client:  # the daemon counts them as LMCache traffic
-        counted = {(n["model_id"], n["tenant"]): n["hit_tokens"]
-                   for n in client.stats()["namespaces"]}
+        counted = {
+            (n["model_id"], n["tenant"]): n["hit_tokens"] for n in client.stats()["namespaces"]
+        }
     assert counted[("lmcache:tiny-llama", "team-a")] >= 3 * CHUNK
     for remote in (team_a, team_b, other_model):
         remote.close()
 
 
 def test_a_missing_daemon_is_a_miss_and_a_restarted_one_serves_its_ssd_again(
-        start_daemon, lmcache_loop, tmp_path) -> None:
+    start_daemon, lmcache_loop, tmp_path
+) -> None:
     daemon = start_daemon(*SMALL, data_dir=tmp_path / "node")
     remote = Remote(lmcache_loop, daemon.socket)
     keys = [remote.key(i) for i in range(24)]  # 24 x 16 KiB: most spill to the SSD tier
@@ -237,15 +269,21 @@ class CPUKVCache(GPUConnectorInterface):
 def lmcache_engine(name: str, socket: str) -> Any:
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
-    engine = LMCacheEngineBuilder.get_or_create(name, plugin_config(socket), metadata(),
-                                                CPUKVCache(KV_SHAPE), lambda t, r: t,
-                                                lambda o, r: o)
+    engine = LMCacheEngineBuilder.get_or_create(
+        name,
+        plugin_config(socket),
+        metadata(),
+        CPUKVCache(KV_SHAPE),
+        lambda t, r: t,
+        lambda o, r: o,
+    )
     engine.post_init()
     return engine
 
 
 def test_a_whole_lmcache_engine_stores_and_another_retrieves_through_the_daemon(
-        start_daemon) -> None:
+    start_daemon,
+) -> None:
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
     daemon = start_daemon()
@@ -270,11 +308,19 @@ def test_a_whole_lmcache_engine_stores_and_another_retrieves_through_the_daemon(
 
 
 def test_a_second_lmcache_on_another_node_pulls_the_chunks_through_the_global_index(
-        redis_server, start_daemon, lmcache_loop) -> None:
+    redis_server, start_daemon, lmcache_loop
+) -> None:
     def node(node_id: str) -> Any:
-        return start_daemon(*SMALL, f"node_id={node_id}", "cluster.index=redis",
-                            f"cluster.redis_url={redis_server.url}", "cluster.lease_ttl_s=10",
-                            "cluster.heartbeat_s=0.2", "tcp.port=0", "cluster.transport=socket")
+        return start_daemon(
+            *SMALL,
+            f"node_id={node_id}",
+            "cluster.index=redis",
+            f"cluster.redis_url={redis_server.url}",
+            "cluster.lease_ttl_s=10",
+            "cluster.heartbeat_s=0.2",
+            "tcp.port=0",
+            "cluster.transport=socket",
+        )
 
     a, b = node("node-a"), node("node-b")
     on_a = Remote(lmcache_loop, a.socket, pull_timeout_s=5)
@@ -302,7 +348,8 @@ def test_a_second_lmcache_on_another_node_pulls_the_chunks_through_the_global_in
 
 
 def test_an_object_over_one_chunk_is_refused_for_its_size_not_as_a_fraction_of_a_token(
-        start_daemon, lmcache_loop, caplog) -> None:
+    start_daemon, lmcache_loop, caplog
+) -> None:
     """Regression: on the old code an object of 32 whole tokens (two chunks' worth) was
     refused as "not a whole number of tokens", which sent users after remote_serde."""
     daemon = start_daemon()

@@ -16,8 +16,14 @@ SHAPES = [torch.Size([2, 4, 256, 1024])]
 LAYOUT = layout_tag(MemoryFormat.KV_2LTD, SHAPES, [torch.bfloat16])
 
 
-def key(model: str = "m", worker: int = 0, world: int = 2, chunk: int = 7,
-        dtype: torch.dtype = torch.bfloat16, tags: dict | None = None) -> CacheEngineKey:
+def key(
+    model: str = "m",
+    worker: int = 0,
+    world: int = 2,
+    chunk: int = 7,
+    dtype: torch.dtype = torch.bfloat16,
+    tags: dict | None = None,
+) -> CacheEngineKey:
     return CacheEngineKey(model, world, worker, chunk, dtype, request_configs=tags)
 
 
@@ -45,8 +51,11 @@ def test_keys_differ_by_model_tenant_rank_dtype_tags_and_geometry() -> None:
         chunk_key(namespace_for("m", spec, tenant="t"), LAYOUT, key().to_string()),
         chunk_key(namespace_for("m", spec, lora_id="l"), LAYOUT, key().to_string()),
         chunk_key(namespace_for("m", opaque_spec(16_384, 128)), LAYOUT, key().to_string()),
-        chunk_key(ns, layout_tag(MemoryFormat.KV_2LTD, [torch.Size([2, 8, 256, 512])],
-                                 [torch.bfloat16]), key().to_string()),
+        chunk_key(
+            ns,
+            layout_tag(MemoryFormat.KV_2LTD, [torch.Size([2, 8, 256, 512])], [torch.bfloat16]),
+            key().to_string(),
+        ),
         chunk_key(ns, LAYOUT, key(worker=1).to_string()),
         chunk_key(ns, LAYOUT, key(world=4).to_string()),
         chunk_key(ns, LAYOUT, key(chunk=8).to_string()),
@@ -67,21 +76,40 @@ def test_settings_parse_strings_and_refuse_unknown_keys(monkeypatch) -> None:
     monkeypatch.delenv("KVFABRIC_TOKEN", raising=False)
     p = "remote_storage_plugin.kvfabric."
     settings = PluginSettings.from_extra_config(
-        {p + "module_path": "kvfabric_connectors.lmcache", p + "class_name": "X",
-         p + "tenant": "team-a", p + "pull": "false", p + "threads": "3",
-         p + "timeout_s": "2.5", "remote_storage_plugin.other.tenant": "ignored",
-         "save_chunk_meta": False}, "kvfabric")
-    assert (settings.socket_path, settings.token, settings.tenant, settings.pull,
-            settings.threads, settings.timeout_s) == ("/run/kvf.sock", None, "team-a", False,
-                                                       3, 2.5)
+        {
+            p + "module_path": "kvfabric_connectors.lmcache",
+            p + "class_name": "X",
+            p + "tenant": "team-a",
+            p + "pull": "false",
+            p + "threads": "3",
+            p + "timeout_s": "2.5",
+            "remote_storage_plugin.other.tenant": "ignored",
+            "save_chunk_meta": False,
+        },
+        "kvfabric",
+    )
+    assert (
+        settings.socket_path,
+        settings.token,
+        settings.tenant,
+        settings.pull,
+        settings.threads,
+        settings.timeout_s,
+    ) == ("/run/kvf.sock", None, "team-a", False, 3, 2.5)
     with pytest.raises(ValueError, match="tenat"):
         PluginSettings.from_extra_config({p + "tenat": "x"}, "kvfabric")
-    for bad in ({p + "pull": "maybe"}, {p + "threads": "0"}, {p + "threads": "1.5"},
-                {p + "timeout_s": "-1"}, {p + "socket_path": ""}):
+    for bad in (
+        {p + "pull": "maybe"},
+        {p + "threads": "0"},
+        {p + "threads": "1.5"},
+        {p + "timeout_s": "-1"},
+        {p + "socket_path": ""},
+    ):
         with pytest.raises(ValueError):
             PluginSettings.from_extra_config(bad, "kvfabric")
     named = PluginSettings.from_extra_config(
-        {"remote_storage_plugin.kvfabric.b.tenant": "t2"}, "kvfabric.b")
+        {"remote_storage_plugin.kvfabric.b.tenant": "t2"}, "kvfabric.b"
+    )
     assert named.tenant == "t2"
 
 

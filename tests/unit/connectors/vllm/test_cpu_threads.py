@@ -11,35 +11,45 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.config import KVTransferConfig  # noqa: E402
-from vllm.utils import ompmultiprocessing  # noqa: E402
+from vllm.config import KVTransferConfig
+from vllm.utils import ompmultiprocessing
 
-from kvfabric_connectors.vllm import cpu_threads  # noqa: E402
-from kvfabric_connectors.vllm.settings import ConnectorSettings  # noqa: E402
+from kvfabric_connectors.vllm import cpu_threads
+from kvfabric_connectors.vllm.settings import ConnectorSettings
 
 
 def kvfabric(**extra: object) -> KVTransferConfig:
-    return KVTransferConfig(kv_connector="KVFabricConnector",
-                            kv_connector_module_path="kvfabric_connectors.vllm",
-                            kv_role="kv_both", kv_connector_extra_config=dict(extra))
+    return KVTransferConfig(
+        kv_connector="KVFabricConnector",
+        kv_connector_module_path="kvfabric_connectors.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=dict(extra),
+    )
 
 
 def test_only_a_kvfabric_engine_is_corrected() -> None:
     assert cpu_threads.uses_kvfabric_alone(kvfabric())
     assert not cpu_threads.uses_kvfabric_alone(None)
     assert not cpu_threads.uses_kvfabric_alone(
-        KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both"))
+        KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
+    )
     # a class of that name from another package is not ours
-    assert not cpu_threads.uses_kvfabric_alone(KVTransferConfig(
-        kv_connector="KVFabricConnector", kv_connector_module_path="elsewhere.connector",
-        kv_role="kv_both"))
+    assert not cpu_threads.uses_kvfabric_alone(
+        KVTransferConfig(
+            kv_connector="KVFabricConnector",
+            kv_connector_module_path="elsewhere.connector",
+            kv_role="kv_both",
+        )
+    )
     # the user asked for vLLM's reserved core
     assert not cpu_threads.uses_kvfabric_alone(kvfabric(reserve_cpu=True))
 
 
 def test_reserve_cpu_is_a_known_connector_setting() -> None:
-    assert ConnectorSettings.from_extra_config(
-        {"socket_path": "/s", "reserve_cpu": True}).reserve_cpu is True
+    assert (
+        ConnectorSettings.from_extra_config({"socket_path": "/s", "reserve_cpu": True}).reserve_cpu
+        is True
+    )
     with pytest.raises(ValueError, match="reserve_cpu"):
         ConnectorSettings.from_extra_config({"socket_path": "/s", "reserve_cpu": "yes"})
 
@@ -52,8 +62,7 @@ def test_what_vllm_reserves_without_a_connector() -> None:
 
 def test_the_plugin_is_declared_and_patches_vllms_manager_once() -> None:
     declared = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert declared.get("kvfabric_cpu_threads") == \
-        "kvfabric_connectors.vllm.cpu_threads:register"
+    assert declared.get("kvfabric_cpu_threads") == "kvfabric_connectors.vllm.cpu_threads:register"
     cpu_threads.register()
     init = ompmultiprocessing.OMPProcessManager.__init__
     assert getattr(init, cpu_threads._PATCHED)
@@ -81,8 +90,7 @@ def test_the_wrapper_sets_vllms_knob_only_while_the_manager_reads_it(monkeypatch
     wrapped = cpu_threads._wrap(init, lambda: True)
     wrapped(object(), Config())
     assert seen == ["2"] and cpu_threads.RESERVED_CPU_ENV not in os.environ
-    Config.kv_transfer_config = KVTransferConfig(kv_connector="NixlConnector",
-                                                 kv_role="kv_both")
+    Config.kv_transfer_config = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
     wrapped(object(), Config())
     assert seen[-1] is None  # another connector: vLLM decides
     Config.kv_transfer_config = kvfabric()

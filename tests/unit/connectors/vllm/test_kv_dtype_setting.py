@@ -9,13 +9,21 @@ import pytest
 from kvfabric_connectors.vllm.settings import ConnectorSettings
 
 
-@pytest.mark.parametrize(("given", "stored"), [
-    ("float8_e4m3", "float8_e4m3fn"), ("fp8", "float8_e4m3fn"),
-    ("float8_e4m3fn", "float8_e4m3fn"), ("bf16", "bfloat16"), ("float32", "float32"),
-    (None, None)])
+@pytest.mark.parametrize(
+    ("given", "stored"),
+    [
+        ("float8_e4m3", "float8_e4m3fn"),
+        ("fp8", "float8_e4m3fn"),
+        ("float8_e4m3fn", "float8_e4m3fn"),
+        ("bf16", "bfloat16"),
+        ("float32", "float32"),
+        (None, None),
+    ],
+)
 def test_kv_dtype_names_are_normalized(given: str | None, stored: str | None) -> None:
-    settings = ConnectorSettings.from_extra_config({"socket_path": "/tmp/x.sock",
-                                                    "kv_dtype": given})
+    settings = ConnectorSettings.from_extra_config(
+        {"socket_path": "/tmp/x.sock", "kv_dtype": given}
+    )
     assert settings.kv_dtype == stored
 
 

@@ -491,8 +491,12 @@ def test_scatter_of_a_token_slice_is_byte_exact_against_the_real_kernel(
     assert (probed.write_kernel is None) == probed.is_transposed_k
     generic = layout.CpuBlockLayout(H, block_size, D, DTYPE, perm=probed.perm)
     ids = torch.tensor([3, 1, 0, 2])
-    for start, num_tokens in [(block_size // 2 + 3, 2 * block_size), (0, 4 * block_size),
-                              (block_size - 1, 2), (5, 1)]:
+    for start, num_tokens in [
+        (block_size // 2 + 3, 2 * block_size),
+        (0, 4 * block_size),
+        (block_size - 1, 2),
+        (5, 1),
+    ]:
         reference = torch.zeros((4, H, block_size, 2 * D), dtype=DTYPE)
         canonical = _write_with_real_kernel(isa, reference, ids, start, num_tokens)
         strided = torch.zeros((2, H, num_tokens + 7, D), dtype=DTYPE)

@@ -23,8 +23,9 @@ def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch
     return torch.randint(info.min, info.max, shape, dtype=bits, generator=generator).view(dtype)
 
 
-def _element_index(heads: int, block_size: int, head_dim: int, start: int,
-                   num_tokens: int) -> torch.Tensor:
+def _element_index(
+    heads: int, block_size: int, head_dim: int, start: int, num_tokens: int
+) -> torch.Tensor:
     """Flat cache index of each canonical [2, H, T, D] element, from the layout's definition:
     per (block, head), K as [D, bs] then V as [bs, D]."""
     tokens = torch.arange(start, start + num_tokens)
@@ -57,7 +58,7 @@ def test_gather_and_scatter_move_the_bits_the_layout_defines(
 
     # scatter from a token slice of a larger chunk, as the worker's load path passes it
     chunk = _random_bits((2, heads, num_tokens + 9, head_dim), dtype, seed=2)
-    canonical = chunk[:, :, 4:4 + num_tokens]
+    canonical = chunk[:, :, 4 : 4 + num_tokens]
     want = cache.view(bits).clone()
     want.view(-1)[index] = canonical.view(bits)
     paged.scatter(cache, BLOCK_IDS, start, canonical)

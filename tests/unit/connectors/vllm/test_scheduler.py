@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from scrape import sample, scrape
 from vllm import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
@@ -18,7 +19,6 @@ from kvfabric_connectors.vllm.metadata import ChunkSlice
 from kvfabric_connectors.vllm.namespace import Namespaces
 from kvfabric_connectors.vllm.scheduler import SchedulerSide
 from kvfabric_connectors.vllm.settings import ConnectorSettings
-from scrape import sample, scrape
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", chunk_tokens=16)
 NAMESPACES = Namespaces("sched-model", SPEC)
@@ -35,34 +35,42 @@ def side(socket: str, *, loads: bool = True, saves: bool = True, **extra) -> Sch
     return SchedulerSide(settings, NAMESPACES, loads=loads, saves=saves)
 
 
-def request(rid: str, tokens: list[int], *, salt: str | None = None,
-            params: dict | None = None) -> Request:
+def request(
+    rid: str, tokens: list[int], *, salt: str | None = None, params: dict | None = None
+) -> Request:
     extra = {"kv_transfer_params": params} if params else None
-    return Request(rid, tokens, SamplingParams(max_tokens=1, extra_args=extra), None,
-                   cache_salt=salt)
+    return Request(
+        rid, tokens, SamplingParams(max_tokens=1, extra_args=extra), None, cache_salt=salt
+    )
 
 
 def store(socket: str, tokens: list[int], salt: str = "", chunks: int | None = None) -> None:
     refs = chunk_hashes(NAMESPACES.get(salt, ""), tokens)[:chunks]
     with Client(socket) as client:
-        client.put_many(NAMESPACES.get(salt, ""), refs,
-                        [np.zeros(SPEC.layout(r.num_tokens).nbytes, np.uint8) for r in refs])
+        client.put_many(
+            NAMESPACES.get(salt, ""),
+            refs,
+            [np.zeros(SPEC.layout(r.num_tokens).nbytes, np.uint8) for r in refs],
+        )
 
 
-def step(new: list[tuple[str, list[int], list[int], int, int]] = (),
-         cached: list[tuple[str, list[int] | None, int, int]] = ()) -> SchedulerOutput:
+def step(
+    new: list[tuple[str, list[int], list[int], int, int]] = (),
+    cached: list[tuple[str, list[int] | None, int, int]] = (),
+) -> SchedulerOutput:
     """new: (id, prompt, block ids, computed, scheduled); cached: (id, new block ids,
     computed, scheduled)."""
-    news = [NewRequestData(rid, tokens, [], None, None, (list(blocks),), computed, None)
-            for rid, tokens, blocks, computed, _ in new]
+    news = [
+        NewRequestData(rid, tokens, [], None, None, (list(blocks),), computed, None)
+        for rid, tokens, blocks, computed, _ in new
+    ]
     cached_data = CachedRequestData.make_empty()
     for rid, blocks, computed, _ in cached:
         cached_data.req_ids.append(rid)
         cached_data.new_block_ids.append(None if blocks is None else (list(blocks),))
         cached_data.num_computed_tokens.append(computed)
     scheduled = {r[0]: r[4] for r in new} | {r[0]: r[3] for r in cached}
-    return SchedulerOutput(news, cached_data, scheduled, sum(scheduled.values()), {}, {},
-                           set(), [])
+    return SchedulerOutput(news, cached_data, scheduled, sum(scheduled.values()), {}, {}, set(), [])
 
 
 def test_a_miss_is_zero_and_a_hit_counts_chunks_capped_one_short(daemon) -> None:
@@ -103,8 +111,10 @@ def test_saves_follow_chunked_prefill_and_include_the_partial_last_chunk(daemon)
     second = sched.build_connector_meta(step(cached=[("save", [3], 20, 20)]))
     (save,) = second.saves
     assert save.block_ids == (1, 2, 3)
-    assert [(c.key, c.start, c.num_tokens) for c in save.chunks] == \
-        [(refs[1].key, 16, 16), (refs[2].key, 32, 8)]
+    assert [(c.key, c.start, c.num_tokens) for c in save.chunks] == [
+        (refs[1].key, 16, 16),
+        (refs[2].key, 32, 8),
+    ]
     assert sched.build_connector_meta(step(cached=[("save", None, 40, 1)])).saves == ()
     store(daemon.socket, prompt)  # what the worker side does with those saves
     finished, params = sched.request_finished(req)
@@ -128,19 +138,24 @@ def test_a_producer_announces_only_the_tokens_the_fabric_holds(daemon) -> None:
 
 
 def test_a_producer_whose_daemon_refuses_its_token_announces_nothing(
-        start_module_daemon, monkeypatch) -> None:
+    start_module_daemon, monkeypatch
+) -> None:
     """The configs' example engine commands passed no token to a daemon with auth on.
     Regression: on the old code the producer still returned {"kvfabric": {"tokens": 40}}
     for KV it never stored; the link now also stays away after the refusal instead of
     trying a hello on every request."""
     monkeypatch.delenv("KVFABRIC_TOKEN", raising=False)
-    guarded = start_module_daemon("sched-auth", "store.tiers.dram.capacity=64MiB",
-                                  "auth.token=admin-9d2f")
+    guarded = start_module_daemon(
+        "sched-auth", "store.tiers.dram.capacity=64MiB", "auth.token=admin-9d2f"
+    )
     prompt = [t + 10 for t in PROMPT]
     with Client(guarded.socket, token="admin-9d2f") as client:  # held: still not announced
         refs = chunk_hashes(NAMESPACES.get("", ""), prompt)
-        client.put_many(NAMESPACES.get("", ""), refs,
-                        [np.zeros(SPEC.layout(r.num_tokens).nbytes, np.uint8) for r in refs])
+        client.put_many(
+            NAMESPACES.get("", ""),
+            refs,
+            [np.zeros(SPEC.layout(r.num_tokens).nbytes, np.uint8) for r in refs],
+        )
     for n, extra in enumerate(({}, {"token": "wrong"}), start=1):
         sched = side(guarded.socket, **extra)
         for i in range(3):
@@ -149,9 +164,13 @@ def test_a_producer_whose_daemon_refuses_its_token_announces_nothing(
             assert sched.request_finished(req) == (False, None)
         sched.close()
         # one refused hello per engine, counted as a failed request; then it stays away
-        refused = sample(scrape(guarded.http_url, "admin-9d2f"),
-                         "kvfabric_request_errors_total", plane="control", op="hello",
-                         kind="unauthorized")
+        refused = sample(
+            scrape(guarded.http_url, "admin-9d2f"),
+            "kvfabric_request_errors_total",
+            plane="control",
+            op="hello",
+            kind="unauthorized",
+        )
         assert refused == n
     sched = side(guarded.socket, token="admin-9d2f")  # the control: the right token
     req = request("admitted", prompt)

@@ -11,8 +11,11 @@ def test_counters_are_taken_per_interval_and_kept_in_totals() -> None:
     counters.add(loaded_chunks=2, loaded_tokens=512)
     counters.add(loaded_chunks=1, load_errors=1)
     first = counters.take()
-    assert first is not None and first.data == {"loaded_chunks": 3, "loaded_tokens": 512,
-                                                 "load_errors": 1}
+    assert first is not None and first.data == {
+        "loaded_chunks": 3,
+        "loaded_tokens": 512,
+        "load_errors": 1,
+    }
     assert counters.take() is None
     assert counters.totals()["loaded_chunks"] == 3
 

@@ -34,8 +34,14 @@ NUM_BLOCKS = 9
 
 
 def spec(kv_heads: int, kind: AttentionKind = AttentionKind.MHA) -> KVSpec:
-    return KVSpec(num_layers=LAYERS, num_kv_heads=kv_heads, head_dim=HEAD_DIM,
-                  dtype="bfloat16", kind=kind, chunk_tokens=CHUNK)
+    return KVSpec(
+        num_layers=LAYERS,
+        num_kv_heads=kv_heads,
+        head_dim=HEAD_DIM,
+        dtype="bfloat16",
+        kind=kind,
+        chunk_tokens=CHUNK,
+    )
 
 
 # -- the arithmetic --------------------------------------------------------------------------
@@ -87,11 +93,14 @@ def test_mla_latent_is_replicated_and_saved_by_rank_zero(tp: int) -> None:
 
 def test_a_single_kv_head_is_replicated_whole() -> None:
     assert [rank_share(spec(1), rank, 2) for rank in range(2)] == [
-        RankShare(None, True, True), RankShare(None, False, False)]
+        RankShare(None, True, True),
+        RankShare(None, False, False),
+    ]
 
 
-@pytest.mark.parametrize("kv_heads, tp, rank", [(4, 3, 0), (2, 3, 1), (4, 2, 2), (4, 2, -1),
-                                                (4, 0, 0)])
+@pytest.mark.parametrize(
+    "kv_heads, tp, rank", [(4, 3, 0), (2, 3, 1), (4, 2, 2), (4, 2, -1), (4, 0, 0)]
+)
 def test_impossible_splits_are_refused(kv_heads: int, tp: int, rank: int) -> None:
     with pytest.raises(ValueError):
         rank_share(spec(kv_heads), rank, tp)
@@ -112,8 +121,12 @@ def layer_name(layer: int) -> str:
 def reference_kv(kv_spec: KVSpec, seed: int) -> list[torch.Tensor]:
     """Canonical [2, H, T, D] KV of the prompt, per layer: every head distinct."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, kv_spec.num_kv_heads, len(PROMPT), HEAD_DIM, generator=generator)
-            .to(torch.bfloat16) for _ in range(LAYERS)]
+    return [
+        torch.randn(2, kv_spec.num_kv_heads, len(PROMPT), HEAD_DIM, generator=generator).to(
+            torch.bfloat16
+        )
+        for _ in range(LAYERS)
+    ]
 
 
 class Rank:
@@ -124,9 +137,10 @@ class Rank:
         self.share = share
         self.worker = WorkerSide(settings, namespaces, BLOCK, torch.bfloat16, share)
         heads = share.num_heads(namespaces.spec)
-        self.caches = {layer_name(i): torch.zeros(NUM_BLOCKS, heads, BLOCK, 2 * HEAD_DIM,
-                                                  dtype=torch.bfloat16)
-                       for i in range(LAYERS)}
+        self.caches = {
+            layer_name(i): torch.zeros(NUM_BLOCKS, heads, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
+            for i in range(LAYERS)
+        }
         self.worker.register_kv_caches(self.caches)
 
     def own(self, kv: torch.Tensor) -> torch.Tensor:
@@ -155,8 +169,10 @@ class Rank:
     def held(self) -> list[torch.Tensor]:
         layout = self.worker._layout
         assert layout is not None
-        return [layout.gather(self.caches[layer_name(i)], blocks(), 0, len(PROMPT))
-                for i in range(LAYERS)]
+        return [
+            layout.gather(self.caches[layer_name(i)], blocks(), 0, len(PROMPT))
+            for i in range(LAYERS)
+        ]
 
     def close(self) -> None:
         self.worker.close()
@@ -170,10 +186,13 @@ def group(socket: str, namespaces: Namespaces, tp: int) -> list[Rank]:
     return [Rank(socket, namespaces, rank_share(namespaces.spec, r, tp)) for r in range(tp)]
 
 
-def transfer(ns: Namespace, req_id: str, *, push_to: str | None = None,
-             background: bool = False) -> RequestTransfer:
-    chunks = tuple(ChunkSlice(ref.key, ref.parent, i * CHUNK, ref.num_tokens)
-                   for i, ref in enumerate(chunk_hashes(ns, PROMPT)))
+def transfer(
+    ns: Namespace, req_id: str, *, push_to: str | None = None, background: bool = False
+) -> RequestTransfer:
+    chunks = tuple(
+        ChunkSlice(ref.key, ref.parent, i * CHUNK, ref.num_tokens)
+        for i, ref in enumerate(chunk_hashes(ns, PROMPT))
+    )
     return RequestTransfer(req_id, ns.tenant_salt, "", BLOCK_IDS, chunks, push_to, background)
 
 
@@ -183,8 +202,15 @@ def matched_chunks(socket: str, ns: Namespace) -> int:
         return client.lookup(ns, keys=keys).matched_chunks
 
 
-def produce(socket: str, namespaces: Namespaces, tp: int, kv: list[torch.Tensor], *,
-            push_to: str | None = None, counter: str = "saved_chunks") -> list[float]:
+def produce(
+    socket: str,
+    namespaces: Namespaces,
+    tp: int,
+    kv: list[torch.Tensor],
+    *,
+    push_to: str | None = None,
+    counter: str = "saved_chunks",
+) -> list[float]:
     """A producer of ``tp`` ranks computes and saves the prompt (pushing it when asked);
     ``counter`` of each rank once every rank closed (pushes ended)."""
     ns = namespaces.get("", "")
@@ -215,8 +241,7 @@ def consume(socket: str, namespaces: Namespaces, tp: int, kv: list[torch.Tensor]
 
 
 @pytest.mark.parametrize("producers, consumers", list(itertools.product([1, 2, 4], repeat=2)))
-def test_every_split_of_four_kv_heads_round_trips(daemon, producers: int,
-                                                  consumers: int) -> None:
+def test_every_split_of_four_kv_heads_round_trips(daemon, producers: int, consumers: int) -> None:
     namespaces = Namespaces(f"tp-{producers}-{consumers}", spec(4))
     kv = reference_kv(namespaces.spec, seed=producers * 10 + consumers)
     assert produce(daemon.socket, namespaces, producers, kv) == [3] * producers
@@ -230,8 +255,9 @@ def test_replicated_kv_heads_round_trip(daemon, producers: int, consumers: int) 
     namespaces = Namespaces(f"tp-gqa-{producers}-{consumers}", spec(2))
     kv = reference_kv(namespaces.spec, seed=100 + producers * 10 + consumers)
     replicas = max(1, producers // 2)
-    assert produce(daemon.socket, namespaces, producers, kv) == \
-        [3 if r % replicas == 0 else 0 for r in range(producers)]
+    assert produce(daemon.socket, namespaces, producers, kv) == [
+        3 if r % replicas == 0 else 0 for r in range(producers)
+    ]
     consume(daemon.socket, namespaces, consumers, kv)
 
 
@@ -278,19 +304,27 @@ def test_loading_another_ranks_heads_would_be_caught(daemon) -> None:
 
 
 def node(start_daemon, redis_url: str, name: str):
-    return start_daemon("store.tiers.dram.capacity=64MiB", f"node_id={name}",
-                        "cluster.index=redis", f"cluster.redis_url={redis_url}",
-                        "cluster.heartbeat_s=0.2", "tcp.port=0", "cluster.transport=socket")
+    return start_daemon(
+        "store.tiers.dram.capacity=64MiB",
+        f"node_id={name}",
+        "cluster.index=redis",
+        f"cluster.redis_url={redis_url}",
+        "cluster.heartbeat_s=0.2",
+        "tcp.port=0",
+        "cluster.transport=socket",
+    )
 
 
-def test_only_rank_zero_pushes_and_the_target_gets_whole_objects(start_daemon,
-                                                                 redis_server) -> None:
+def test_only_rank_zero_pushes_and_the_target_gets_whole_objects(
+    start_daemon, redis_server
+) -> None:
     prefill = node(start_daemon, redis_server.url, "prefill-a")
     decode = node(start_daemon, redis_server.url, "decode-b")
     namespaces = Namespaces("tp-push", spec(4))
     kv = reference_kv(namespaces.spec, seed=31)
-    assert produce(prefill.socket, namespaces, 2, kv, push_to="decode-b",
-                   counter="pushed_chunks") == [3, 0]
+    assert produce(
+        prefill.socket, namespaces, 2, kv, push_to="decode-b", counter="pushed_chunks"
+    ) == [3, 0]
     prefill.kill()  # what the consumer loads can only have come by push
     assert matched_chunks(decode.socket, namespaces.get("", "")) == 3
     consume(decode.socket, namespaces, 2, kv)
