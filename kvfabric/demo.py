@@ -13,19 +13,20 @@ import hashlib
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from kvfabric.hashing import chunk_hashes
+from kvfabric.hashing import ChunkRef, chunk_hashes
 from kvfabric.memory import numa
-from kvfabric.spec import KVSpec, Namespace
+from kvfabric.spec import KVDtype, KVSpec, Namespace
 from kvfabric.store import StoreConfig, TierConfig, TieredStore
 from kvfabric.store.config import KiB, MiB, format_size
 from kvfabric.tiers.base import TierKind
 
-SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", chunk_tokens=256)
+SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, dtype=KVDtype.BFLOAT16, chunk_tokens=256)
 NAMESPACE = Namespace("demo/tiny-llama", SPEC, tenant_salt="demo")
 PROMPT_CHUNKS = 24
 
@@ -80,9 +81,9 @@ def _payload(key: bytes, nbytes: int) -> np.ndarray:
     )
 
 
-def run_demo(data_dir: Path | None = None, *, out=print) -> DemoResult:
+def run_demo(data_dir: Path | None = None, *, out: Callable[[str], None] = print) -> DemoResult:
     owned = data_dir is None
-    root = Path(tempfile.mkdtemp(prefix="kvfabric-demo-")) if owned else Path(data_dir)
+    root = Path(tempfile.mkdtemp(prefix="kvfabric-demo-")) if data_dir is None else Path(data_dir)
     tiers = demo_tiers()
     config = StoreConfig(data_dir=str(root), tiers=tiers, maintenance_interval_s=0.05)
     tokens = np.random.default_rng(7).integers(
@@ -129,7 +130,7 @@ def run_demo(data_dir: Path | None = None, *, out=print) -> DemoResult:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _verify(store: TieredStore, refs: list) -> int:
+def _verify(store: TieredStore, refs: list[ChunkRef]) -> int:
     good = 0
     for ref in refs:
         with store.get(NAMESPACE, ref.key) as reader:
@@ -138,7 +139,7 @@ def _verify(store: TieredStore, refs: list) -> int:
     return good
 
 
-def _print_tiers(store: TieredStore, out) -> None:
+def _print_tiers(store: TieredStore, out: Callable[[str], None]) -> None:
     stats = store.stats()
     header = (
         f"{'tier':8} {'kind':6} {'capacity':>10} {'used':>10} {'objects':>7} "

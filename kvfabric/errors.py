@@ -143,8 +143,8 @@ class UnsupportedError(KVFabricError):
     kind = "unsupported"
 
 
-def _all_subclasses(cls: type) -> list[type]:
-    out = []
+def _all_subclasses(cls: type[KVFabricError]) -> list[type[KVFabricError]]:
+    out: list[type[KVFabricError]] = []
     for sub in cls.__subclasses__():
         out.append(sub)
         out.extend(_all_subclasses(sub))

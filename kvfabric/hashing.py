@@ -80,7 +80,7 @@ def chunk_keys(
         raise SpecError(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
     arr = as_token_array(tokens)
     step = namespace.spec.chunk_tokens
-    raw = memoryview(arr).cast("B")
+    raw = arr.data.cast("B")
     seed = namespace.seed
     digest = xxhash.xxh3_128_digest
     full_header = seed + _U32.pack(step)

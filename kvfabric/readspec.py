@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 from kvfabric.errors import SpecError
 from kvfabric.spec import AttentionKind, KVDtype, KVSpec
@@ -121,7 +121,11 @@ class ReadSpec:
     ) -> ReadSpec:
         """The spec of tensor-parallel rank ``tp_rank`` of ``tp_size`` (its KV heads)."""
         heads = tp_head_range(spec, tp_rank, tp_size)
-        return cls(dtype, None if heads == (0, spec.num_kv_heads) else heads, KVLayout(layout))
+        return cls(
+            None if dtype is None else KVDtype.parse(dtype),
+            None if heads == (0, spec.num_kv_heads) else heads,
+            KVLayout(layout),
+        )
 
     def check(self, spec: KVSpec) -> None:
         """Raise SpecError unless this spec can be served from objects of ``spec``."""
@@ -175,5 +179,5 @@ class ReadSpec:
         return cls(
             None if dtype is None else KVDtype.parse(dtype),
             None if heads is None else tuple(heads),
-            layout,
+            cast(KVLayout, layout),  # __post_init__ turns it into a KVLayout or a SpecError
         )

@@ -9,8 +9,16 @@ Fields (all byte strings, no pickle): ``kind`` (stored|removed), ``seed`` (names
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import cast
 
-from kvfabric.cluster.index import ChunkRecord, KVEvent, Update, chain_runs, removal_groups
+from kvfabric.cluster.index import (
+    ChunkRecord,
+    EventKind,
+    KVEvent,
+    Update,
+    chain_runs,
+    removal_groups,
+)
 from kvfabric.errors import ProtocolError
 from kvfabric.hashing import KEY_BYTES
 
@@ -85,10 +93,10 @@ def decode(stream_id: str, fields: Mapping[bytes, bytes]) -> KVEvent:
             raise ProtocolError(f"event {stream_id}: malformed keys")
         keys = tuple(raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES))
         return KVEvent(
-            kind,
+            cast(EventKind, kind),  # checked above
             keys,
             fields[b"tier"].decode(),
-            fields[b"node"].decode(),  # type: ignore[arg-type]
+            fields[b"node"].decode(),
             int(fields[b"epoch"]),
             fields[b"seed"].decode(),
             parent,

@@ -280,9 +280,10 @@ class RedisGlobalIndex(BatchingIndex):
 
     def _live_registration(self, node_id: str) -> LiveRegistration | None:
         def run() -> list[Any]:
-            return self._registration(
+            reply: list[Any] = self._registration(
                 keys=[self._live_key(None), self._reg("node", node_id)], args=[node_id]
             )
+            return reply
 
         live, now_ms, address = self._call(run)
         if not live:

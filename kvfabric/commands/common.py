@@ -28,12 +28,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def add_command(
-    commands: argparse._SubParsersAction, name: str, *, help: str, description: str
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    *,
+    help: str,
+    description: str,
 ) -> argparse.ArgumentParser:
     """A subcommand whose ``--help`` shows ``description`` as written (plain text)."""
-    return commands.add_parser(
+    parser: argparse.ArgumentParser = commands.add_parser(
         name, help=help, description=description, formatter_class=HelpFormatter
     )
+    return parser
 
 
 def fail(command: str, message: str, code: int) -> int:

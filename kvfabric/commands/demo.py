@@ -15,7 +15,7 @@ restart the store to show the SSD part survives. The device tier needs torch
 (pip install -e '.[device]'); without it the demo says so and runs the others."""
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = add_command(
         commands,
         "demo",

@@ -42,14 +42,14 @@ example:
   kvfabric lookup --model M --layers 32 --kv-heads 8 --head-dim 128 --tokens-file prompt.json"""
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_prompt_command(
         commands, "lookup", "how much of a prompt the daemon holds", DESCRIPTION, run
     )
 
 
 def add_prompt_command(
-    commands: argparse._SubParsersAction,
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
     name: str,
     help: str,
     description: str,

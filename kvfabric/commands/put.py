@@ -39,7 +39,7 @@ example:
   kvfabric status"""
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_prompt_command(
         commands, "put", "store a prompt's (synthetic) KV in the daemon", DESCRIPTION, run
     )

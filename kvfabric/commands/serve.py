@@ -100,7 +100,7 @@ examples:
   kvfabric serve --config configs/dev.yaml"""
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = add_command(
         commands,
         "serve",

@@ -36,7 +36,7 @@ examples:
   kvfabric status --url http://127.0.0.1:8790 --json"""
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = add_command(
         commands,
         "status",

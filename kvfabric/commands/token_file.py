@@ -27,7 +27,7 @@ examples:
   kvfabric token new ~/.local/share/kvfabric/cluster-secret"""
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = add_command(
         commands, "token", help="make token and cluster secret files", description=DESCRIPTION
     )

@@ -351,7 +351,7 @@ def _records(raw: torch.Tensor, shape: Any) -> tuple[torch.Tensor, torch.Tensor]
             f"is {expected} bytes, got {raw.numel()}"
         )
     records = raw.view(planes, heads, SCALE_BYTES + tokens * dim)
-    values = records[:, :, SCALE_BYTES:].view(FP8).unflatten(2, (tokens, dim))
+    values = records[:, :, SCALE_BYTES:].view(FP8).unflatten(2, (tokens, dim))  # type: ignore[no-untyped-call]  # a view, never a copy: reshape could copy
     return records[:, :, :SCALE_BYTES], values
 
 
@@ -367,7 +367,7 @@ def _shape(shape: Any) -> tuple[int, int, int, int]:
         raise PayloadSizeError(
             f"a canonical layer is [planes, heads, tokens, head_dim], got {list(dims)}"
         )
-    return dims  # type: ignore[return-value]
+    return dims[0], dims[1], dims[2], dims[3]
 
 
 def _check_layer(layer: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ HEADER = _LEN.size
 
 
 def encode_frame(message: dict[str, Any]) -> bytes:
-    body = msgpack.packb(message, use_bin_type=True)
+    body: bytes = msgpack.packb(message, use_bin_type=True)
     if len(body) > MAX_FRAME:
         raise ProtocolError(f"message of {len(body)} bytes exceeds the frame limit {MAX_FRAME}")
     return _LEN.pack(len(body)) + body
@@ -60,7 +60,7 @@ def decode_body(body: bytes | memoryview) -> dict[str, Any]:
 
 
 def frame_length(header: bytes, limit: int = MAX_FRAME) -> int:
-    (length,) = _LEN.unpack(header)
+    length = int(_LEN.unpack(header)[0])
     if length > limit:
         raise FrameTooLargeError(f"frame of {length} bytes exceeds the limit {limit}")
     return length

@@ -97,7 +97,7 @@ class PeerDescriptor:
             },
             use_bin_type=True,
         )
-        return msgpack.packb(
+        packed: bytes = msgpack.packb(
             {
                 "v": DESCRIPTOR_VERSION,
                 "body": body,
@@ -105,6 +105,7 @@ class PeerDescriptor:
             },
             use_bin_type=True,
         )
+        return packed
 
     @classmethod
     def decode(cls, data: bytes, secret: bytes | None) -> PeerDescriptor:

@@ -51,7 +51,8 @@ class FabricPrefix:
 
 def torch_dtype(spec: KVSpec) -> torch.dtype:
     """The torch dtype of a spec's canonical payload."""
-    return getattr(torch, spec.dtype.value)
+    dtype: torch.dtype = getattr(torch, spec.dtype.value)
+    return dtype
 
 
 def spec_from_config(
@@ -69,7 +70,7 @@ def spec_from_config(
         num_layers=int(text.num_hidden_layers),
         num_kv_heads=kv_heads,
         head_dim=int(head_dim),
-        dtype=str(dtype),
+        dtype=KVDtype.parse(str(dtype).removeprefix("torch.")),
         chunk_tokens=chunk_tokens,
     )
 

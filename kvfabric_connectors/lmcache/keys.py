@@ -32,7 +32,7 @@ from typing import Any
 
 import xxhash
 
-from kvfabric.spec import MAX_HEAD_DIM, MAX_LAYERS, AttentionKind, KVSpec, Namespace
+from kvfabric.spec import MAX_HEAD_DIM, MAX_LAYERS, AttentionKind, KVDtype, KVSpec, Namespace
 
 KEY_TAG = b"LMCK1"
 
@@ -47,7 +47,7 @@ def opaque_spec(token_bytes: int, chunk_tokens: int) -> KVSpec:
                 num_layers=layers,
                 num_kv_heads=1,
                 head_dim=token_bytes // layers,
-                dtype="uint8",
+                dtype=KVDtype.UINT8,
                 kind=AttentionKind.MLA,
                 chunk_tokens=chunk_tokens,
             )

@@ -34,9 +34,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfabric.client import Client
 from kvfabric.errors import KVFabricError, UnavailableError, UnsupportedError
 from kvfabric.hashing import ChunkRef, chunk_hashes
 from kvfabric.lookup import LookupResult
+from kvfabric.spec import Namespace
 from kvfabric_connectors.link import DaemonLink
 
 from .metadata import ChunkSlice, KVFabricMetadata, RequestTransfer
@@ -112,12 +114,12 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KVFabricMetadata:
         loads: list[RequestTransfer] = []
         saves: list[RequestTransfer] = []
-        for state in self._requests.values():
-            if state.load is not None and state.remote:
+        for pending in self._requests.values():
+            if pending.load is not None and pending.remote:
                 loads.append(
-                    self._transfer(state, self._slices(state, *state.load), background=True)
+                    self._transfer(pending, self._slices(pending, *pending.load), background=True)
                 )
-                state.load, state.loading = None, True
+                pending.load, pending.loading = None, True
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
@@ -230,7 +232,9 @@ class SchedulerSide:
         state.hit_tokens = sum(ref.num_tokens for ref in state.refs[:chunks])
         state.next_save = max(state.next_save, chunks)
 
-    def _ask(self, client: Any, ns: Any, keys: list[bytes], num_tokens: int) -> LookupResult:
+    def _ask(
+        self, client: Client, ns: Namespace, keys: list[bytes], num_tokens: int
+    ) -> LookupResult:
         if self._cluster_scope:
             try:
                 return client.lookup(ns, keys=keys, scope="cluster", num_tokens=num_tokens)

@@ -19,3 +19,12 @@ def lmcache_loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
     loop.close()
+
+
+@pytest.fixture(autouse=True)
+def lmcache_leaves_the_environment_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMCache's PrometheusLogger sets PROMETHEUS_MULTIPROC_DIR in the process environment;
+    every daemon a later test started inherited it, and its prometheus_client then held
+    mmap files open in /tmp/lmcache_prometheus (the chaos suite's descriptor-leak check
+    counted them when it ran after these tests). monkeypatch puts the variable back."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
