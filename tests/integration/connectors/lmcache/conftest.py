@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Iterator
 
@@ -22,9 +23,17 @@ def lmcache_loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 
 @pytest.fixture(autouse=True)
-def lmcache_leaves_the_environment_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def lmcache_leaves_the_environment_alone() -> Iterator[None]:
     """LMCache's PrometheusLogger sets PROMETHEUS_MULTIPROC_DIR in the process environment;
     every daemon a later test started inherited it, and its prometheus_client then held
     mmap files open in /tmp/lmcache_prometheus (the chaos suite's descriptor-leak check
-    counted them when it ran after these tests). monkeypatch puts the variable back."""
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    counted them when it ran after these tests). Put the variable back as it was."""
+    before = os.environ.get(MULTIPROC_DIR)
+    yield
+    if before is None:
+        os.environ.pop(MULTIPROC_DIR, None)
+    else:
+        os.environ[MULTIPROC_DIR] = before
+
+
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
