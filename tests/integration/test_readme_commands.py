@@ -61,6 +61,9 @@ NOT_RUN: dict[tuple[str, ...], str] = {
     ("pip", "install"): "installs third-party packages (network, minutes): tests/run.sh does",
     ("pip", "uninstall"): "would remove packages from the environment the suite runs in",
     ("bash", "tests/run.sh"): "runs the whole suite, of which this test is part",
+    ("bash", "tests/lint.sh"): "CI runs it before the suite (.ci/run); a test must not "
+    "depend on the tree being lint-clean while someone edits it",
+    (".venv/bin/pre-commit", "install"): "writes a hook into the checkout's .git/hooks",
     (".venv/bin/python", "-m", "pytest"): "runs tests/chaos (minutes, root for its disk "
     "faults): part of tests/run.sh",
     (
