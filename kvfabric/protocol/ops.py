@@ -27,9 +27,9 @@ from kvfabric.protocol.messages import (
 class Access(str, enum.Enum):
     """Who may send an operation (with auth on; with it off every session is the admin)."""
 
-    ANY = "any session"
-    WRITER = "a session that did not say access: read"
-    ADMIN = "the admin token only"
+    ANY = "any"
+    WRITER = "writer"  # any session but one that said ``access: "read"`` in hello
+    ADMIN = "admin"  # the admin token
 
 
 @dataclass(frozen=True)
