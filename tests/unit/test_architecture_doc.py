@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import pkgutil
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,12 @@ def test_a_name_that_does_not_exist_is_caught() -> None:
     assert resolves("kvfabric.spec.KVSpec") and resolves("kvfabric.server.handlers")
     assert not resolves("kvfabric.spec.NoSuchThing")
     assert not resolves("kvfabric.no_such_module")
+
+
+def test_every_import_contract_is_on_the_page() -> None:
+    """Each contract of ``[tool.importlinter]`` in pyproject.toml, by name, under Contracts."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    contracts = config.get("tool", {}).get("importlinter", {}).get("contracts", [])
+    listed = section(PAGE.read_text(), "### Contracts")
+    missing = [c["name"] for c in contracts if f"**{c['name']}**" not in listed]
+    assert not missing, f"docs/architecture.md's Contracts lack {missing}"
