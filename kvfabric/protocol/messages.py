@@ -6,41 +6,8 @@ Request ``{"v": 1, "id": <u64>, "op": <str>, "args": {...}}``; reply
 Error kinds are :attr:`kvfabric.errors.KVFabricError.kind` values; clients rebuild the
 exception with :func:`kvfabric.errors.error_for_kind`.
 
-Operations (a session must start with ``hello``):
-
-=============  ===========================================  =======================================
-op             args                                         result
-=============  ===========================================  =======================================
-hello          token?, client                               protocol, node_id, arenas, limits,
-                                                            tenant (arena fds follow, SCM_RIGHTS)
-lookup         ns, keys | tokens, num_tokens?, scope?       requested_chunks, chunks, tokens,
-                                                            tier_tokens, requested_tokens
-                                                            (cluster: nodes, stale, peer_tokens)
-reserve        ns, key, parent, num_tokens?                 lease, tier, pages, nbytes, num_tokens
-commit         lease, layers? (bitmask; all when absent)    done (bool: object complete);
-                                                            lease_s while not done (the lease,
-                                                            renewed by this commit)
-abort          lease                                        null
-get            ns, key, timeout?                            lease, tier, pages, nbytes, num_tokens,
-                                                            ready
-wait_layer     lease, layer, timeout                        ready
-release        lease                                        null
-reserve_batch  ns, items [{key, parent?, num_tokens?}]        [item, ...] (item: see below)
-commit_batch   leases, layers?                              [item, ...] (as commit's result)
-get_batch      ns, keys, timeout?                           [item, ...]
-release_batch  leases                                       [item, ...]
-contains       ns, keys                                     [bool, ...]
-delete         ns, key                                      bool
-stats          (none)                                       store statistics (map)
-ping           (none)                                       "pong"
-prefetch       ns, keys | tokens, timeout?                  pulled, already_local, missing, source
-push           ns, keys, target, timeout?                   pushed, already_there, failed
-peer_pin       ns, keys, timeout?                           [item, ...] (TCP, admin: for pullers)
-peer_release   leases                                       [item, ...]
-peer_reserve   ns, items                                    [item, ...] (TCP, admin: for pushers)
-peer_commit    leases, layers                               [item, ...]
-peer_abort     leases                                       [item, ...]
-=============  ===========================================  =======================================
+Operations (a session must start with ``hello``): every one, with every field its handler
+reads, is in :mod:`kvfabric.protocol.ops`, the table ``docs/protocol.md`` is generated from.
 
 Batch operations amortise one round trip over many chunks (an engine saves or loads many per
 step); each item succeeds or fails on its own: ``{"ok": true, "result": ...}`` or

@@ -1,5 +1,6 @@
 """Authentication and tenant isolation on both planes of a daemon started with an admin
-token and two tenant tokens (DESIGN.md section 6: enforced by the daemon, not the client).
+token and two tenant tokens (docs/architecture.md, "Tenants, quotas and authentication":
+enforced by the daemon, not the client).
 """
 
 from __future__ import annotations

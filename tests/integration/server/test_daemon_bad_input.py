@@ -3,8 +3,9 @@
 Every case must end in an error reply (``ok`` false, a sensible ``error.kind``, never
 ``internal``) or a closed connection, never in a hang (every read has a deadline); after
 each batch the daemon still serves a fresh client and the objects stored before the fuzzing
-read back byte-exact (DESIGN.md section 6: bad input gets a clear error reply, the
-connection or the daemon survives, nothing stored is lost).
+read back byte-exact (docs/architecture.md, "Bad input and failures": bad input gets a clear
+error reply, the connection or the daemon survives, nothing stored is lost; the error kinds
+and limits are in docs/protocol.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Tenants own their memory (DESIGN.md section 9; issue 11): real daemons with an admin token
-and two tenant tokens, clients that behave like attackers with the descriptors they are
-handed, and real memfds.
+"""Tenants own their memory (docs/architecture.md, "Tenants, quotas and authentication";
+issue 11): real daemons with an admin token and two tenant tokens, clients that behave like
+attackers with the descriptors they are handed, and real memfds.
 """
 
 from __future__ import annotations
