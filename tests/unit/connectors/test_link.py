@@ -79,7 +79,8 @@ def test_a_connection_failure_drops_the_client_and_stays_away_for_a_while(
     link.failed(NotFoundError("a miss is not a link failure"))
     assert link.client() is client
     link.failed(UnavailableError("gone"))
-    assert client.closed and link.failures == 1
+    assert FakeClient.opened == [client] and FakeClient.opened[0].closed
+    assert link.failures == 1
     with pytest.raises(UnavailableError, match="unavailable"):
         link.client()  # at once: no connection attempt while the daemon is down
     assert len(FakeClient.opened) == 1
