@@ -7,7 +7,14 @@ request nothing but its hit. A daemon that refuses the engine's token (none give
 wrong one) is treated the same way, with a log line that says so: it will not take the
 token on the next request either. ``engine`` names the engine in the daemon's traffic
 metrics.
-Thread-safe (requests share one connection; give a blocking caller a link of its own).
+
+Threads: a :class:`~kvfabric.client.Client` serialises requests on one connection. By
+default every thread shares the link's one client (the vLLM connector gives each blocking
+activity a link of its own instead). With ``per_thread=True`` each calling thread gets its
+own client, and so its own leases (a batch pins, copies and releases on the thread that
+called): for engines that call from several threads at once (SGLang's prefetch, hit-query
+and backup threads). Either way the link is thread-safe, and "the daemon is down" is one
+state shared by all its threads.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
+from types import SimpleNamespace
 
 from kvfabric.client import Client
 from kvfabric.errors import AuthError, UnavailableError
@@ -31,29 +40,41 @@ class DaemonLink:
         timeout: float,
         engine: str,
         retry_after_s: float = 2.0,
+        per_thread: bool = False,
     ) -> None:
         self.socket_path = socket_path
         self.engine = engine
+        self.per_thread = per_thread
         self.failures = 0
         self._token = token
         self._timeout = timeout
         self._retry_after_s = retry_after_s
-        self._lock = threading.Lock()
-        self._client: Client | None = None
+        self._lock = threading.Lock()  # the down state and the list of clients
+        # shared: threads wait while one of them connects the client they will all use
+        self._connecting: AbstractContextManager[object] = (
+            nullcontext() if per_thread else threading.Lock()
+        )
+        # where the caller's (generation, client) lives: per thread, or one for all
+        self._slot = threading.local() if per_thread else SimpleNamespace()
+        self._clients: list[Client] = []  # every open client, to close them all
+        self._generation = 0  # bumped by close(): clients of older ones are not used again
         self._down_until = 0.0
         self._down = False
 
     def client(self) -> Client:
-        """The connected client; UnavailableError at once while the daemon is considered
-        down."""
-        with self._lock:
-            if self._client is not None:
-                return self._client
-            if time.monotonic() < self._down_until:
-                raise UnavailableError(f"kvfabric daemon at {self.socket_path} is unavailable")
+        """The caller's connected client; UnavailableError at once while the daemon is
+        considered down."""
+        with self._connecting:
+            client = self._mine()
+            if client is not None:
+                return client
+            with self._lock:
+                generation = self._generation
+                if time.monotonic() < self._down_until:
+                    raise UnavailableError(f"kvfabric daemon at {self.socket_path} is unavailable")
             try:
                 # reconnect within the call's own deadline only: the engine must not stall
-                self._client = Client(
+                client = Client(
                     self.socket_path,
                     token=self._token,
                     timeout=self._timeout,
@@ -61,23 +82,43 @@ class DaemonLink:
                     engine=self.engine,
                 )
             except (OSError, UnavailableError, AuthError) as exc:
-                self._mark_down(exc)
+                with self._lock:
+                    self._mark_down(exc)
                 raise UnavailableError(f"kvfabric daemon at {self.socket_path}: {exc}") from exc
-            if self._down:
-                log.warning("kvfabric daemon at %s is back", self.socket_path)
-                self._down = False
-            return self._client
+            with self._lock:
+                closed_meanwhile = generation != self._generation
+                if not closed_meanwhile:
+                    self._clients.append(client)
+                    if self._down:
+                        log.warning("kvfabric daemon at %s is back", self.socket_path)
+                        self._down = False
+            if closed_meanwhile:
+                client.close()
+                raise UnavailableError(f"the link to {self.socket_path} was closed")
+            self._slot.client = (generation, client)
+            return client
 
     def failed(self, exc: BaseException) -> None:
-        """Report a failed call: a connection-level failure drops the client."""
-        if isinstance(exc, (OSError, UnavailableError)):
-            with self._lock:
-                client, self._client = self._client, None
-                self._mark_down(exc)
-            if client is not None:
-                client.close()
+        """Report a failed call: a connection-level failure drops the caller's client."""
+        if not isinstance(exc, (OSError, UnavailableError)):
+            return
+        client = self._mine()
+        self._slot.client = None
+        with self._lock:
+            self._mark_down(exc)
+            if client in self._clients:
+                self._clients.remove(client)
+        if client is not None:
+            client.close()
+
+    def _mine(self) -> Client | None:
+        mine: tuple[int, Client] | None = getattr(self._slot, "client", None)
+        if mine is None or mine[0] != self._generation:
+            return None
+        return mine[1]
 
     def _mark_down(self, exc: BaseException) -> None:
+        """Under the lock."""
         self.failures += 1
         self._down_until = time.monotonic() + self._retry_after_s
         if not self._down:
@@ -101,9 +142,11 @@ class DaemonLink:
             self._down = True
 
     def close(self) -> None:
+        """Close every client; a later call on any thread connects again."""
         with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
+            clients, self._clients = self._clients, []
+            self._generation += 1
+        for client in clients:
             client.close()
 
 

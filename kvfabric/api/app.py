@@ -41,10 +41,8 @@ loop. Every ``/v1`` request is recorded as ``observe_request(op, ..., plane="htt
 
 from __future__ import annotations
 
-import hmac
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Annotated, Any, Literal, Protocol, Self, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -62,6 +60,7 @@ from kvfabric.api.body_limit import BodyLimit
 from kvfabric.api.lookup_body import BodyInvalid, BodyTooLarge
 from kvfabric.api.lookup_workers import LookupParsers
 from kvfabric.api.metrics import Metrics, error_kind
+from kvfabric.auth import Principal, resolve
 from kvfabric.cluster.index import GlobalLookup
 from kvfabric.config import DaemonConfig
 from kvfabric.errors import (
@@ -366,22 +365,6 @@ def _from_attributes(model: type[_Model], source: object) -> _Model:
 # ---------------------------------------------------------------------- auth
 
 
-@dataclass(frozen=True)
-class Principal:
-    """The caller: the admin (``tenant`` None; everyone when auth is off) or one tenant."""
-
-    tenant: str | None = None
-
-    @property
-    def is_admin(self) -> bool:
-        return self.tenant is None
-
-    def check_namespace(self, ns: Namespace) -> None:
-        if self.tenant is not None and ns.tenant_salt != self.tenant:
-            raise ForbiddenError(f"this token may only look up tenant {self.tenant!r}")
-
-
-ADMIN = Principal()
 _bearer = HTTPBearer(auto_error=False, description="the admin token or a tenant token")
 
 
@@ -396,28 +379,14 @@ def _caller(
     daemon: Daemon, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Principal:
     # Plain def: reading auth.token_file (re-read per request, so it can be rotated) is I/O.
-    auth = daemon.config.auth
-    admin = auth.admin_token
-    if admin is None and not auth.tenants:
-        return ADMIN
-    if credentials is None:
-        raise AuthError("missing bearer token (Authorization: Bearer <token>)")
-    principal = _match(credentials.credentials, admin, auth.tenants)
+    # The header's bytes, as Starlette decoded them (latin-1).
+    raw = None if credentials is None else credentials.credentials.encode("latin-1")
+    principal = resolve(daemon.config.auth, raw)
     if principal is None:
+        if credentials is None:
+            raise AuthError("missing bearer token (Authorization: Bearer <token>)")
         raise AuthError("invalid bearer token")
     return principal
-
-
-def _match(presented: str, admin: str | None, tenants: Mapping[str, str]) -> Principal | None:
-    """The principal whose token is ``presented``, comparing against every token."""
-    raw = presented.encode("latin-1")  # the header's bytes, as Starlette decoded them
-    candidates = [(admin, ADMIN)] if admin is not None else []
-    candidates += [(token, Principal(tenant)) for token, tenant in tenants.items()]
-    found = None
-    for token, principal in candidates:  # no early exit: timing does not tell which matched
-        if hmac.compare_digest(raw, token.encode()) and found is None:
-            found = principal
-    return found
 
 
 Caller = Annotated[Principal, Depends(_caller)]

@@ -3,9 +3,8 @@
 :class:`RemoteWriter` / :class:`RemoteReader` have the same data-plane API as the store's
 in-process handles (:mod:`kvfabric.payload`): ``layer_pieces`` are numpy views straight
 into the daemon's arena pages, so a put or a get moves no payload byte through the socket.
-Only the lease operations (commit, abort, wait, release) are requests; the ``Async``
-variants make those coroutines. Every handle is a context manager that gives its lease back
-(a writer that did not commit every layer aborts).
+Only the lease operations (commit, abort, wait, release) are requests. Every handle is a
+context manager that gives its lease back (a writer that did not commit every layer aborts).
 
 A handle belongs to the session that created it: after a reconnect (daemon restart) its
 lease is gone and lease operations raise :class:`~kvfabric.errors.UnavailableError`.
@@ -73,7 +72,7 @@ class _RemoteLease(PayloadAccess):
         return f"{type(self).__name__}({self.key.hex()[:12]}, lease={self.lease})"
 
 
-class _WriterBase(_RemoteLease, PayloadWriter):
+class RemoteWriter(_RemoteLease, PayloadWriter):
     WRITES = True
 
     def __init__(
@@ -94,8 +93,6 @@ class _WriterBase(_RemoteLease, PayloadWriter):
         self.layout.layer_range(layer)  # validate before asking
         return {"lease": self.lease, "layers": 1 << layer}
 
-
-class RemoteWriter(_WriterBase):
     def commit_layer(self, layer: int) -> bool:
         """Publish one layer; True once every layer is committed (the lease then ends,
         else it is renewed)."""
@@ -121,31 +118,7 @@ class RemoteWriter(_WriterBase):
         self.abort()
 
 
-class AsyncRemoteWriter(_WriterBase):
-    async def commit_layer(self, layer: int) -> bool:
-        reply = await self._call()(Op.COMMIT, self._commit_args(layer))
-        self.renewed(reply)
-        self.closed = bool(reply["done"])
-        return self.closed
-
-    async def commit(self) -> None:
-        await self._call()(Op.COMMIT, self._commit_args(None))
-        self.closed = True
-
-    async def abort(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if not self._session.closed:
-                await self._session.call(Op.ABORT, {"lease": self.lease})
-
-    async def __aenter__(self) -> AsyncRemoteWriter:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.abort()
-
-
-class _ReaderBase(_RemoteLease, PayloadReader):
+class RemoteReader(_RemoteLease, PayloadReader):
     def __init__(
         self,
         session: Any,
@@ -171,8 +144,6 @@ class _ReaderBase(_RemoteLease, PayloadReader):
         self.layout.layer_range(layer)
         return {"lease": self.lease, "layer": layer, "timeout": timeout}
 
-
-class RemoteReader(_ReaderBase):
     def wait_layer(self, layer: int, timeout: float = 30.0) -> None:
         """Block until ``layer`` is committed (the writer may be on another process)."""
         if not self.ready(layer):
@@ -197,28 +168,3 @@ class RemoteReader(_ReaderBase):
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-class AsyncRemoteReader(_ReaderBase):
-    async def wait_layer(self, layer: int, timeout: float = 30.0) -> None:
-        if not self.ready(layer):
-            reply = await self._call()(
-                Op.WAIT_LAYER, self._wait_args(layer, timeout), timeout + REPLY_MARGIN_S
-            )
-            self.ready_mask = int(reply["ready"])
-
-    async def wait_complete(self, timeout: float = 30.0) -> None:
-        for layer in range(self.layout.spec.num_layers):
-            await self.wait_layer(layer, timeout)
-
-    async def release(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if not self._session.closed:
-                await self._session.call(Op.RELEASE, {"lease": self.lease})
-
-    async def __aenter__(self) -> AsyncRemoteReader:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.release()

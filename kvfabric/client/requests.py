@@ -1,4 +1,5 @@
-"""Arguments of each request and parsing of their results, shared by both clients."""
+"""Arguments of each request and parsing of their results (the client, and the daemon's
+puller and pusher for batch results)."""
 
 from __future__ import annotations
 

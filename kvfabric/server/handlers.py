@@ -12,7 +12,6 @@ TCP sessions.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvfabric.auth import resolve
 from kvfabric.config import AuthConfig
 from kvfabric.errors import (
     AuthError,
@@ -146,15 +146,10 @@ def hello(ctx: Context, session: Session, args: dict[str, Any]) -> tuple[dict[st
 
 
 def _tenant_of(auth: AuthConfig, token: str | None) -> str | None:
-    if not auth.enabled:
-        return None
-    admin = auth.admin_token
-    if token and admin and hmac.compare_digest(token.encode(), admin.encode()):
-        return None
-    for candidate, tenant in auth.tenants.items():
-        if token and hmac.compare_digest(token.encode(), candidate.encode()):
-            return tenant
-    raise AuthError("missing or invalid token")
+    principal = resolve(auth, None if token is None else token.encode())
+    if principal is None:
+        raise AuthError("missing or invalid token")
+    return principal.tenant
 
 
 def lookup(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:

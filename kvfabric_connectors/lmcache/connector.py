@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvfabric.client import Client
 from kvfabric.client.objects import RemoteReader, RemoteWriter
+from kvfabric.counters import Counters
 from kvfabric.errors import (
     AlreadyExistsError,
     KVFabricError,
@@ -62,23 +62,6 @@ COUNTERS = (
     "pulled_chunks",
     "errors",
 )
-
-
-class PluginStats:
-    """Counters of one connector (monotonic; thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(COUNTERS, 0)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                self._values[name] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._values)
 
 
 class _Collector:
@@ -175,7 +158,7 @@ class KVFabricRemoteConnector(RemoteConnector):
         self._executor = ThreadPoolExecutor(
             self.settings.threads, thread_name_prefix="kvfabric-lmcache"
         )
-        self._stats = PluginStats()
+        self._stats = Counters[int](COUNTERS)  # monotonic
         self._closed = False
         _LIVE.add(self)
         log.info(

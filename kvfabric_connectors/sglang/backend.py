@@ -44,11 +44,10 @@ from kvfabric.client.objects import RemoteWriter
 from kvfabric.errors import AlreadyExistsError, KVFabricError, UnavailableError, UnsupportedError
 from kvfabric.hashing import ChunkRef
 from kvfabric.spec import Namespace
-from kvfabric_connectors.link import held_prefix
+from kvfabric_connectors.link import DaemonLink, held_prefix
 
 from .keys import namespace_for, page_chunks, page_key
 from .layout import PageLayout, read_chunk, write_chunk
-from .link import DaemonLink
 from .settings import StorageSettings
 from .stats import KVFabricStorageMetrics, StorageCounters
 
@@ -72,8 +71,13 @@ class KVFabricHiCacheStorage(HiCacheStorage):
                 "or the extra config's model_id"
             )
         self.model_id = str(model_id)
+        # SGLang calls from its prefetch, hit-query and backup threads at once
         self._link = DaemonLink(
-            self.settings.socket_path, self.settings.token, timeout=self.settings.timeout_s
+            self.settings.socket_path,
+            self.settings.token,
+            timeout=self.settings.timeout_s,
+            engine="sglang",
+            per_thread=True,
         )
         self.counters = StorageCounters()
         self._cluster = self.settings.pull  # until the daemon says it has no global index

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
+from kvfabric.counters import Counters
+
 COUNTERS = (
     "queried_pages",
     "hit_pages",
@@ -42,19 +44,15 @@ class KVFabricStorageMetrics(StorageMetrics):
 
 class StorageCounters:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._totals = dict.fromkeys(COUNTERS, 0)
+        self._totals = Counters[int](COUNTERS)
+        self._lock = threading.Lock()  # the batches of this interval
         self._prefetch_pgs: list[int] = []
         self._backup_pgs: list[int] = []
         self._prefetch_bandwidth: list[float] = []
         self._backup_bandwidth: list[float] = []
 
     def add(self, **amounts: int) -> None:
-        with self._lock:
-            for name, value in amounts.items():
-                if name not in self._totals:
-                    raise KeyError(f"unknown counter {name!r}")
-                self._totals[name] += value
+        self._totals.add(**amounts)
 
     def read_batch(self, pages: int, nbytes: int, seconds: float) -> None:
         """A get batch that loaded ``pages`` pages (``nbytes``) in ``seconds``."""
@@ -68,8 +66,7 @@ class StorageCounters:
             self._backup_bandwidth.append(nbytes / _GB / max(seconds, 1e-9))
 
     def totals(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._totals)
+        return self._totals.snapshot()
 
     def take(self) -> KVFabricStorageMetrics:
         """This interval's batches and the running totals; starts a new interval."""
@@ -79,7 +76,7 @@ class StorageCounters:
                 backup_pgs=self._backup_pgs,
                 prefetch_bandwidth=self._prefetch_bandwidth,
                 backup_bandwidth=self._backup_bandwidth,
-                totals=dict(self._totals),
+                totals=self._totals.snapshot(),
             )
             self._prefetch_pgs, self._backup_pgs = [], []
             self._prefetch_bandwidth, self._backup_bandwidth = [], []

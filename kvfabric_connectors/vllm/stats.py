@@ -7,11 +7,12 @@ with :meth:`KVFabricConnectorStats.aggregate` and logs :meth:`~KVFabricConnector
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvfabric.counters import Counters
 
 COUNTERS = (
     "loaded_tokens",
@@ -51,23 +52,18 @@ class TransferCounters:
     """Thread-safe counters (the load thread and the model thread both count)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._data: dict[str, float] = {}
-        self._total: dict[str, float] = {}
+        self._interval = Counters[float](COUNTERS)
+        self._total = Counters[float](COUNTERS)
 
     def add(self, **amounts: float) -> None:
-        with self._lock:
-            for name, value in amounts.items():
-                assert name in COUNTERS, name
-                self._data[name] = self._data.get(name, 0) + value
-                self._total[name] = self._total.get(name, 0) + value
+        self._interval.add(**amounts)
+        self._total.add(**amounts)
 
     def take(self) -> KVFabricConnectorStats | None:
-        """This interval's counts (None when nothing happened); starts a new interval."""
-        with self._lock:
-            data, self._data = self._data, {}
-        return KVFabricConnectorStats(data=data) if any(data.values()) else None
+        """This interval's counts, those that moved (None when nothing happened); starts
+        a new interval."""
+        data = {name: value for name, value in self._interval.take().items() if value}
+        return KVFabricConnectorStats(data=data) if data else None
 
     def totals(self) -> dict[str, float]:
-        with self._lock:
-            return dict(self._total)
+        return self._total.snapshot()

@@ -4,7 +4,6 @@ from its own arena; owners that die or freeze cost only the deadline."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import threading
 import time
@@ -13,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfabric.client import AsyncClient, Client
+from kvfabric.client import Client
 from kvfabric.client import requests as client_requests
 from kvfabric.config import load_config
 from kvfabric.errors import ConfigError
@@ -72,14 +71,6 @@ def wait_until_held(viewer: Any, keys: list[bytes], node_ids: set[str]) -> None:
             time.sleep(0.05)
 
 
-async def _prefetch_async(socket: str, tokens: list[int]) -> dict[str, Any]:
-    client = await AsyncClient.connect(socket)
-    try:
-        return await client.prefetch(NS, tokens=tokens)
-    finally:
-        await client.close()
-
-
 def dram_used(client: Client) -> int:
     return next(t["used_bytes"] for t in client.stats()["tiers"] if t["name"] == "dram")
 
@@ -104,12 +95,13 @@ def test_prefetch_pulls_a_chain_byte_exact_and_releases_the_owners_pins(
         for key, data in zip(keys, payloads):
             with client.get(NS, key) as reader:  # zero copy from B's own arena
                 assert reader.to_bytes() == data
-    assert asyncio.run(_prefetch_async(b.socket, list(range(4 * SPEC.chunk_tokens)))) == {
-        "pulled": 0,
-        "already_local": 4,
-        "missing": 0,
-        "source": None,
-    }
+    with Client(b.socket) as client:  # by token ids this time: held here now
+        assert client.prefetch(NS, tokens=list(range(4 * SPEC.chunk_tokens))) == {
+            "pulled": 0,
+            "already_local": 4,
+            "missing": 0,
+            "source": None,
+        }
     with Client(a.socket) as owner:
         # a pin left behind would keep its pages taken after the delete
         for key in keys:

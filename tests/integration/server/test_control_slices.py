@@ -16,7 +16,6 @@ is relative to a baseline measured first, in the same run.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -25,9 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from pipelined import PipelinedSession
 
-from kvfabric.client import AsyncClient, Client
+from kvfabric.client import Client
 from kvfabric.hashing import chunk_hashes
+from kvfabric.protocol.messages import Op
 from kvfabric.spec import KVSpec, Namespace
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=16, dtype="bfloat16", chunk_tokens=16)
@@ -95,31 +96,35 @@ def schedstat(pid: int) -> tuple[float, float]:
     return int(on_cpu) / 1e9, int(waiting) / 1e9
 
 
-async def probe(
+def probe(
     socket_path: str, daemon_pid: int, seconds: float, until: Callable[[], bool] = lambda: False
 ) -> list[Probe]:
     """Pings sent every PROBE_EVERY_S, whether or not the last one was answered, for
     ``seconds`` or until ``until()``."""
-    client = await AsyncClient.connect(socket_path, timeout=60)
+    session = PipelinedSession(socket_path, timeout=60)
+    pending: dict[int, tuple[float, float, float]] = {}  # id: sent at, daemon cpu, cpu wait
     probes: list[Probe] = []
-
-    async def one() -> None:
-        cpu, waited = schedstat(daemon_pid)
-        sent = time.perf_counter()
-        await client.ping()
-        took = time.perf_counter() - sent
-        cpu_after, waited_after = schedstat(daemon_pid)
-        probes.append(Probe(max(0.0, took - (waited_after - waited)), cpu_after - cpu))
-
-    tasks = []
     start = time.perf_counter()
     n = 0
-    while (due := start + n * PROBE_EVERY_S) < start + seconds and not until():
-        await asyncio.sleep(max(0.0, due - time.perf_counter()))
-        tasks.append(asyncio.create_task(one()))
-        n += 1
-    await asyncio.gather(*tasks)
-    await client.close()
+    sending = True
+    try:
+        while sending or pending:
+            due = start + n * PROBE_EVERY_S
+            sending = sending and due < start + seconds and not until()
+            wait = max(0.0, due - time.perf_counter()) if sending else 60.0
+            replies = session.receive(wait)
+            assert replies or sending, "no reply to a ping within 60 s"
+            for request_id, _ in replies:
+                sent, cpu, waited = pending.pop(request_id)
+                took = time.perf_counter() - sent
+                cpu_after, waited_after = schedstat(daemon_pid)
+                probes.append(Probe(max(0.0, took - (waited_after - waited)), cpu_after - cpu))
+            if sending and time.perf_counter() >= due:
+                cpu, waited = schedstat(daemon_pid)
+                pending[session.send(Op.PING)] = (time.perf_counter(), cpu, waited)
+                n += 1
+    finally:
+        session.close()
     return probes
 
 
@@ -160,12 +165,10 @@ def test_huge_contains_and_lookups_leave_other_clients_served_within_millisecond
     pid = daemon.proc.pid
     try:
         assert worker.stdout.readline().strip() == "ready"
-        baseline = asyncio.run(probe(daemon.socket, pid, BASELINE_S))
+        baseline = probe(daemon.socket, pid, BASELINE_S)
         worker.stdin.write("go\n")
         worker.stdin.flush()
-        loaded = asyncio.run(
-            probe(daemon.socket, pid, 240.0, until=lambda: worker.poll() is not None)
-        )
+        loaded = probe(daemon.socket, pid, 240.0, until=lambda: worker.poll() is not None)
         report = json.loads(worker.stdout.readline())
         assert worker.wait(60) == 0
     finally:

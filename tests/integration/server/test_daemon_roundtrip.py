@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from kvfabric.client import AsyncClient, Client
+from kvfabric.client import Client
 from kvfabric.errors import AlreadyExistsError, ForbiddenError, NotFoundError, ProtocolError
 from kvfabric.hashing import chunk_hashes, chunk_keys
 from kvfabric.spec import KVSpec, Namespace
@@ -156,32 +155,6 @@ def test_many_clients_at_once(daemon) -> None:
     for t in threads:
         t.join()
     assert not errors
-
-
-def test_async_client_round_trip(daemon) -> None:
-    async def scenario() -> None:
-        client = await AsyncClient.connect(daemon.socket)
-        async with client:
-            refs = chunk_hashes(NS, list(range(5000, 5000 + 2 * SPEC.chunk_tokens)))
-            for ref in refs:
-                assert await client.put(NS, ref.key, payload(ref.key), parent=ref.parent)
-            results = await asyncio.gather(*(client.get(NS, ref.key) for ref in refs))
-            for ref, reader in zip(refs, results):
-                async with reader:
-                    assert reader.to_bytes() == payload(ref.key).tobytes()
-            hit = await client.lookup(NS, keys=[r.key for r in refs])
-            assert hit.matched_chunks == 2
-            more = chunk_hashes(NS, list(range(9000, 9000 + 3 * SPEC.chunk_tokens)))
-            assert await client.put_many(NS, more, [payload(r.key) for r in more]) == [True] * 3
-            readers = await client.get_many(NS, [r.key for r in more] + [b"\x08" * 16])
-            assert readers[-1] is None
-            assert [r.to_bytes() for r in readers[:3]] == [payload(r.key).tobytes() for r in more]
-            await client.release_many(readers)
-            assert all(r.closed for r in readers[:3])
-            with pytest.raises(NotFoundError):
-                await client.get(NS, b"\x07" * 16)
-
-    asyncio.run(scenario())
 
 
 def test_errors_are_typed_and_the_session_survives(daemon) -> None:

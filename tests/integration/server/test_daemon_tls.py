@@ -1,13 +1,12 @@
 """TLS on the HTTP and TCP control planes of a real daemon: HTTPS works with the CA, plain
 connections are refused, a certificate swapped on disk (or on SIGHUP) is served to new
 connections, and with a client CA only clients holding a certificate get in; the client
-library (Client, AsyncClient) speaks TLS to the TCP plane and fails fast, typed, on a
+library (Client) speaks TLS to the TCP plane and fails fast, typed, on a
 certificate problem. Certificates are made at test time with the ``cryptography`` package
 (tests/support/tls_certs.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import socket
@@ -17,9 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pipelined import PipelinedSession
 from tls_certs import CA, client_context, serial_of
 
-from kvfabric.client import AsyncClient, Client, ClientTLS
+from kvfabric.client import Client, ClientTLS
 from kvfabric.errors import AuthError, KVFabricError
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
 from kvfabric.protocol.messages import Op, request
@@ -142,7 +142,7 @@ def test_tls_lets_a_non_loopback_bind_start_only_with_auth(
 def test_the_client_library_speaks_tls_to_the_tcp_plane(
     start_daemon, tmp_path: Path, ca: tuple[CA, Path]
 ) -> None:
-    """Regression: on the old code Client / AsyncClient had no TLS option, so no remote tool
+    """Regression: on the old code the client library had no TLS option, so no remote tool
     (and no peer daemon) could reach a TLS control endpoint."""
     authority, ca_file = ca
     cert = tmp_path / "server.pem"
@@ -157,17 +157,11 @@ def test_the_client_library_speaks_tls_to_the_tcp_plane(
     with Client(address, token="admin-secret", tls=client_context(ca_file)) as remote:
         remote.ping()  # a ready ssl.SSLContext works too
 
-    async def async_ping() -> None:
-        client = await AsyncClient.connect(
-            address, token="admin-secret", tls=ClientTLS(ca_file=str(ca_file))
-        )
-        try:
-            await asyncio.gather(*(client.ping() for _ in range(8)))  # multiplexed over TLS
-            assert "tiers" in await client.stats()
-        finally:
-            await client.close()
-
-    asyncio.run(async_ping())
+    with PipelinedSession(
+        address, token="admin-secret", tls=ClientTLS(ca_file=str(ca_file))
+    ) as pipelined:  # requests in flight together over TLS, answered by id
+        replies = pipelined.call_all([(Op.PING, {})] * 8 + [(Op.STATS, {})])
+        assert replies[:8] == ["pong"] * 8 and "tiers" in replies[8]
     # a name the certificate does not carry, a CA that did not sign it: refused at once
     # (typed, not retried until the timeout)
     started = time.monotonic()
@@ -183,14 +177,6 @@ def test_the_client_library_speaks_tls_to_the_tcp_plane(
     CA("another CA").write(other)
     with pytest.raises(AuthError, match="not trusted"):
         Client(address, timeout=10, reconnect=False, tls=ClientTLS(ca_file=str(other)))
-
-    async def async_untrusted() -> None:
-        await AsyncClient.connect(
-            address, timeout=10, reconnect=False, tls=ClientTLS(ca_file=str(other))
-        )
-
-    with pytest.raises(AuthError, match="not trusted"):
-        asyncio.run(async_untrusted())
     assert time.monotonic() - started < 5
 
 
