@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import Any, TypeVar, dataclass_transform
+from typing import Any, TypeVar, cast, dataclass_transform
 
 from pydantic import ConfigDict, ValidationError, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -132,9 +132,9 @@ def _refuse_unknown(cls: type, data: Any) -> Any:
 @dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))
 def config_value(cls: type[T]) -> type[T]:
     """``cls`` as a frozen, validating dataclass that refuses unknown keys (see the module)."""
-    cls._refuse_unknown_keys = model_validator(mode="before")(  # type: ignore[attr-defined]
-        classmethod(_refuse_unknown)
-    )
+    # pydantic collects the validators it finds on the class when it builds the model
+    refuse_unknown: Any = model_validator(mode="before")(_refuse_unknown)
+    cls._refuse_unknown_keys = refuse_unknown  # type: ignore[attr-defined]
     model = pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))(cls)
     validating_init = model.__init__
 
@@ -146,7 +146,7 @@ def config_value(cls: type[T]) -> type[T]:
             raise config_error(exc, fields=fields) from None
 
     model.__init__ = __init__  # type: ignore[method-assign]
-    return model
+    return cast("type[T]", model)
 
 
 def parse_config(cls: type[T], data: object, where: str = "") -> T:
