@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvfabric.config import DEFAULT_HTTP_PORT, load_config
+from kvfabric.config_layers import RENAMED_KEYS
 from kvfabric.errors import ConfigError
 from kvfabric.store.config import GiB, MiB
 from kvfabric.tiers.base import TierKind
@@ -356,3 +357,35 @@ def test_a_leading_tilde_in_path_settings_is_the_home(
     assert config.cluster.secret_file == str(tmp_path / "s")
     assert config.security.tls_cert_file == str(tmp_path / "c.pem")
     assert load_config(env={}, overrides=["store.data_dir=a~b"]).store.data_dir == "a~b"
+
+
+def test_a_renamed_key_warns_and_is_honoured_from_file_env_and_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rename table is empty today (no key was renamed yet): a test-only entry."""
+    monkeypatch.setitem(RENAMED_KEYS, "limits.threads", "limits.request_threads")
+    path = _write(tmp_path, "limits: {threads: 3}\n")
+    with pytest.warns(DeprecationWarning, match="'limits.threads' is deprecated"):
+        assert load_config(path, env={}).limits.request_threads == 3
+    with pytest.warns(DeprecationWarning):
+        config = load_config(env={"KVFABRIC_LIMITS__THREADS": "5"})
+    assert config.limits.request_threads == 5
+    with pytest.warns(DeprecationWarning):
+        assert load_config(env={}, overrides=["limits.threads=7"]).limits.request_threads == 7
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="keep only"):
+        load_config(path, env={}, overrides=["limits.request_threads=2"])
+
+
+def test_every_problem_is_one_config_error_keyed_by_its_dotted_path(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        "http: {port: 99999}\nstore:\n  tiers:\n    - {kind: dram, capacity: 1GiB}\n"
+        "    - {kind: ssd, capacity: lots, bogus: 1}\n",
+    )
+    with pytest.raises(ConfigError) as failed:
+        load_config(path, env={})
+    assert str(failed.value) == (
+        "http.port: must be an integer in [0, 65535] or null, got 99999; "
+        "store.tiers[1].bogus: unknown key (allowed: capacity, format, fsync, kind, name, "
+        "path, segment_bytes, writers)"
+    )
