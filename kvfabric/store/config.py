@@ -1,82 +1,93 @@
 """Store configuration: the tier order, capacities and policy knobs, validated up front.
 
-A config is a frozen value built from a plain mapping (parsed YAML, environment, flags) by
-:meth:`StoreConfig.from_dict`; unknown keys, bad sizes and hostile paths raise
-:class:`~kvfabric.errors.ConfigError` with the offending key in the message.
+:class:`StoreConfig`, :class:`TierConfig` and :class:`Quota` are frozen configuration models
+(:mod:`kvfabric.config_model`): built directly, by :meth:`StoreConfig.from_dict` from a plain
+mapping (parsed YAML, environment, flags) or nested in the daemon's config, they validate the
+same way, and unknown keys, bad sizes and hostile paths raise
+:class:`~kvfabric.errors.ConfigError` naming the dotted key (``store.tiers[1].capacity: ...``).
+A tier takes only the keys meaningful for its kind. Sizes accept the spellings of
+:data:`kvfabric.config_types.ByteSize` (``4GiB``, ``512 MiB``, ``1.5g``, ints).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Collection, Mapping
+from dataclasses import field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
+from pydantic import PlainValidator, field_validator, model_validator
+from pydantic_core import ArgsKwargs
+
+from kvfabric.config_model import KeyProblems, config_value, parse_config
+from kvfabric.config_types import (
+    ByteSize,
+    Flag,
+    GiB,
+    KiB,
+    MiB,
+    NonNegativeInt,
+    Number,
+    PathText,
+    Seconds,
+    Share,
+    Text,
+    TiB,
+    format_size,
+    int_in,
+    one_of,
+    optional,
+    parse_size,
+    size_bytes,
+)
 from kvfabric.errors import ConfigError
 from kvfabric.store.codec import FORMATS
 from kvfabric.tiers.base import TierKind
 
-KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": KiB,
-    "kb": 1000,
-    "kib": KiB,
-    "m": MiB,
-    "mb": 1000**2,
-    "mib": MiB,
-    "g": GiB,
-    "gb": 1000**3,
-    "gib": GiB,
-    "t": TiB,
-    "tb": 1000**4,
-    "tib": TiB,
-}
+__all__ = [
+    "GiB",
+    "KiB",
+    "MiB",
+    "Quota",
+    "StoreConfig",
+    "TiB",
+    "TierConfig",
+    "default_tiers",
+    "format_size",
+    "parse_size",
+]
 
 
-def parse_size(value: int | str, what: str = "size") -> int:
-    """``"4GiB"``, ``"512 MiB"``, ``"1.5g"`` or an int -> bytes."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what}: expected a size, got {value!r}")
-    if isinstance(value, int):
-        size = value
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ConfigError(f"{what}: cannot parse size {value!r} (e.g. 4GiB, 512MiB)")
-        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if size <= 0:
-        raise ConfigError(f"{what}: must be positive, got {value!r}")
-    return size
+def _tier_kind(value: object) -> TierKind:
+    if isinstance(value, TierKind):
+        return value
+    try:
+        return TierKind(str(value).lower())
+    except ValueError:
+        raise ConfigError(f"must be one of {[k.value for k in TierKind]}, got {value!r}") from None
 
 
-def format_size(n: float) -> str:
-    """Bytes for people: ``1.5 GiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+_TIER_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 
-@dataclass(frozen=True)
+@config_value
 class TierConfig:
     """One tier. Keys not meaningful for a kind are rejected, not ignored."""
 
-    kind: TierKind
-    capacity: int
-    name: str = ""
-    page_size: int = 256 * KiB  # dram / cxl / device
-    numa_node: int | None = None  # cxl (or a dram tier pinned to a socket)
-    prefault: bool = False  # dram / cxl: touch all pages at start-up
-    device: str = "cpu"  # device
-    path: str = "ssd"  # ssd: directory, relative to the store's data_dir
-    segment_bytes: int = 256 * MiB  # ssd
-    writers: int = 1  # ssd
-    fsync: bool = False  # ssd: fsync each record (power-loss durability, slower)
-    format: str = "native"  # ssd: "fp8" keeps bf16/fp16/fp32 chunks quantized (store/codec.py)
+    kind: Annotated[TierKind, PlainValidator(_tier_kind)]
+    capacity: ByteSize
+    name: Text = ""  # default: the kind
+    page_size: ByteSize = 256 * KiB  # dram / cxl / device
+    numa_node: Annotated[int | None, PlainValidator(optional(int_in(0)))] = None  # cxl (or dram)
+    prefault: Flag = False  # dram / cxl: touch all pages at start-up
+    device: Text = "cpu"  # device
+    path: Text = "ssd"  # ssd: directory, relative to the store's data_dir
+    segment_bytes: ByteSize = 256 * MiB  # ssd
+    writers: NonNegativeInt = 1  # ssd
+    fsync: Flag = False  # ssd: fsync each record (power-loss durability, slower)
+    # ssd: "fp8" keeps bf16/fp16/fp32 chunks quantized (store/codec.py)
+    format: Annotated[str, PlainValidator(one_of(*FORMATS))] = "native"
 
     KIND_KEYS: ClassVar[dict[TierKind, set[str]]] = {
         TierKind.DRAM: {"page_size", "numa_node", "prefault"},
@@ -85,50 +96,58 @@ class TierConfig:
         TierKind.SSD: {"path", "segment_bytes", "writers", "fsync", "format"},
     }
 
-    def __post_init__(self) -> None:
+    @classmethod
+    def config_keys(cls, data: Mapping[str, Any]) -> Collection[str]:
+        """The keys a tier of ``data["kind"]`` takes (every field when the kind is not given
+        there, as in ``TierConfig(TierKind.SSD, ...)``, or is unknown: ``kind`` says so)."""
+        try:
+            kind = _tier_kind(data["kind"])
+        except (KeyError, ConfigError):
+            return list(cls.__dataclass_fields__)
+        return cls.KIND_KEYS[kind] | {"kind", "capacity", "name"}
+
+    @model_validator(mode="after")
+    def _named(self) -> TierConfig:
         if not self.name:
             object.__setattr__(self, "name", self.kind.value)
-        if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", self.name):
-            raise ConfigError(f"tier name {self.name!r}: lowercase letters, digits, - and _")
-        if self.format not in FORMATS:
-            raise ConfigError(
-                f"{self.name}.format must be one of {list(FORMATS)}, got {self.format!r}"
+        if not _TIER_NAME.fullmatch(self.name):
+            raise KeyProblems(
+                [("name", f"must be lowercase letters, digits, - and _, got {self.name!r}")]
             )
+        return self
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TierConfig:
-        data = dict(data)
-        try:
-            kind = TierKind(str(data.pop("kind", "")).lower())
-        except ValueError:
-            raise ConfigError(
-                f"tier kind must be one of {[k.value for k in TierKind]}, got {data.get('kind')!r}"
-            ) from None
-        allowed = cls.KIND_KEYS[kind] | {"capacity", "name"}
-        unknown = set(data) - allowed
-        if unknown:
-            raise ConfigError(
-                f"{kind.value} tier: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}"
-            )
-        if "capacity" not in data:
-            raise ConfigError(f"{kind.value} tier: 'capacity' is required")
-        data["capacity"] = parse_size(data["capacity"], f"{kind.value}.capacity")
-        for key in ("page_size", "segment_bytes"):
-            if key in data:
-                data[key] = parse_size(data[key], f"{kind.value}.{key}")
-        for key in ("writers", "numa_node"):
-            if key in data and (
-                isinstance(data[key], bool) or not isinstance(data[key], int) or data[key] < 0
-            ):
-                raise ConfigError(f"{kind.value}.{key}: expected a non-negative integer")
-        return cls(kind=kind, **data)
+    def from_dict(cls, data: Mapping[str, Any]) -> TierConfig:
+        return parse_config(cls, data)
 
 
 QUOTA_LIMITS = ("reservations", "namespaces")
 ANY_TENANT = "*"
 
 
-@dataclass(frozen=True)
+def _quota_limit(value: object) -> int | float:
+    """Bytes (a size) or a share of the tier (a float in (0, 1], ``"40%"``)."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            value = float(value.strip()[:-1]) / 100
+        except ValueError:
+            raise ConfigError(f"cannot parse {value!r}") from None
+        if not 0 < value <= 1:
+            raise ConfigError(f"must be a size or a share in (0, 100%], got {value:.0%}")
+        return value
+    return size_bytes(value)
+
+
+def _quota_share(value: object) -> int | float:
+    """A direct ``Quota(tiers=...)`` value: bytes (an int) or a share (a float in (0, 1])."""
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise ConfigError(f"must be a size or a share in (0, 100%], got {value!r}")
+        return value
+    return _quota_limit(value)
+
+
+@config_value
 class Quota:
     """What one tenant (a namespace ``tenant_salt``) may hold; None: no limit of that kind.
 
@@ -137,52 +156,40 @@ class Quota:
     more, whoever put them (on SSD: its records, header pages included).
     ``reservations``: writes in flight at once (a reservation whose lease expired counts
     until its session ends). ``namespaces``: namespaces holding data at once.
+
+    In a config file a quota is one flat mapping: tier names, ``reservations``,
+    ``namespaces`` (``{dram: 25%, reservations: 64}``).
     """
 
-    tiers: Mapping[str, int | float] = field(default_factory=dict)
-    reservations: int | None = None
-    namespaces: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in QUOTA_LIMITS:
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ConfigError(f"quota {name} must be a positive integer, got {value!r}")
-        for tier, limit in self.tiers.items():
-            if (
-                isinstance(limit, bool)
-                or not isinstance(limit, (int, float))
-                or limit <= 0
-                or (isinstance(limit, float) and limit > 1)
-            ):
-                raise ConfigError(
-                    f"quota for tier {tier!r} must be a size or a share in (0, 100%], got {limit!r}"
-                )
+    tiers: Mapping[str, Annotated[int | float, PlainValidator(_quota_share)]] = field(
+        default_factory=dict
+    )
+    reservations: Annotated[int | None, PlainValidator(optional(int_in(1)))] = None
+    namespaces: Annotated[int | None, PlainValidator(optional(int_in(1)))] = None
 
     @classmethod
-    def from_dict(cls, data: Any, what: str) -> Quota:
-        if isinstance(data, Quota):
-            return data
+    def config_keys(cls, data: Mapping[str, Any]) -> Collection[str]:
+        return list(data)  # the flat form: every key not a limit is a tier name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat(cls, data: Any) -> Any:
+        if isinstance(data, ArgsKwargs):
+            return data  # Quota(tiers=..., ...): the fields as they are
         if not isinstance(data, Mapping):
-            raise ConfigError(f"{what} must be a mapping of tier names, reservations, namespaces")
+            raise ConfigError("must be a mapping of tier names, reservations, namespaces")
         tiers: dict[str, int | float] = {}
-        limits: dict[str, Any] = {}
+        problems: list[tuple[str, str]] = []
         for key, value in data.items():
             if key in QUOTA_LIMITS:
-                limits[key] = value
-            elif isinstance(value, str) and value.strip().endswith("%"):
-                try:
-                    tiers[str(key)] = float(value.strip()[:-1]) / 100
-                except ValueError:
-                    raise ConfigError(f"{what}.{key}: cannot parse {value!r}") from None
-            else:
-                tiers[str(key)] = parse_size(value, f"{what}.{key}")
-        try:
-            return cls(tiers=tiers, **limits)
-        except ConfigError as exc:
-            raise ConfigError(f"{what}: {exc}") from None
+                continue
+            try:
+                tiers[str(key)] = _quota_limit(value)
+            except ConfigError as exc:
+                problems.append((str(key), str(exc)))
+        if problems:
+            raise KeyProblems(problems)
+        return {"tiers": tiers, **{k: data[k] for k in QUOTA_LIMITS if k in data}}
 
     def over(self, default: Quota | None) -> Quota:
         """This quota, with what it leaves unset taken from ``default``."""
@@ -208,81 +215,67 @@ def default_tiers() -> tuple[TierConfig, ...]:
     return (TierConfig(TierKind.DRAM, 1 * GiB), TierConfig(TierKind.SSD, 8 * GiB))
 
 
-@dataclass(frozen=True)
+@config_value
 class StoreConfig:
     """The tiered store: tier order (fastest first) and policy."""
 
-    data_dir: str = "./kvfabric-data"
+    data_dir: PathText = "./kvfabric-data"
     tiers: tuple[TierConfig, ...] = field(default_factory=default_tiers)
-    high_watermark: float = 0.95  # start demoting above this fraction of a tier
-    low_watermark: float = 0.85  # ... until this fraction
-    promote_on_hit: bool = True
-    reservation_timeout_s: float = 30.0  # a put not committed by then is aborted
-    pin_timeout_s: float = 60.0  # a reader holding a pin longer loses it
-    maintenance_interval_s: float = 0.25
-    compact_dead_ratio: float = 0.5  # SSD segments with this share of dead bytes get compacted
-    persist_on_close: bool = True  # write memory-resident objects to SSD when closing
+    high_watermark: Number = 0.95  # start demoting above this fraction of a tier
+    low_watermark: Number = 0.85  # ... until this fraction
+    promote_on_hit: Flag = True
+    reservation_timeout_s: Seconds = 30.0  # a put not committed by then is aborted
+    pin_timeout_s: Seconds = 60.0  # a reader holding a pin longer loses it
+    maintenance_interval_s: Seconds = 0.25
+    compact_dead_ratio: Number = 0.5  # SSD segments with this share of dead bytes get compacted
+    persist_on_close: Flag = True  # write memory-resident objects to SSD when closing
     # share of a memory tier's capacity that free pages may keep resident (per arena); the
     # maintenance pass gives the rest of the free memory back to the OS
-    free_memory_kept: float = 0.15
+    free_memory_kept: Share = 0.15
     # tenant (namespace tenant_salt) -> Quota; "*" applies to every tenant without an entry
     # of its own (field by field); namespaces without a tenant salt have no quota
     quotas: Mapping[str, Quota] = field(default_factory=dict)
     # start even when the memory tiers exceed physical RAM or an SSD tier the free disk
     # (kvfabric/preflight.py checks both before serving; this turns the refusal into a warning)
-    allow_overcommit: bool = False
+    allow_overcommit: Flag = False
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.data_dir, str):
-            raise ConfigError(f"data_dir must be a path string, got {self.data_dir!r}")
-        for name in (
-            "high_watermark",
-            "low_watermark",
-            "reservation_timeout_s",
-            "pin_timeout_s",
-            "maintenance_interval_s",
-            "compact_dead_ratio",
-            "free_memory_kept",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{name} must be a number, got {value!r}")
-        for name in ("promote_on_hit", "persist_on_close", "allow_overcommit"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if not self.tiers:
-            raise ConfigError("at least one tier is required")
+    @field_validator("quotas", mode="before")
+    @classmethod
+    def _quota_map(cls, value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            raise ConfigError("must map tenant names to quotas")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StoreConfig:
+        problems: list[tuple[str, str]] = []
         names = [t.name for t in self.tiers]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"tier names must be unique, got {names}")
-        if self.tiers[0].kind is TierKind.SSD:
-            raise ConfigError("the first tier must be memory (dram, cxl or device), not ssd")
-        for i, tier in enumerate(self.tiers):
-            if tier.kind is TierKind.SSD and i != len(self.tiers) - 1:
-                raise ConfigError("an ssd tier must be the last tier")
+        if not self.tiers:
+            problems.append(("tiers", "at least one tier is required"))
+        elif len(set(names)) != len(names):
+            problems.append(("tiers", f"tier names must be unique, got {names}"))
+        elif self.tiers[0].kind is TierKind.SSD:
+            problems.append(
+                ("tiers", "the first tier must be memory (dram, cxl or device), not ssd")
+            )
+        elif any(t.kind is TierKind.SSD for t in self.tiers[:-1]):
+            problems.append(("tiers", "an ssd tier must be the last tier"))
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
-            raise ConfigError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
-        for name in ("reservation_timeout_s", "pin_timeout_s", "maintenance_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
-        if "\x00" in self.data_dir:
-            raise ConfigError("data_dir contains a NUL byte")
-        if not 0 <= self.free_memory_kept <= 1:
-            raise ConfigError("free_memory_kept must be a share of the tier in [0, 1]")
-        self._check_quotas()
-
-    def _check_quotas(self) -> None:
-        if not isinstance(self.quotas, Mapping):
-            raise ConfigError("quotas must map tenant names to quotas")
-        names = {t.name for t in self.tiers}
-        for tenant, quota in self.quotas.items():
-            if not isinstance(tenant, str) or not tenant or not isinstance(quota, Quota):
-                raise ConfigError(f"quotas: {tenant!r} must be a tenant name mapped to a quota")
-            unknown = set(quota.tiers) - names
-            if unknown:
-                raise ConfigError(
-                    f"quotas.{tenant}: {sorted(unknown)} name no tier; tiers: {sorted(names)}"
+            problems.append(
+                (
+                    "low_watermark",
+                    "watermarks must satisfy 0 < low_watermark <= high_watermark <= 1",
                 )
+            )
+        for tenant, quota in self.quotas.items():
+            unknown = set(quota.tiers) - set(names)
+            if unknown:
+                problems.append(
+                    (f"quotas.{tenant}", f"{sorted(unknown)} name no tier; tiers: {sorted(names)}")
+                )
+        if problems:
+            raise KeyProblems(problems)
+        return self
 
     def quota_for(self, tenant: str) -> Quota | None:
         """The quota of ``tenant`` (its own over the ``*`` one); None: unlimited."""
@@ -293,35 +286,9 @@ class StoreConfig:
         return default if own is None else own.over(default)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StoreConfig:
-        data = dict(data)
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ConfigError(f"store: unknown key(s) {sorted(unknown)}; allowed: {sorted(known)}")
-        if "tiers" in data:
-            if not isinstance(data["tiers"], (list, tuple)):
-                raise ConfigError("store.tiers must be a list of tier mappings")
-            tiers = []
-            for entry in data["tiers"]:
-                if isinstance(entry, dict):
-                    tiers.append(TierConfig.from_dict(entry))
-                elif isinstance(entry, TierConfig):
-                    tiers.append(entry)
-                else:
-                    raise ConfigError(f"store.tiers entries must be mappings, got {entry!r}")
-            data["tiers"] = tuple(tiers)
-        if "quotas" in data:
-            if not isinstance(data["quotas"], Mapping):
-                raise ConfigError("store.quotas must map tenant names to quota mappings")
-            data["quotas"] = {
-                str(tenant): Quota.from_dict(quota, f"store.quotas.{tenant}")
-                for tenant, quota in data["quotas"].items()
-            }
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise ConfigError(f"store: {exc}") from None
+    def from_dict(cls, data: Mapping[str, Any]) -> StoreConfig:
+        """``data`` (the ``store`` section of a config) validated; keys named ``store.*``."""
+        return parse_config(cls, data, "store")
 
     def with_data_dir(self, data_dir: str | Path) -> StoreConfig:
         return replace(self, data_dir=str(data_dir))

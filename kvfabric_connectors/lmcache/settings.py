@@ -27,17 +27,27 @@ threads        threads doing daemon requests and page copies   2
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import field
+from typing import Annotated, Any
 
-from kvfabric_connectors.settings import refuse_unknown, with_daemon_defaults
+from pydantic import PlainValidator
+
+from kvfabric.config_model import config_value
+from kvfabric.errors import ConfigError
+from kvfabric_connectors.settings import daemon_socket, daemon_token, parse_settings
 
 LMCACHE_KEYS = ("module_path", "class_name")
+# Old key -> new key: a renamed setting keeps working (with a DeprecationWarning) a release.
+RENAMED_KEYS: dict[str, str] = {}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def _bool(name: str, value: Any) -> bool:
+# LMCache hands over what its YAML or environment held: a value may be any scalar or a string
+# spelling one, so these validators read strings (and only these settings do).
+
+
+def _bool(value: object) -> bool:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -45,31 +55,57 @@ def _bool(name: str, value: Any) -> bool:
         return True
     if text in _FALSE:
         return False
-    raise ValueError(f"{name} must be true or false, got {value!r}")
+    raise ConfigError(f"must be true or false, got {value!r}")
 
 
-def _number(name: str, value: Any, kind: type) -> Any:
+def _positive(value: object) -> float:
     try:
-        number = kind(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a positive number, got {value!r}") from None
-    if isinstance(value, bool) or number <= 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+        number = 0.0 if isinstance(value, bool) else float(str(value))
+    except ValueError:
+        number = 0.0
+    if not number > 0:
+        raise ConfigError(f"must be a positive number, got {value!r}")
     return number
 
 
-@dataclass(frozen=True)
+def _whole(value: object) -> int:
+    number = _positive(value)
+    if number != int(number):
+        raise ConfigError(f"must be a whole number, got {value!r}")
+    return int(number)
+
+
+def _text(value: object) -> str:
+    return str(value)
+
+
+def _socket(value: object) -> str:
+    if not str(value):
+        raise ConfigError("must not be empty")
+    return str(value)
+
+
+def _text_or_none(value: object) -> str | None:
+    return None if value is None else str(value) or None
+
+
+Positive = Annotated[float, PlainValidator(_positive)]
+AnyText = Annotated[str, PlainValidator(_text)]
+TextOrNone = Annotated[str | None, PlainValidator(_text_or_none)]
+
+
+@config_value
 class PluginSettings:
-    socket_path: str
-    token: str | None
-    model_id: str | None = None
-    tenant: str = ""
-    lora_id: str = ""
-    timeout_s: float = 10.0
-    pull: bool = True
-    pull_timeout_s: float = 2.0
-    retry_after_s: float = 2.0
-    threads: int = 2
+    socket_path: Annotated[str, PlainValidator(_socket)] = field(default_factory=daemon_socket)
+    token: TextOrNone = field(default_factory=daemon_token)
+    model_id: TextOrNone = None
+    tenant: AnyText = ""
+    lora_id: AnyText = ""
+    timeout_s: Positive = 10.0
+    pull: Annotated[bool, PlainValidator(_bool)] = True
+    pull_timeout_s: Positive = 2.0
+    retry_after_s: Positive = 2.0
+    threads: Annotated[int, PlainValidator(_whole)] = 2
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None, plugin_name: str) -> PluginSettings:
@@ -77,27 +113,6 @@ class PluginSettings:
         mine = {
             k[len(prefix) :]: v
             for k, v in (extra or {}).items()
-            if isinstance(k, str) and k.startswith(prefix)
+            if isinstance(k, str) and k.startswith(prefix) and k[len(prefix) :] not in LMCACHE_KEYS
         }
-        for key in LMCACHE_KEYS:
-            mine.pop(key, None)
-        refuse_unknown(mine, {f.name for f in fields(cls)}, what="kvfabric plugin", prefix=prefix)
-        with_daemon_defaults(mine)
-        for name in ("socket_path", "tenant", "lora_id"):
-            mine[name] = str(mine.get(name, ""))
-        if not mine["socket_path"]:
-            raise ValueError("socket_path must not be empty")
-        for name in ("model_id", "token"):
-            if mine.get(name) is not None:
-                mine[name] = str(mine[name]) or None
-        if "pull" in mine:
-            mine["pull"] = _bool("pull", mine["pull"])
-        for name in ("timeout_s", "pull_timeout_s", "retry_after_s"):
-            if name in mine:
-                mine[name] = _number(name, mine[name], float)
-        if "threads" in mine:
-            threads = _number("threads", mine["threads"], float)
-            if threads != int(threads):
-                raise ValueError(f"threads must be a whole number, got {mine['threads']!r}")
-            mine["threads"] = int(threads)
-        return cls(**mine)
+        return parse_settings(cls, mine, where=prefix.rstrip("."), renames=RENAMED_KEYS)

@@ -26,37 +26,30 @@ pull            ask the cluster for pages this node lacks    true
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import field
 from typing import Any
 
-from kvfabric_connectors.settings import positive_seconds, refuse_unknown, with_daemon_defaults
+from kvfabric.config_model import config_value
+from kvfabric.config_types import Flag, OptionalText, Seconds, Text
+from kvfabric_connectors.settings import daemon_socket, daemon_token, parse_settings
 
 # Keys of the extra config that SGLang itself reads (the dynamic-backend factory and the
 # cache controller), left in the object it hands to the backend.
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+# Old key -> new key: a renamed setting keeps working (with a DeprecationWarning) a release.
+RENAMED_KEYS: dict[str, str] = {}
 
 
-@dataclass(frozen=True)
+@config_value
 class StorageSettings:
-    socket_path: str
-    token: str | None
-    model_id: str | None = None
-    cache_salt: str = ""
-    timeout_s: float = 10.0
-    pull: bool = True
+    socket_path: Text = field(default_factory=daemon_socket)
+    token: OptionalText = field(default_factory=daemon_token)
+    model_id: OptionalText = None
+    cache_salt: Text = ""
+    timeout_s: Seconds = 10.0
+    pull: Flag = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> StorageSettings:
         ours = {k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS}
-        refuse_unknown(ours, {f.name for f in fields(cls)} | SGLANG_KEYS, what="kvfabric HiCache")
-        settings = cls(**with_daemon_defaults(ours))
-        for name, kinds in (
-            ("cache_salt", str),
-            ("model_id", (str, type(None))),
-            ("socket_path", str),
-            ("pull", bool),
-        ):
-            if not isinstance(getattr(settings, name), kinds):
-                raise TypeError(f"{name} must be a {'string' if kinds is not bool else 'bool'}")
-        positive_seconds("timeout_s", settings.timeout_s)
-        return settings
+        return parse_settings(cls, ours, where="extra_config", renames=RENAMED_KEYS)

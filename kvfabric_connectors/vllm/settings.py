@@ -34,41 +34,44 @@ reserve_cpu         keep the core vLLM's CPU executor reserves false: an engine 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import field
+from typing import Annotated, Any
 
+from pydantic import PlainValidator
+
+from kvfabric.config_model import config_value
+from kvfabric.config_types import Flag, OptionalText, PositiveInt, Seconds, Text, optional
+from kvfabric.errors import ConfigError, SpecError
 from kvfabric.spec import DEFAULT_CHUNK_TOKENS, KVDtype
-from kvfabric_connectors.settings import positive_seconds, refuse_unknown, with_daemon_defaults
+from kvfabric_connectors.settings import daemon_socket, daemon_token, parse_settings
+
+# Old key -> new key: a renamed setting keeps working (with a DeprecationWarning) a release.
+RENAMED_KEYS: dict[str, str] = {}
 
 
-@dataclass(frozen=True)
+def _kv_dtype(value: object) -> str:
+    """One spelling per dtype: the namespace's."""
+    try:
+        return KVDtype.parse(value if isinstance(value, (str, KVDtype)) else str(value)).value
+    except SpecError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@config_value
 class ConnectorSettings:
-    socket_path: str
-    token: str | None
-    model_id: str | None = None
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    load_timeout_s: float = 10.0
-    save_timeout_s: float = 10.0
-    push_to: str | None = None
-    expect_timeout_s: float = 5.0
-    kv_dtype: str | None = None
-    reserve_cpu: bool = False  # read by the vLLM plugin in .cpu_threads, before any connector
+    socket_path: Text = field(default_factory=daemon_socket)
+    token: OptionalText = field(default_factory=daemon_token)
+    model_id: OptionalText = None
+    chunk_tokens: PositiveInt = DEFAULT_CHUNK_TOKENS
+    load_timeout_s: Seconds = 10.0
+    save_timeout_s: Seconds = 10.0
+    push_to: OptionalText = None
+    expect_timeout_s: Seconds = 5.0
+    kv_dtype: Annotated[str | None, PlainValidator(optional(_kv_dtype))] = None
+    reserve_cpu: Flag = False  # read by the vLLM plugin in .cpu_threads, before any connector
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
-        values = dict(extra or {})
-        refuse_unknown(values, [f.name for f in fields(cls)], what="kvfabric connector")
-        settings = cls(**with_daemon_defaults(values))
-        if (
-            isinstance(settings.chunk_tokens, bool)
-            or not isinstance(settings.chunk_tokens, int)
-            or settings.chunk_tokens <= 0
-        ):
-            raise ValueError("chunk_tokens must be a positive integer")
-        if settings.kv_dtype is not None:  # one spelling per dtype: the namespace's
-            settings = replace(settings, kv_dtype=KVDtype.parse(settings.kv_dtype).value)
-        if not isinstance(settings.reserve_cpu, bool):
-            raise ValueError("reserve_cpu must be true or false")
-        for name in ("load_timeout_s", "save_timeout_s", "expect_timeout_s"):
-            positive_seconds(name, getattr(settings, name))
-        return settings
+        return parse_settings(
+            cls, extra or {}, where="kv_connector_extra_config", renames=RENAMED_KEYS
+        )

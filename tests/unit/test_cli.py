@@ -225,7 +225,7 @@ def test_print_config_with_quotas_round_trips(
     "argv, words",
     [
         (["--http-port", "99999"], "port"),
-        (["--set", "bogus=1"], "unknown config key"),
+        (["--set", "bogus=1"], "bogus: unknown key"),
         (["--set", "store.tiers.dram.capacity=lots"], "cannot parse size"),
         (["--log-level", "chatty"], "log_level"),
         (["--config", "/nonexistent/kvfabric.yaml"], "cannot read config"),

@@ -48,8 +48,8 @@ def test_tiers_from_dicts() -> None:
 @pytest.mark.parametrize(
     "tiers,message",
     [
-        ([{"kind": "tape", "capacity": "1G"}], "kind must be one of"),
-        ([{"kind": "dram"}], "'capacity' is required"),
+        ([{"kind": "tape", "capacity": "1G"}], "kind: must be one of"),
+        ([{"kind": "dram"}], r"tiers\[0\]\.capacity: required"),
         ([{"kind": "dram", "capacity": "1G", "path": "x"}], "unknown key"),
         ([{"kind": "ssd", "capacity": "1G"}], "first tier must be memory"),
         (
@@ -76,7 +76,7 @@ def test_unknown_store_keys_and_bad_watermarks() -> None:
         StoreConfig.from_dict({"hig_watermark": 0.9})
     with pytest.raises(ConfigError, match="watermarks"):
         StoreConfig(high_watermark=0.5, low_watermark=0.8)
-    with pytest.raises(ConfigError, match="tier name"):
+    with pytest.raises(ConfigError, match="name: must be lowercase"):
         TierConfig(TierKind.DRAM, 1 << 20, name="../evil")
 
 
@@ -161,5 +161,5 @@ def test_free_memory_kept_is_a_share() -> None:
 def test_allow_overcommit_is_a_bool_and_off_by_default() -> None:
     assert StoreConfig().allow_overcommit is False
     assert StoreConfig.from_dict({"allow_overcommit": True}).allow_overcommit is True
-    with pytest.raises(ConfigError, match="allow_overcommit must be true or false"):
+    with pytest.raises(ConfigError, match="allow_overcommit: must be true or false"):
         StoreConfig(allow_overcommit="yes")  # type: ignore[arg-type]

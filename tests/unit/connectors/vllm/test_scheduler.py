@@ -226,7 +226,7 @@ def test_without_a_daemon_every_request_is_a_quick_miss(tmp_path) -> None:
 
 
 def test_settings_refuse_unknown_keys_and_bad_values() -> None:
-    with pytest.raises(ValueError, match="unknown kvfabric connector setting"):
+    with pytest.raises(ValueError, match="kv_connector_extra_config.socket: unknown key"):
         ConnectorSettings.from_extra_config({"socket": "/tmp/x"})
     with pytest.raises(ValueError, match="chunk_tokens"):
         ConnectorSettings.from_extra_config({"chunk_tokens": 0})
