@@ -48,7 +48,7 @@ class ArenaSet:
             self.close()
             raise
 
-    def viewer(self, arena_id: int, pages: array, *, write: bool = False) -> PageViewer:
+    def viewer(self, arena_id: int, pages: array[int], *, write: bool = False) -> PageViewer:
         """A checked accessor for one object's pages (validated once, used per read);
         ``write``: through the writable mapping (a reservation's pages)."""
         arena = self._arenas.get(arena_id)
@@ -97,7 +97,7 @@ class PageViewer:
     ``copyto``, instead of one view (and one copy call) per page.
     """
 
-    def __init__(self, flat: np.ndarray, page_size: int, pages: array) -> None:
+    def __init__(self, flat: np.ndarray, page_size: int, pages: array[int]) -> None:
         self._flat, self._page_size, self._pages = flat, page_size, pages
         first = pages[0] if pages else 0
         run = array(pages.typecode, range(first, first + len(pages)))

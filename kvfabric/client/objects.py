@@ -66,7 +66,8 @@ class _RemoteLease(PayloadAccess):
     def _call(self) -> Callable[..., Any]:
         if self._session.closed:
             raise UnavailableError("the session holding this lease is gone (daemon restart?)")
-        return self._session.call
+        call: Callable[..., Any] = self._session.call
+        return call
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.key.hex()[:12]}, lease={self.lease})"

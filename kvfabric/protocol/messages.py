@@ -210,7 +210,8 @@ def arg_keys(args: dict[str, Any], name: str = "keys") -> list[bytes]:
             raise ProtocolError(
                 f"packed {name} must be whole {KEY_BYTES}-byte keys, at most {MAX_KEYS}"
             )
-        return np.frombuffer(value, dtype=_PACKED_KEY).tolist()
+        keys: list[bytes] = np.frombuffer(value, dtype=_PACKED_KEY).tolist()
+        return keys
     if not isinstance(value, list) or len(value) > MAX_KEYS:
         raise ProtocolError(f"{name} must be a list of at most {MAX_KEYS} keys")
     # two passes in C instead of a type and a length check per key in Python

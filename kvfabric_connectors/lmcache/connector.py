@@ -7,6 +7,7 @@ of LMCache keys to kvfabric namespaces and chunk keys.
 from __future__ import annotations
 
 import asyncio
+import builtins  # the class's own `list` method shadows the type in its annotations
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -85,7 +86,7 @@ def _register_collector() -> None:
     try:
         from prometheus_client import REGISTRY
 
-        REGISTRY.register(_Collector())  # type: ignore[arg-type]
+        REGISTRY.register(_Collector())
     except Exception as exc:  # no prometheus_client, or registered twice: counters stay
         log.debug("kvfabric plugin metrics not exported: %s", exc)
 
@@ -299,7 +300,7 @@ class KVFabricRemoteConnector(RemoteConnector):
         self._stats.add(lookups=1, lookup_keys=len(keys), lookup_hits=hits)
         return hits
 
-    def _lookup(self, client: Client, fkeys: list[bytes]) -> tuple[int, int]:
+    def _lookup(self, client: Client, fkeys: builtins.list[bytes]) -> tuple[int, int]:
         """(chunks held here, the longest prefix any node holds: as many while not
         pulling)."""
         if self._pull:
@@ -315,7 +316,7 @@ class KVFabricRemoteConnector(RemoteConnector):
         hit = client.lookup(self.namespace, keys=fkeys).matched_chunks
         return hit, hit
 
-    def _pull_missing(self, client: Client, fkeys: list[bytes]) -> int:
+    def _pull_missing(self, client: Client, fkeys: builtins.list[bytes]) -> int:
         """Have the daemon pull ``fkeys`` from the nodes holding them; chunks pulled."""
         try:
             reply = client.prefetch(
@@ -331,9 +332,9 @@ class KVFabricRemoteConnector(RemoteConnector):
         self._stats.add(pulls=1, pulled_chunks=pulled)
         return pulled
 
-    def _get_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+    def _get_many(self, keys: Sequence[CacheEngineKey]) -> builtins.list[MemoryObj | None]:
         fkeys = [self.kvfabric_key(k) for k in keys]
-        out: list[MemoryObj | None] = [None] * len(keys)
+        out: builtins.list[MemoryObj | None] = [None] * len(keys)
 
         def read(client: Client) -> None:
             try:
@@ -412,11 +413,13 @@ class KVFabricRemoteConnector(RemoteConnector):
             raise
         return obj
 
-    def _put_many(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> None:
+    def _put_many(
+        self, keys: builtins.list[CacheEngineKey], objs: builtins.list[MemoryObj]
+    ) -> None:
         if len(keys) != len(objs):
             raise ValueError("one memory object per key")
-        chunks: list[ChunkRef] = []
-        sources: list[np.ndarray] = []
+        chunks: builtins.list[ChunkRef] = []
+        sources: builtins.list[np.ndarray] = []
         for key, obj in zip(keys, objs):
             src = np.frombuffer(obj.byte_array, dtype=np.uint8)
             problem = unstorable(src.nbytes, self.token_bytes, self.chunk_tokens)
@@ -431,7 +434,7 @@ class KVFabricRemoteConnector(RemoteConnector):
 
         def write(client: Client) -> tuple[int, int, int, int]:
             results = client.reserve_many(self.namespace, chunks)
-            writers: list[RemoteWriter] = []
+            writers: builtins.list[RemoteWriter] = []
             existing = failed = written = 0
             try:
                 for result, src in zip(results, sources):
