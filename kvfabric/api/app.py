@@ -45,7 +45,7 @@ import hmac
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol, Self, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -62,7 +62,7 @@ from kvfabric.api.body_limit import BodyLimit
 from kvfabric.api.lookup_body import BodyInvalid, BodyTooLarge
 from kvfabric.api.lookup_workers import LookupParsers
 from kvfabric.api.metrics import Metrics, error_kind
-from kvfabric.cluster.index import GlobalLookup
+from kvfabric.cluster.index import GlobalLookup, NodePrefixRow
 from kvfabric.config import DaemonConfig
 from kvfabric.errors import (
     AuthError,
@@ -86,6 +86,9 @@ from kvfabric.spec import (
     Namespace,
 )
 
+if TYPE_CHECKING:
+    from kvfabric.store.protocol import Store
+
 # The largest valid body: MAX_TOKENS ids of up to 11 characters ("-2147483648") with a
 # separator and some whitespace each, plus the namespace.
 MAX_BODY_BYTES = 16 * MAX_TOKENS + (1 << 20)
@@ -96,6 +99,9 @@ class ClusterView(Protocol):
     """The daemon's link to the global index, as far as the API needs it."""
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> GlobalLookup: ...
+    def node_prefixes(
+        self, ns: Namespace, keys: Sequence[bytes]
+    ) -> tuple[list[NodePrefixRow], bool]: ...
 
 
 class DaemonView(Protocol):
@@ -104,7 +110,7 @@ class DaemonView(Protocol):
     @property
     def config(self) -> DaemonConfig: ...
     @property
-    def store(self) -> Any: ...  # an InstrumentedStore (or a TieredStore)
+    def store(self) -> Store: ...  # an InstrumentedStore (or a TieredStore)
     @property
     def metrics(self) -> Metrics: ...
     @property
@@ -603,7 +609,7 @@ async def lookup(request: Request, daemon: Daemon, caller: Caller) -> LookupResp
 def _lookup(body: LookupRequest, daemon: DaemonView, caller: Principal) -> LookupResponse:
     ns = body.namespace.value
     caller.check_namespace(ns)
-    nodes: list[dict[str, Any]] | None = None
+    nodes: list[NodePrefixRow] | None = None
     stale, peer_chunks = False, 0
     if body.scope == "cluster":  # first: the store counts what other nodes hold as peer hits
         if daemon.cluster is None:
