@@ -256,10 +256,10 @@ class LookupResponse(BaseModel):
     chunk_tokens: int
     tiers: dict[str, int] = Field(description="matched tokens per tier")
     nodes: list[NodePrefixBody] | None = Field(
-        None, description="scope cluster: live nodes holding a prefix of the chain"
+        default=None, description="scope cluster: live nodes holding a prefix of the chain"
     )
     stale: bool | None = Field(
-        None,
+        default=None,
         description="scope cluster: the global view may lag (index unreachable or "
         "not yet republished)",
     )
@@ -480,7 +480,9 @@ async def readyz(daemon: Daemon, response: Response) -> ReadyResponse:
         response.status_code = 503
     # a degraded SSD tier still serves (memory, and reads of what it holds): ready, but said
     degraded = daemon.store.degraded_tiers or None
-    status = "not_ready" if not ready else "degraded" if degraded else "ready"
+    status: Literal["ready", "degraded", "not_ready"] = (
+        "not_ready" if not ready else "degraded" if degraded else "ready"
+    )
     return ReadyResponse(
         status=status,
         node_id=daemon.node_id,

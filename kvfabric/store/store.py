@@ -711,8 +711,8 @@ class TieredStore:
         self._placement.flush(timeout)
 
     def _recover(self) -> None:
-        disk = self._placement.disk()
-        assert disk is not None
+        disk, disk_index = self._placement.disk(), self._disk_index
+        assert disk is not None and disk_index is not None
         for record in disk.scan():
             try:
                 ns, parent, num_tokens, fmt = decode_meta(record.meta)
@@ -727,9 +727,9 @@ class TieredStore:
                 parent,
                 self._intern(ns, recovering=True),
                 num_tokens,
-                self._disk_index,
+                disk_index,
                 record.extent,
-            )  # type: ignore[arg-type]
+            )
             entry.ready = READY_ALL
             if fmt == FP8:
                 entry.flags |= FP8_ON_DISK
