@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Annotated, Any, Literal, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol, Self
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -60,8 +60,10 @@ from kvfabric.api.body_limit import BodyLimit
 from kvfabric.api.lookup_body import BodyInvalid, BodyTooLarge
 from kvfabric.api.lookup_workers import LookupParsers
 from kvfabric.api.metrics import Metrics, error_kind
+from kvfabric.api.stats_body import DEGRADED as _DEGRADED
+from kvfabric.api.stats_body import StatsResponse, stats_response
 from kvfabric.auth import Principal, resolve
-from kvfabric.cluster.index import GlobalLookup
+from kvfabric.cluster.index import GlobalLookup, NodePrefixRow
 from kvfabric.config import DaemonConfig
 from kvfabric.errors import (
     AuthError,
@@ -85,6 +87,9 @@ from kvfabric.spec import (
     Namespace,
 )
 
+if TYPE_CHECKING:
+    from kvfabric.store.protocol import Store
+
 # The largest valid body: MAX_TOKENS ids of up to 11 characters ("-2147483648") with a
 # separator and some whitespace each, plus the namespace.
 MAX_BODY_BYTES = 16 * MAX_TOKENS + (1 << 20)
@@ -95,6 +100,9 @@ class ClusterView(Protocol):
     """The daemon's link to the global index, as far as the API needs it."""
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> GlobalLookup: ...
+    def node_prefixes(
+        self, ns: Namespace, keys: Sequence[bytes]
+    ) -> tuple[list[NodePrefixRow], bool]: ...
 
 
 class DaemonView(Protocol):
@@ -103,7 +111,7 @@ class DaemonView(Protocol):
     @property
     def config(self) -> DaemonConfig: ...
     @property
-    def store(self) -> Any: ...  # an InstrumentedStore (or a TieredStore)
+    def store(self) -> Store: ...  # an InstrumentedStore (or a TieredStore)
     @property
     def metrics(self) -> Metrics: ...
     @property
@@ -210,12 +218,6 @@ class ErrorResponse(BaseModel):
     detail: list[Issue] | None = None
 
 
-_DEGRADED = (
-    "tiers a disk fault (full disk, quota, I/O error) degraded: they serve what "
-    "they hold but take no new objects until the fault clears"
-)
-
-
 class HealthResponse(BaseModel):
     status: Literal["ok", "degraded"] = "ok"
     node_id: str
@@ -253,97 +255,13 @@ class LookupResponse(BaseModel):
     chunk_tokens: int
     tiers: dict[str, int] = Field(description="matched tokens per tier")
     nodes: list[NodePrefixBody] | None = Field(
-        None, description="scope cluster: live nodes holding a prefix of the chain"
+        default=None, description="scope cluster: live nodes holding a prefix of the chain"
     )
     stale: bool | None = Field(
-        None,
+        default=None,
         description="scope cluster: the global view may lag (index unreachable or "
         "not yet republished)",
     )
-
-
-class TierStatsBody(BaseModel):
-    name: str
-    kind: str
-    capacity_bytes: int
-    used_bytes: int
-    utilisation: float
-    objects: int
-    hit_tokens: int
-    hit_chunks: int
-    evictions: int
-    promotions: int
-    demotions: int
-    bytes_in: int
-    bytes_out: int
-    bytes_saved: int = Field(0, description="SSD tier in fp8: native bytes minus bytes written")
-    corrupt_records: int
-    torn_records: int
-    degraded: bool = Field(False, description="SSD tier: a disk fault stopped new objects")
-    disk_errors: dict[str, int] = Field(
-        default_factory=dict, description="SSD tier: I/O errors by errno name"
-    )
-    refused_demotions: int = Field(
-        0,
-        description="SSD tier: objects evicted from memory "
-        "instead of demoted while it was degraded",
-    )
-    quota_refused_demotions: int = Field(
-        0,
-        description="SSD tier: objects evicted from "
-        "memory instead of demoted because their tenant's "
-        "own SSD records could not make room in its quota",
-    )
-    tenant_bytes: dict[str, int] = Field(
-        default_factory=dict,
-        description="configured "
-        "tenants' bytes in the tier (memory: their arena's "
-        "pages in use; SSD: their records)",
-    )
-
-
-class TotalsBody(BaseModel):
-    objects: int
-    lookups: int
-    lookup_tokens: int
-    hit_tokens: int
-    miss_tokens: int
-    peer_hit_tokens: int = Field(
-        0,
-        description="of hit_tokens: tokens past this node's prefix "
-        "that another node held (cluster-scope lookups)",
-    )
-    hit_rate: float
-    puts: int
-    gets: int
-    deletes: int
-    evictions: int
-    expired_leases: int
-    aborted_writes: int
-
-
-class NamespaceStatsBody(BaseModel):
-    model: str
-    tenant: str
-    lookups: int
-    lookup_tokens: int
-    hit_tokens: int
-
-
-class StatsResponse(BaseModel):
-    node_id: str
-    uptime_s: float
-    ready: bool
-    sessions: int
-    tiers: list[TierStatsBody]
-    totals: TotalsBody
-    namespaces: list[NamespaceStatsBody]
-    warnings: list[str] = Field(
-        default_factory=list,
-        description="planes listening beyond "
-        "loopback without authentication (security.allow_insecure)",
-    )
-    degraded: list[str] = Field(default_factory=list, description=_DEGRADED)
 
 
 class EvictResponse(BaseModel):
@@ -352,14 +270,6 @@ class EvictResponse(BaseModel):
 
 class FlushResponse(BaseModel):
     flushed: bool
-
-
-_Model = TypeVar("_Model", bound=BaseModel)
-
-
-def _from_attributes(model: type[_Model], source: object) -> _Model:
-    """``model`` filled from the same-named attributes (and properties) of ``source``."""
-    return model(**{name: getattr(source, name) for name in model.model_fields})
 
 
 # ---------------------------------------------------------------------- auth
@@ -539,7 +449,9 @@ async def readyz(daemon: Daemon, response: Response) -> ReadyResponse:
         response.status_code = 503
     # a degraded SSD tier still serves (memory, and reads of what it holds): ready, but said
     degraded = daemon.store.degraded_tiers or None
-    status = "not_ready" if not ready else "degraded" if degraded else "ready"
+    status: Literal["ready", "degraded", "not_ready"] = (
+        "not_ready" if not ready else "degraded" if degraded else "ready"
+    )
     return ReadyResponse(
         status=status,
         node_id=daemon.node_id,
@@ -572,7 +484,7 @@ async def lookup(request: Request, daemon: Daemon, caller: Caller) -> LookupResp
 def _lookup(body: LookupRequest, daemon: DaemonView, caller: Principal) -> LookupResponse:
     ns = body.namespace.value
     caller.check_namespace(ns)
-    nodes: list[dict[str, Any]] | None = None
+    nodes: list[NodePrefixRow] | None = None
     stale, peer_chunks = False, 0
     if body.scope == "cluster":  # first: the store counts what other nodes hold as peer hits
         if daemon.cluster is None:
@@ -606,28 +518,15 @@ def _lookup(body: LookupRequest, daemon: DaemonView, caller: Principal) -> Looku
     return response
 
 
-@_api.get("/stats", name="stats")
-def stats(daemon: Daemon, _: Admin) -> StatsResponse:
-    snapshot = daemon.store.stats()
-    return StatsResponse(
+@_api.get("/stats", name="stats", response_model=StatsResponse)
+def stats(daemon: Daemon, _: Admin) -> BaseModel:
+    return stats_response(
+        daemon.store.stats(),
         node_id=daemon.node_id,
         uptime_s=_uptime(daemon),
         ready=daemon.ready,
         sessions=daemon.session_count,
-        tiers=[_from_attributes(TierStatsBody, tier) for tier in snapshot.tiers],
-        totals=_from_attributes(TotalsBody, snapshot),
-        namespaces=[
-            NamespaceStatsBody(
-                model=n.model_id,
-                tenant=n.tenant,
-                lookups=n.lookups,
-                lookup_tokens=n.lookup_tokens,
-                hit_tokens=n.hit_tokens,
-            )
-            for n in snapshot.namespaces
-        ],
         warnings=_warnings(daemon),
-        degraded=list(snapshot.degraded_tiers),
     )
 
 

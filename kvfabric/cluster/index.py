@@ -51,7 +51,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Self
+from typing import Literal, Self, TypedDict
 
 from kvfabric.errors import (
     DeadlineExceededError,
@@ -141,6 +141,17 @@ class NodePrefix:
     epoch: int
     chunks: int
     tier_chunks: dict[str, int] = field(hash=False)
+
+
+class NodePrefixRow(TypedDict):
+    """A :class:`NodePrefix` with the node's declared hardware class, as cluster-scope lookup
+    answers list it (a msgpack / JSON map)."""
+
+    node_id: str
+    epoch: int
+    chunks: int
+    tier_chunks: dict[str, int]
+    hardware_class: str
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ class Pages(array):
     one allocator (one arena), so the pages name it. An ``array`` in every other respect."""
 
     __slots__ = ("pool",)
+    pool: Any  # the allocator's pool (see PageAllocator)
 
 
 class PageAllocator:

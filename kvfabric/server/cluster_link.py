@@ -21,7 +21,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 from kvfabric.cluster import EmbeddedIndex, EmbeddedState
 from kvfabric.cluster.index import (
@@ -30,6 +29,7 @@ from kvfabric.cluster.index import (
     GlobalLookup,
     Location,
     NodeInfo,
+    NodePrefixRow,
     check_name,
 )
 from kvfabric.config import ClusterConfig
@@ -44,7 +44,7 @@ from kvfabric.errors import (
     UnavailableError,
 )
 from kvfabric.spec import Namespace
-from kvfabric.store.store import RemovedObject, StoredObject, TieredStore
+from kvfabric.store.protocol import RemovedObject, Store, StoredObject
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class ClusterLink:
         config: ClusterConfig,
         node_id: str,
         address: str,
-        store: TieredStore,
+        store: Store,
         transports: dict[str, str] | None = None,
     ) -> None:
         """``transports``: backend name -> descriptor (hex) peers pull this node's chunks
@@ -203,7 +203,7 @@ class ClusterLink:
 
     def node_prefixes(
         self, ns: Namespace, keys: Sequence[bytes]
-    ) -> tuple[list[dict[str, Any]], bool]:
+    ) -> tuple[list[NodePrefixRow], bool]:
         """What a router weighs, per live node holding a prefix of ``keys``: its epoch,
         declared hardware class, leading chunks held and those per tier; and whether the
         answer is stale (see :meth:`lookup`)."""

@@ -43,7 +43,7 @@ import time
 from array import array
 from collections.abc import Iterator
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -393,12 +393,12 @@ class ControlServer:
         """The items of a batch tried on the loop that would have waited, redone on a worker
         thread (they did nothing: the store refuses before changing anything), in their
         places among the others' results."""
-        field = pending.handler.items
-        items = pending.args[field]
+        items_arg = pending.handler.items
+        items = pending.args[items_arg]
         redone = await self._run_blocking(
             pending.handler,
             session,
-            {**pending.args, field: [items[i] for i in pending.redo]},
+            {**pending.args, items_arg: [items[i] for i in pending.redo]},
             blocking,
         )
         result = list(pending.done)
@@ -467,8 +467,10 @@ class _Pending:
     op: Op
     handler: handlers.Handler
     args: dict[str, Any]
-    done: list[Any] | None = None  # a batch tried on the loop: its items' results, and
-    redo: list[int] | None = None  # the positions of the items that would have waited
+    # a batch tried on the loop: its items' results, and the positions of the items that
+    # would have waited (none: not a batch tried on the loop)
+    done: list[Any] = field(default_factory=list)
+    redo: list[int] = field(default_factory=list)
     sliced: bool = False  # a large request: answered by kvfabric.server.slices
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +57,7 @@ from kvfabric.server.puller import Puller
 from kvfabric.server.pusher import Pusher
 from kvfabric.server.session import Session
 from kvfabric.store.handles import ObjectReader, ObjectWriter
+from kvfabric.store.protocol import Store
 
 DEFAULT_WAIT_S = 30.0
 DEFAULT_PREFETCH_S = 10.0
@@ -68,15 +69,11 @@ CONVERT_AT_CONSUMER = "consumer"
 FEATURES = ("packed_keys", "read_spec")
 
 
-class StoreAPI(Protocol):  # what handlers need: a TieredStore or its instrumented wrapper
-    def __getattr__(self, name: str) -> Any: ...
-
-
 @dataclass(frozen=True)
 class Context:
     """What handlers may use besides the session."""
 
-    store: StoreAPI
+    store: Store  # the daemon's InstrumentedStore (tests: a TieredStore)
     auth: AuthConfig
     node_id: str
     max_leases: int

@@ -11,10 +11,11 @@ tokens found per (tier, tenant) from :attr:`~kvfabric.store.LookupResult.tier_to
 plus those another node holds (a cluster-scope lookup) under tier :data:`PEER_TIER`.
 :class:`InstrumentedPuller` counts the chunks and tokens pulled from other nodes.
 
-Anything not wrapped (``stats``, ``flush``, ``tier_of``, ``tier_names``, ``maintain``,
-``close``, ...) falls through to the store by attribute lookup, so the daemon can hand this
-object to every caller as "the store". Dunder methods (``len()``, ``with``) do not fall
-through: use :attr:`InstrumentedStore.store` for those.
+The rest of the :class:`~kvfabric.store.protocol.Store` protocol (``stats``, ``flush``,
+``tier_of``, ``tier_names``, ``nonblocking``, the listeners, ...) is delegated as is, so the
+daemon can hand this object to every caller as "the store". Nothing else is: the store's
+lifecycle and admin (``close``, ``maintain``, ``len()``) stay with its owner, through
+:attr:`InstrumentedStore.store`.
 
 (The pattern is llm-d's ``instrumented_index.go``: wrap a backend instead of sprinkling
 metrics through it.)
@@ -23,19 +24,24 @@ metrics through it.)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, ParamSpec, TypeVar
 
 from kvfabric.api.metrics import OTHER_TENANT, Metrics, error_kind
 from kvfabric.errors import WouldBlockError
 from kvfabric.hashing import ROOT
+from kvfabric.memory.arena import SharedArena
 from kvfabric.server.puller import PrefetchResult, Puller
 from kvfabric.server.pusher import Pusher, PushResult
 from kvfabric.spec import Namespace
-from kvfabric.store import LookupResult, ObjectReader, ObjectWriter, TieredStore
+from kvfabric.store import LookupResult, ObjectReader, ObjectWriter, StoreStats, TieredStore
+from kvfabric.store.protocol import InventoryListener, StoredObject, TokenIds
 from kvfabric.store.shards import HeadRange
+from kvfabric.store.tenants import EVERY_TENANT, ArenaInfo, EveryTenant
 
 T = TypeVar("T")
+P = ParamSpec("P")
 # the hit "tier" of tokens another node holds (a cluster-scope lookup's hit past the local
 # prefix: the engine loads them through a pull or a push)
 PEER_TIER = "peer"
@@ -53,11 +59,7 @@ class InstrumentedStore:
         """The wrapped store."""
         return self._store
 
-    def __getattr__(self, name: str) -> Any:
-        # Only called for names this class lacks: everything unwrapped is the store's.
-        return getattr(self._store, name)
-
-    def _timed(self, op: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def _timed(self, op: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(*args, **kwargs)``, timed. (A plain call, not a context manager: entering and
         leaving a generator-based one costs ~2 us, on every store call the daemon makes.)"""
         started = time.perf_counter()
@@ -103,7 +105,9 @@ class InstrumentedStore:
             ),
         )
 
-    def lookup_tokens(self, ns: Namespace, tokens: Any, *, peer_chunks: int = 0) -> LookupResult:
+    def lookup_tokens(
+        self, ns: Namespace, tokens: TokenIds, *, peer_chunks: int = 0
+    ) -> LookupResult:
         return self._count(
             ns,
             self._timed(
@@ -168,6 +172,47 @@ class InstrumentedStore:
 
     def pin(self, ns: Namespace, key: bytes, lease_s: float) -> ObjectReader:
         return self._timed("pin", self._store.pin, ns, key, lease_s)
+
+    # ------------------------------------------------------------------ delegated as is
+
+    def tier_of(self, ns: Namespace, key: bytes) -> str:
+        return self._store.tier_of(ns, key)
+
+    def nonblocking(self) -> AbstractContextManager[None]:
+        return self._store.nonblocking()
+
+    @property
+    def in_nonblocking_mode(self) -> bool:
+        return self._store.in_nonblocking_mode
+
+    @property
+    def tier_names(self) -> list[str]:
+        return self._store.tier_names
+
+    @property
+    def degraded_tiers(self) -> list[str]:
+        return self._store.degraded_tiers
+
+    def arenas(self, tenant: str | EveryTenant | None = EVERY_TENANT) -> list[ArenaInfo]:
+        return self._store.arenas(tenant)
+
+    def host_arenas(self) -> list[tuple[int, str, SharedArena]]:
+        return self._store.host_arenas()
+
+    def stats(self) -> StoreStats:
+        return self._store.stats()
+
+    def flush(self, timeout: float = 60.0) -> None:
+        self._store.flush(timeout)
+
+    def add_layer_listener(self, callback: Callable[[], None]) -> None:
+        self._store.add_layer_listener(callback)
+
+    def add_inventory_listener(self, callback: InventoryListener, *, replay: bool = False) -> None:
+        self._store.add_inventory_listener(callback, replay=replay)
+
+    def inventory(self) -> Iterator[StoredObject]:
+        return self._store.inventory()
 
 
 class InstrumentedPusher:

@@ -45,6 +45,7 @@ from kvfabric.protocol.messages import Op, encode_namespace
 from kvfabric.server.peers import PeerLink, PeerLinks, Spans, placement_ranges
 from kvfabric.spec import Namespace
 from kvfabric.store.handles import ObjectWriter
+from kvfabric.store.protocol import Store
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class Puller:
     owner.
     """
 
-    def __init__(self, store: Any, links: PeerLinks) -> None:
+    def __init__(self, store: Store, links: PeerLinks) -> None:
         self._store = store
         self._links = links
         self._cluster = links.cluster

@@ -44,6 +44,7 @@ from kvfabric.protocol.messages import Op, encode_namespace
 from kvfabric.server.peers import PeerLink, PeerLinks, Spans, placement_ranges, time_left
 from kvfabric.spec import Namespace
 from kvfabric.store.handles import ObjectReader
+from kvfabric.store.protocol import Store
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class Pusher:
     id (:meth:`TieredStore.host_arenas`). Closing ``links`` makes later pushes fail.
     """
 
-    def __init__(self, store: Any, links: PeerLinks) -> None:
+    def __init__(self, store: Store, links: PeerLinks) -> None:
         self._store = store
         self._links = links
         self._arenas: dict[int, SharedArena] = {i: a for i, _, a in store.host_arenas()}

@@ -109,7 +109,7 @@ class Session:
     def _typed(self, lease_id: int, cls: type) -> Lease:
         with self._lock:
             lease = self._leases.get(lease_id)
-        if not isinstance(lease, cls):
+        if lease is None or not isinstance(lease, cls):
             raise ProtocolError(
                 f"unknown {'write' if cls is ObjectWriter else 'read'} lease {lease_id}"
             )

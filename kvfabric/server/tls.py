@@ -108,7 +108,7 @@ class ReloadingTLS:
         return True
 
     def _stamps(self) -> _Stamp:
-        out = []
+        out: list[tuple[int, int, int] | None] = []
         for path in (self._cert, self._key, self._client_ca):
             if path is None:
                 continue

@@ -395,7 +395,9 @@ class LocalIndex:
         """The least recently used candidate of ``tier`` that is complete, unpinned, still
         (``tenant``: among that tracked tenant's entries only)."""
         candidates = (
-            self._candidates[tier] if tenant is None else self._by_tenant.get((tenant, tier), {})
+            self._candidates[tier]
+            if tenant is None
+            else self._by_tenant.get((tenant, tier), OrderedDict())
         )
         for entry in candidates:
             if entry.pins == 0 and entry.ready == READY_ALL and not entry.flags & MOVING:

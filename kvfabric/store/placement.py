@@ -101,6 +101,12 @@ class Placement:
         self.tenant_copies: dict[str, dict[Entry, None]] = {}
         self.ssd = ssd or SsdUsage({})  # tenants' SSD bytes (records queued or written)
 
+    @property
+    def ssd_index(self) -> int:
+        """The SSD tier's index, where the caller knows there is one."""
+        assert self.disk_index is not None
+        return self.disk_index
+
     def pieces(self, entry: Entry, offset: int, length: int) -> list[Piece]:
         tier = self.tiers[entry.tier]
         assert isinstance(tier, PagedTier)
@@ -259,7 +265,7 @@ class Placement:
         src.free(old)
 
     def demote_to_disk(self, entry: Entry, nbytes: int) -> None:
-        disk = self.tiers[self.disk_index]  # type: ignore[index]
+        disk = self.tiers[self.ssd_index]
         assert isinstance(disk, DiskTier)
         if entry.ssd_copy is not None:  # its record is still there: nothing to write
             self.return_to_copy(entry)
@@ -276,7 +282,7 @@ class Placement:
             codec.encoded_nbytes(entry.ns.spec, entry.num_tokens) if fmt == codec.FP8 else nbytes,
         )
         if not self.make_ssd_room(tenant, span):
-            self.counters[self.disk_index].quota_refused_demotions += 1  # type: ignore[index]
+            self.counters[self.ssd_index].quota_refused_demotions += 1
             self.evict(entry)
             return
         pieces = self.pieces(entry, 0, nbytes)
@@ -330,7 +336,7 @@ class Placement:
         with self._cond:
             self.pending_demotion[src_index] -= nbytes
             entry.flags &= ~MOVING
-            disk = self.tiers[self.disk_index]  # type: ignore[index]
+            disk = self.tiers[self.ssd_index]
             assert isinstance(disk, DiskTier)
             error = future.exception()
             if error is not None:  # no record: the tenant is not charged for it
@@ -345,12 +351,12 @@ class Placement:
                 self.keep_copy(entry, future.result(), fp8=fmt == codec.FP8)  # hot again
             else:
                 old = entry.handle
-                self.rehome(entry, self.disk_index, future.result())
+                self.rehome(entry, self.ssd_index, future.result())
                 if fmt == codec.FP8:
                     entry.flags |= FP8_ON_DISK
                 self.tiers[src_index].free(old)  # type: ignore[union-attr]
                 self.counters[src_index].demotions += 1
-                counters = self.counters[self.disk_index]  # type: ignore[index]
+                counters = self.counters[self.ssd_index]
                 counters.bytes_in += nbytes
                 counters.bytes_saved += nbytes - written
             self.free_if_dead(entry)
@@ -372,7 +378,7 @@ class Placement:
     ) -> None:
         tier_index, pages = target
         tier = self.tiers[tier_index]
-        disk = self.tiers[self.disk_index]  # type: ignore[index]
+        disk = self.tiers[self.ssd_index]
         assert isinstance(tier, PagedTier) and isinstance(disk, DiskTier)
         nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
         try:
@@ -413,8 +419,8 @@ class Placement:
                 self.keep_copy(entry, entry.handle, fp8=bool(entry.flags & FP8_ON_DISK))
                 self.rehome(entry, tier_index, pages)
                 entry.flags &= ~FP8_ON_DISK
-                self.counters[self.disk_index].promotions += 1  # type: ignore[index]
-                self.counters[self.disk_index].bytes_out += nbytes  # type: ignore[index]
+                self.counters[self.ssd_index].promotions += 1
+                self.counters[self.ssd_index].bytes_out += nbytes
             self._cond.notify_all()
 
     def read_disk_record(
@@ -438,7 +444,7 @@ class Placement:
 
     def refuse_demotion(self, entry: Entry) -> None:
         """The SSD tier is degraded: the victim is evicted instead (both counted)."""
-        self.counters[self.disk_index].refused_demotions += 1  # type: ignore[index]
+        self.counters[self.ssd_index].refused_demotions += 1
         self.evict(entry)
 
     def keep_copy(self, entry: Entry, extent: DiskExtent, *, fp8: bool) -> None:
@@ -476,7 +482,7 @@ class Placement:
         src_index, old = entry.tier, entry.handle
         fp8 = bool(entry.flags & FP8_COPY)
         extent = self.forget_copy(entry)
-        self.rehome(entry, self.disk_index, extent)  # type: ignore[arg-type]
+        self.rehome(entry, self.ssd_index, extent)
         if fp8:
             entry.flags |= FP8_ON_DISK
         self.tiers[src_index].free(old)  # type: ignore[union-attr]
@@ -491,7 +497,7 @@ class Placement:
         while freed < nbytes and copies:
             freed += self.drop_copy(next(iter(copies)))
         while freed < nbytes:
-            victim = self.index.pick_victim(self.disk_index, tenant)  # type: ignore[arg-type]
+            victim = self.index.pick_victim(self.ssd_index, tenant)
             if victim is None:
                 return
             freed += victim.handle.span

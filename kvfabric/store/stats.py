@@ -6,6 +6,10 @@ cluster-scope lookup) to the hits as ``peer_hit_tokens``, and the rest it asked 
 miss counter; a partial last chunk counts its real tokens when the caller says how many.
 Mutable counters live inside the store (updated under its lock); callers only ever see
 :class:`StoreStats` snapshots.
+
+The snapshots are the one definition of the stats' fields: the HTTP API's bodies are derived
+from them (:mod:`kvfabric.api.stats_body`), descriptions included (``described``), and the
+control socket sends them as they are (``dataclasses.asdict``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ class NamespaceCounters:
     hit_tokens: int = 0
 
 
+def described(text: str) -> dict[str, str]:
+    """A field's metadata: its description (the HTTP API's schema shows it, see
+    :mod:`kvfabric.api.stats_body`)."""
+    return {"description": text}
+
+
 @dataclass(frozen=True)
 class TierStats:
     name: str
@@ -49,18 +59,39 @@ class TierStats:
     demotions: int
     bytes_in: int
     bytes_out: int
-    bytes_saved: int = 0  # SSD in fp8: native bytes minus the bytes written
-    corrupt_records: int = 0  # SSD only: records skipped or refused, never served
+    bytes_saved: int = field(
+        default=0, metadata=described("SSD tier in fp8: native bytes minus bytes written")
+    )
+    # SSD only: records skipped or refused, never served
+    corrupt_records: int = 0
     torn_records: int = 0
-    # SSD only: a write fault (full disk, quota, I/O error) stopped new records; the tier's
-    # errors by errno name; victims evicted instead of demoted meanwhile
-    degraded: bool = False
-    disk_errors: dict[str, int] = field(default_factory=dict)
-    refused_demotions: int = 0
-    quota_refused_demotions: int = 0  # SSD only: victims evicted at their tenant's SSD quota
-    # configured tenants' bytes here: memory tiers, their arena's pages in use (host tiers);
-    # SSD, their records (queued or written; dead bytes awaiting compaction are nobody's)
-    tenant_bytes: dict[str, int] = field(default_factory=dict)
+    degraded: bool = field(
+        default=False, metadata=described("SSD tier: a disk fault stopped new objects")
+    )
+    disk_errors: dict[str, int] = field(
+        default_factory=dict, metadata=described("SSD tier: I/O errors by errno name")
+    )
+    refused_demotions: int = field(
+        default=0,
+        metadata=described(
+            "SSD tier: objects evicted from memory instead of demoted while it was degraded"
+        ),
+    )
+    quota_refused_demotions: int = field(
+        default=0,
+        metadata=described(
+            "SSD tier: objects evicted from memory instead of demoted because their tenant's "
+            "own SSD records could not make room in its quota"
+        ),
+    )
+    # SSD records count queued or written; dead bytes awaiting compaction are nobody's
+    tenant_bytes: dict[str, int] = field(
+        default_factory=dict,
+        metadata=described(
+            "configured tenants' bytes in the tier (memory: their arena's pages in use; SSD: "
+            "their records)"
+        ),
+    )
 
     @property
     def utilisation(self) -> float:
@@ -76,23 +107,30 @@ class NamespaceStats:
     hit_tokens: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StoreStats:
-    tiers: tuple[TierStats, ...]
+    """The totals, in the order the HTTP API lists them; then the tiers and namespaces."""
+
     objects: int
     lookups: int
     lookup_tokens: int
     hit_tokens: int
     miss_tokens: int
+    # the engine loads these through a pull or a push
+    peer_hit_tokens: int = field(
+        default=0,
+        metadata=described(
+            "of hit_tokens: tokens past this node's prefix that another node held "
+            "(cluster-scope lookups)"
+        ),
+    )
     puts: int
     gets: int
     deletes: int
     expired_leases: int
     aborted_writes: int
-    namespaces: tuple[NamespaceStats, ...] = field(default=())
-    # of hit_tokens: tokens past this node's prefix that another node held (cluster-scope
-    # lookups; the engine then loads them through a pull or a push)
-    peer_hit_tokens: int = 0
+    tiers: tuple[TierStats, ...]
+    namespaces: tuple[NamespaceStats, ...] = ()
 
     @property
     def degraded_tiers(self) -> tuple[str, ...]:

@@ -77,6 +77,7 @@ from kvfabric.store.factory import AnyTier, build_tier
 from kvfabric.store.handles import ObjectReader, ObjectWriter, _Lease
 from kvfabric.store.index import ABORTED, FP8_ON_DISK, MOVING, READY_ALL, REMOVED, Entry, LocalIndex
 from kvfabric.store.placement import Placement, decode_meta
+from kvfabric.store.protocol import InventoryListener, RemovedObject, StoredObject, TokenIds
 from kvfabric.store.shards import HeadRange, HeadShards, head_mask
 from kvfabric.store.ssd_usage import SsdUsage
 from kvfabric.store.stats import (
@@ -86,19 +87,13 @@ from kvfabric.store.stats import (
     TierCounters,
     TierStats,
 )
-from kvfabric.store.tenants import EVERY_TENANT, ArenaInfo, Tenancy
+from kvfabric.store.tenants import EVERY_TENANT, ArenaInfo, EveryTenant, Tenancy
 from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
 
 MAX_NAMESPACES = 1 << 16
-
-# A complete object as inventory listeners see it: (namespace, key, parent, num_tokens, tier
-# name); and a removed copy: (namespace, key, tier name).
-StoredObject = tuple[Namespace, bytes, bytes, int, str]
-RemovedObject = tuple[Namespace, bytes, str]
-InventoryListener = Callable[[list[StoredObject], list[RemovedObject]], None]
 
 
 class TieredStore:
@@ -535,7 +530,9 @@ class TieredStore:
             peer_tokens=peer,
         )
 
-    def lookup_tokens(self, ns: Namespace, tokens: Any, *, peer_chunks: int = 0) -> LookupResult:
+    def lookup_tokens(
+        self, ns: Namespace, tokens: TokenIds, *, peer_chunks: int = 0
+    ) -> LookupResult:
         """:meth:`lookup` of a prompt's full chunks, hashed here."""
         return self.lookup(
             ns, chunk_keys(ns, tokens, include_partial=False), peer_chunks=peer_chunks
@@ -620,7 +617,7 @@ class TieredStore:
         tier ``i`` has id ``i``): what a peer transport registers."""
         return [(a.arena_id, a.tier_name, a.arena) for a in self._tenancy.arenas()]
 
-    def arenas(self, tenant: Any = EVERY_TENANT) -> list[ArenaInfo]:
+    def arenas(self, tenant: str | EveryTenant | None = EVERY_TENANT) -> list[ArenaInfo]:
         """The arenas a local session of ``tenant`` may map (None: the admin's default
         arenas only; no argument: every arena)."""
         return self._tenancy.arenas(tenant)
@@ -714,8 +711,8 @@ class TieredStore:
         self._placement.flush(timeout)
 
     def _recover(self) -> None:
-        disk = self._placement.disk()
-        assert disk is not None
+        disk, disk_index = self._placement.disk(), self._disk_index
+        assert disk is not None and disk_index is not None
         for record in disk.scan():
             try:
                 ns, parent, num_tokens, fmt = decode_meta(record.meta)
@@ -730,9 +727,9 @@ class TieredStore:
                 parent,
                 self._intern(ns, recovering=True),
                 num_tokens,
-                self._disk_index,
+                disk_index,
                 record.extent,
-            )  # type: ignore[arg-type]
+            )
             entry.ready = READY_ALL
             if fmt == FP8:
                 entry.flags |= FP8_ON_DISK

@@ -31,10 +31,11 @@ Not thread-safe: the store calls it under its lock.
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal
 
 from kvfabric.errors import ConfigError, QuotaExceededError
 from kvfabric.memory.arena import SharedArena
@@ -48,7 +49,14 @@ from kvfabric.tiers.host import HostTier
 
 # SCM_RIGHTS passes at most 253 descriptors in one message: the admin gets every arena
 MAX_ARENAS = 240
-EVERY_TENANT = object()  # arenas(): every arena (the admin's view)
+
+
+class _Every(enum.Enum):
+    TENANT = "every tenant"
+
+
+EVERY_TENANT: Final = _Every.TENANT  # arenas(): every arena (the admin's view)
+EveryTenant = Literal[_Every.TENANT]
 DEFAULT_NAMESPACES = 4096  # a tenant's namespaces when its quota does not say
 
 
@@ -124,7 +132,7 @@ class Tenancy:
             ArenaInfo(arena_id, tier_index, tier_name, tenant, arena, arena.read_only_fd())
         )
 
-    def arenas(self, tenant: Any = EVERY_TENANT) -> list[ArenaInfo]:
+    def arenas(self, tenant: str | EveryTenant | None = EVERY_TENANT) -> list[ArenaInfo]:
         """The arenas a session of ``tenant`` may map: its own (None: the default ones, a
         tenant salt without arenas of its own: none), or every one."""
         if tenant is EVERY_TENANT:

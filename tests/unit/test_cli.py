@@ -439,7 +439,7 @@ def _socket_stats() -> dict[str, object]:
 
 
 def test_socket_stats_take_the_http_shape() -> None:
-    from kvfabric.api.app import NamespaceStatsBody, TierStatsBody, TotalsBody
+    from kvfabric.api.stats_body import NamespaceStatsBody, TierStatsBody, TotalsBody
 
     doc = from_store_stats(_socket_stats(), node_id="n1")
     assert set(doc["tiers"][0]) == set(TierStatsBody.model_fields)

@@ -74,7 +74,7 @@ def make_daemon(tmp_path: Path, auth: AuthConfig = AUTH, *tiers: TierConfig) -> 
 def daemon(tmp_path: Path) -> Iterator[FakeDaemon]:
     d = make_daemon(tmp_path)
     yield d
-    d.store.close()
+    d.store.store.close()
 
 
 @pytest.fixture
@@ -251,7 +251,7 @@ def test_admin_flush_waits_for_ssd_writes(tmp_path: Path) -> None:
     assert response.status_code == 200 and response.json() == {"flushed": True}
     assert daemon.store.stats().tier("ssd").objects == 2
     assert [daemon.store.tier_of(ACME, k) for k in keys] == ["ssd", "ssd", "dram"]
-    daemon.store.close()
+    daemon.store.store.close()
 
 
 @pytest.mark.parametrize(
@@ -356,7 +356,7 @@ def test_admin_token_from_a_file_is_reread(tmp_path: Path) -> None:
     token_file.write_text("second\n")  # rotated
     assert client.get("/v1/stats", headers=bearer("first")).status_code == 401
     assert client.get("/v1/stats", headers=bearer("second")).status_code == 200
-    daemon.store.close()
+    daemon.store.store.close()
 
 
 def test_an_unreadable_token_file_fails_closed(tmp_path: Path) -> None:
@@ -366,7 +366,7 @@ def test_an_unreadable_token_file_fails_closed(tmp_path: Path) -> None:
         response = client.get("/v1/stats", headers=headers)
         assert response.status_code == 500
         assert response.json()["error"]["kind"] == "bad_config"
-    daemon.store.close()
+    daemon.store.store.close()
 
 
 def test_without_tokens_auth_is_off(tmp_path: Path) -> None:
@@ -374,7 +374,7 @@ def test_without_tokens_auth_is_off(tmp_path: Path) -> None:
     client = TestClient(create_app(daemon))
     assert client.get("/v1/stats").status_code == 200
     assert client.post("/v1/admin/evict", json={}).json() == {"evicted": 0}
-    daemon.store.close()
+    daemon.store.store.close()
 
 
 # ---------------------------------------------------------------------- bad bodies

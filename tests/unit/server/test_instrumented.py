@@ -191,7 +191,7 @@ def test_data_round_trips_through_the_wrapper(parts) -> None:
         assert reader.to_bytes() == data.tobytes()
 
 
-def test_unwrapped_attributes_fall_through_to_the_store(parts) -> None:
+def test_unwrapped_members_of_the_store_protocol_are_delegated(parts) -> None:
     store, _, instrumented = parts
     key = chunk_keys(ACME, prompt(CT))[0]
     instrumented.put(ACME, key, payload(0))
