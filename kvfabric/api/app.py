@@ -42,7 +42,7 @@ loop. Every ``/v1`` request is recorded as ``observe_request(op, ..., plane="htt
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol, Self
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -347,7 +347,7 @@ async def _on_validation_error(_: Request, exc: Exception) -> Response:
         errors, total = exc.issues, exc.total
     else:
         assert isinstance(exc, RequestValidationError)
-        errors = exc.errors()
+        errors = list(exc.errors())
         total = len(errors)
     # Never echo the input back: it may be millions of token ids.
     issues = [
@@ -380,7 +380,7 @@ def _kind_of(exc: Exception) -> str:
 class _ObservedRoute(APIRoute):
     """A route whose every request is recorded in the daemon's request metrics."""
 
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
         op = self.name
 

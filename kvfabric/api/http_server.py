@@ -239,8 +239,8 @@ class HttpServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
-            http=_protocol_class(limits.request_timeout_s, gate),  # type: ignore[arg-type]
-            timeout_keep_alive=limits.keepalive_s,  # type: ignore[arg-type]
+            http=_protocol_class(limits.request_timeout_s, gate),
+            timeout_keep_alive=limits.keepalive_s,  # type: ignore[arg-type]  # uvicorn takes a float
             limit_concurrency=limits.max_connections,
             timeout_graceful_shutdown=max(1, round(limits.shutdown_grace_s)),
             ssl_context_factory=factory,

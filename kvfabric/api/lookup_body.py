@@ -34,7 +34,7 @@ import json
 import re
 import time
 from collections.abc import Callable
-from json.decoder import scanstring
+from json.decoder import scanstring  # type: ignore[attr-defined]  # public, untyped
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # pydantic is imported where a model is built: parser processes skip it
@@ -74,7 +74,7 @@ def parse_lookup(
 
 
 def parse_body(
-    raw: bytes, *, max_tokens: int, max_hashes: int, hash_chars: int
+    raw: bytes | bytearray, *, max_tokens: int, max_hashes: int, hash_chars: int
 ) -> tuple[Any, dict[str, list[Any]]]:
     """Steps 1-3: the body without its checked long lists (each replaced by ``[]``), and
     those lists by name. Raises BodyInvalid / BodyTooLarge."""

@@ -240,8 +240,8 @@ class _Worker:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvfabric.api.lookup_workers", json.dumps(limits)],
-                stdin=theirs,
-                stdout=theirs,
+                stdin=theirs.fileno(),
+                stdout=theirs.fileno(),
                 close_fds=True,
             )
         except OSError as exc:

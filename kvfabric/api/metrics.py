@@ -472,7 +472,7 @@ def _families(stats: StoreStats | None) -> list[Metric]:
     info = GaugeMetricFamily(
         f"{PREFIX}tier_info", "Tier kind by tier name (always 1).", labels=["tier", "kind"]
     )
-    tier_families = [
+    tier_families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
         (attr, GaugeMetricFamily(PREFIX + name, doc, labels=["tier"]))
         for name, attr, doc in _TIER_GAUGES
     ]

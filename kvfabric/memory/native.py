@@ -7,15 +7,15 @@ install still succeeds and every caller takes its pure-Python/torch path. Caller
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 
 def _load() -> ModuleType | None:
     try:
-        from kvfabric.memory import _strided
+        return importlib.import_module("kvfabric.memory._strided")  # optional C extension
     except ImportError:
         return None
-    return _strided
 
 
 kernel: ModuleType | None = _load()

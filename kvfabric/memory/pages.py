@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,7 +27,13 @@ from kvfabric.errors import CapacityError
 PAGE_ID_TYPECODE = "I"  # uint32 page ids: 4 bytes each in an object's page list
 
 
-class Pages(array):
+if TYPE_CHECKING:
+    _IntArray = array[int]
+else:  # array.array takes no type arguments at run time (before Python 3.12)
+    _IntArray = array
+
+
+class Pages(_IntArray):
     """An object's page ids (uint32) and the pool they belong to: page ids are relative to
     one allocator (one arena), so the pages name it. An ``array`` in every other respect."""
 
@@ -83,7 +89,7 @@ class PageAllocator:
         del ids  # the view pins the array's buffer
         return pages
 
-    def free(self, pages: array) -> None:
+    def free(self, pages: array[int]) -> None:
         """Return pages; raises ``ValueError`` on a foreign id or a page that is not in use."""
         if not len(pages):
             return

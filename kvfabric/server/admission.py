@@ -82,7 +82,7 @@ class CountingReader(asyncio.StreamReader):
         self.fed = 0
         self.taken = 0
 
-    def feed_data(self, data: bytes) -> None:
+    def feed_data(self, data: bytes) -> None:  # type: ignore[override]  # asyncio passes bytes
         self.fed += len(data)
         super().feed_data(data)
 
@@ -387,7 +387,7 @@ def _frame_waiting(conn: Conn, limit: int) -> bool:
         raw.detach()
     if data is None or len(data) < _FRAME_LEN.size:
         return False
-    (length,) = _FRAME_LEN.unpack_from(data)
+    length = int(_FRAME_LEN.unpack_from(data)[0])
     return length > limit or _FRAME_LEN.size + length <= len(data)
 
 

@@ -104,7 +104,7 @@ class ControlServer:
         self._metrics = metrics
         self._socket_path = Path(socket_path)
         self._tcp_listener = tcp_listener
-        self._servers: list[asyncio.AbstractServer] = []  # TCP
+        self._servers: list[asyncio.Server] = []  # TCP
         self._unix: UnixListener | None = None
         self._adopting: set[asyncio.Task[Any]] = set()
         self._in_flight = 0
@@ -122,7 +122,8 @@ class ControlServer:
     @property
     def tcp_port(self) -> int | None:
         for server in self._servers:
-            return server.sockets[0].getsockname()[1]
+            port: int = server.sockets[0].getsockname()[1]
+            return port
         return None
 
     async def start(self) -> None:

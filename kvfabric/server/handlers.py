@@ -387,7 +387,11 @@ def _peer_pin_one(
         if not reader.closed:
             reader.release()
         raise
-    result.update(page_size=page_sizes[reader.arena_id], parent=reader.parent)
+    page_size = None if reader.arena_id is None else page_sizes.get(reader.arena_id)
+    if page_size is None:  # a device tier: the peer's transport cannot reach it
+        _release_one(ctx, session, None, result["lease"])
+        raise UnavailableError("the chunk is in a tier peers cannot read from")
+    result.update(page_size=page_size, parent=reader.parent)
     return result
 
 
@@ -421,7 +425,8 @@ def _peer_reserve_one(
 ) -> dict[str, Any]:
     raw, page_sizes = item
     result = _reserve_one(ctx, session, ns, raw)
-    page_size = page_sizes.get(result.get("arena"))
+    arena = result.get("arena")
+    page_size = None if arena is None else page_sizes.get(arena)
     if page_size is None:  # a device tier: the peer's transport cannot reach it
         _abort_one(ctx, session, None, result["lease"])
         raise UnavailableError("the chunk was placed in a tier peers cannot write to")

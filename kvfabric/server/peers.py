@@ -230,14 +230,17 @@ class Spans:
         self,
         remote_region: int,
         remote: Sequence[Range],
-        local_region: int,
+        local_region: int | None,
         pages: Sequence[int],
         offset: int,
         length: int,
     ) -> None:
         """Pair ``remote`` (ranges of the peer's ``remote_region``) with bytes ``[offset,
         offset + length)`` of a local chunk in ``pages`` of arena ``local_region``; split
-        where either side's range ends (page sizes may differ between nodes)."""
+        where either side's range ends (page sizes may differ between nodes). A chunk in no
+        arena (a device tier) is ``UnavailableError``: the transport cannot reach it."""
+        if local_region is None:
+            raise UnavailableError("the chunk is in a device tier, which peers cannot reach")
         local = iter(page_ranges(pages, self._arenas[local_region].page_size, offset, length))
         local_offset, local_left = 0, 0
         for remote_start, remote_length in remote:

@@ -21,15 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from kvfabric.hashing import ROOT, chunk_keys
+from kvfabric.hashing import KEY_BYTES, ROOT, chunk_keys
 from kvfabric.protocol.messages import (
-    KEY_BYTES,
     MAX_KEYS,
     Op,
     arg_chain_tokens,
     arg_keys,
     arg_tokens,
 )
+from kvfabric.server.handlers import Context
 from kvfabric.server.session import Session
 
 SLICE_S = 0.002  # the longest a sliced request holds the loop between two yields
@@ -67,7 +67,9 @@ def is_large(op: Op, args: dict[str, Any]) -> bool:
     return False
 
 
-async def answer(ctx: Any, session: Session, op: Op, args: dict[str, Any]) -> Any:
+async def answer(
+    ctx: Context, session: Session, op: Op, args: dict[str, Any]
+) -> list[bool] | dict[str, Any]:
     """The answer to a request :func:`is_large` picked, computed in slices."""
     pace = Pacer()
     if op is Op.CONTAINS:
@@ -75,7 +77,9 @@ async def answer(ctx: Any, session: Session, op: Op, args: dict[str, Any]) -> An
     return await _lookup(ctx, session, args, pace)
 
 
-async def _contains(ctx: Any, session: Session, args: dict[str, Any], pace: Pacer) -> list[bool]:
+async def _contains(
+    ctx: Context, session: Session, args: dict[str, Any], pace: Pacer
+) -> list[bool]:
     ns = session.namespace(args.get("ns"))
     out: list[bool] = []
     for keys in _key_slices(args):
@@ -87,7 +91,9 @@ async def _contains(ctx: Any, session: Session, args: dict[str, Any], pace: Pace
     return out
 
 
-async def _lookup(ctx: Any, session: Session, args: dict[str, Any], pace: Pacer) -> dict[str, Any]:
+async def _lookup(
+    ctx: Context, session: Session, args: dict[str, Any], pace: Pacer
+) -> dict[str, Any]:
     ns = session.namespace(args.get("ns"))
     keys: list[bytes] = []
     num_tokens = None
@@ -124,6 +130,9 @@ def _key_slices(args: dict[str, Any]) -> Iterator[list[bytes]]:
         isinstance(value, bytes) and (len(value) % KEY_BYTES or len(value) > MAX_KEYS * KEY_BYTES)
     ) or (isinstance(value, list) and len(value) > MAX_KEYS):
         arg_keys(args)  # raises the one-go handler's error
+    if not isinstance(value, (bytes, list)):
+        arg_keys(args)  # raises the one-go handler's error for a missing or odd value
+        return
     width = KEY_BYTES if isinstance(value, bytes) else 1
     for start in range(0, _key_count(value), KEYS_SLICE):
         yield arg_keys({"keys": value[start * width : (start + KEYS_SLICE) * width]})

@@ -83,10 +83,11 @@ class _Lease(PayloadAccess):
         return self._store.arena_id(self._entry)
 
     @property
-    def pages(self) -> array:
+    def pages(self) -> array[int]:
         """Page ids of the object in its (memory) tier: what a local client maps."""
         self._check_open()
-        return self._entry.handle
+        pages: array[int] = self._entry.handle
+        return pages
 
     def _check_open(self) -> None:
         if self.expired:

@@ -650,7 +650,8 @@ def encode_meta(entry: Entry, fmt: str = codec.NATIVE) -> bytes:
     }
     if fmt != codec.NATIVE:
         meta["fmt"] = fmt
-    return msgpack.packb(meta)
+    packed: bytes = msgpack.packb(meta)
+    return packed
 
 
 def decode_meta(raw: bytes) -> tuple[Namespace, bytes, int, str]:

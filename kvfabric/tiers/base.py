@@ -120,11 +120,11 @@ class PagedTier(ABC):
         self._used += count
         return pages
 
-    def free(self, pages: array) -> None:
+    def free(self, pages: array[int]) -> None:
         self._pools[_pool(pages)].free(pages)
         self._used -= len(pages)
 
-    def pieces(self, pages: array, offset: int, length: int) -> list[Piece]:
+    def pieces(self, pages: array[int], offset: int, length: int) -> list[Piece]:
         """Views covering bytes ``[offset, offset+length)`` of an object stored in ``pages``."""
         return slice_pages(self._viewer(_pool(pages)), pages, self.page_size, offset, length)
 
@@ -142,5 +142,5 @@ class PagedTier(ABC):
         """Release the tier's memory. Default: nothing to release."""
 
 
-def _pool(pages: array) -> Pool:
+def _pool(pages: array[int]) -> Pool:
     return pages.pool if isinstance(pages, Pages) else None
