@@ -17,6 +17,9 @@ load_timeout_s      deadline of one request's load (pull or    10
 save_timeout_s      deadline of one step's saves               10
 push_to             node id every prefill pushes to            none (per request:
                                                                ``kv_transfer_params``)
+push_targets        decode engine ``host:port`` -> node id:    none (no push unless asked)
+                    push to the decode engine a router named
+                    in the request id (:mod:`.handoff`)
 expect_timeout_s    how long a consumer waits for KV a         5
                     producer announced (``kv_transfer_params``)
 kv_dtype            the fabric's storage dtype (bfloat16,      the engine's KV dtype
@@ -34,7 +37,9 @@ reserve_cpu         keep the core vLLM's CPU executor reserves false: an engine 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
 from typing import Any
 
 from kvfabric.spec import DEFAULT_CHUNK_TOKENS, KVDtype
@@ -50,6 +55,7 @@ class ConnectorSettings:
     load_timeout_s: float = 10.0
     save_timeout_s: float = 10.0
     push_to: str | None = None
+    push_targets: Mapping[str, str] | None = None
     expect_timeout_s: float = 5.0
     kv_dtype: str | None = None
     reserve_cpu: bool = False  # read by the vLLM plugin in .cpu_threads, before any connector
@@ -67,6 +73,13 @@ class ConnectorSettings:
             raise ValueError("chunk_tokens must be a positive integer")
         if settings.kv_dtype is not None:  # one spelling per dtype: the namespace's
             settings = replace(settings, kv_dtype=KVDtype.parse(settings.kv_dtype).value)
+        if settings.push_targets is not None:
+            targets = settings.push_targets
+            if not isinstance(targets, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) and k and v for k, v in targets.items()
+            ):
+                raise ValueError("push_targets must map decode host:port strings to node ids")
+            settings = replace(settings, push_targets=MappingProxyType(dict(targets)))
         if not isinstance(settings.reserve_cpu, bool):
             raise ValueError("reserve_cpu must be true or false")
         for name in ("load_timeout_s", "save_timeout_s", "expect_timeout_s"):
