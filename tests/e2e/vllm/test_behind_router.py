@@ -154,6 +154,7 @@ def fabric(tiny_model, shared_redis, start_module_daemon, tmp_path_factory) -> I
             tiny_model,
             MODEL_NAME,
             connector("kv_producer", prefill_a.socket),
+            details,  # the router copies the prefill's cached tokens into the answer
             "--enable-log-requests",  # "Received request": the kill test sees it arrive
         )
         prefill_push.start(
@@ -164,6 +165,7 @@ def fabric(tiny_model, shared_redis, start_module_daemon, tmp_path_factory) -> I
                 prefill_a.socket,
                 push_targets={f"127.0.0.1:{decode.port}": "decode-b"},
             ),
+            details,
         )
         decode.start(tiny_model, MODEL_NAME, connector("kv_consumer", decode_b.socket), details)
         started = max(
@@ -214,7 +216,8 @@ def test_pull_decode_equals_a_monolithic_run(fabric: Fabric, length: int) -> Non
         fabric.decode_b, "kvfabric_pull_chunks_total", outcome="pulled"
     ) - pulled == math.ceil(length / CHUNK_TOKENS)
     assert fabric.pull.metric("vllm_router_pd_decode_requests_total") - routed == 1
-    # vLLM's P/D accounting: the answer reports the prefill engine's own hits (none here)
+    # P/D accounting: the answer reports the prefill engine's own hits (none here), both in
+    # vLLM (do_remote_prefill) and in the router, which copies them from the prefill's usage
     assert out.usage["prompt_tokens"] == length
     assert out.usage["prompt_tokens_details"]["cached_tokens"] == 0
 
@@ -265,7 +268,7 @@ def test_a_decode_engine_without_the_connector_computes_the_whole_prompt(
     cached = fabric.mono.metric("vllm:prompt_tokens_cached_total")
     out = complete(fabric.control.url, tokens, timeout=fabric.request_timeout_s)
     assert fabric.mono.metric("vllm:prompt_tokens_cached_total") == cached  # nothing loaded
-    assert out.usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert out.usage["prompt_tokens_details"]["cached_tokens"] == 0  # the prefill's
     # the prefill did store the prompt: the same request behind the kvfabric decode loads it
     cached = fabric.decode.metric("vllm:prompt_tokens_cached_total")
     assert complete(fabric.pull.url, tokens, timeout=fabric.request_timeout_s).token_ids == (
@@ -312,9 +315,8 @@ def test_a_prefill_engine_killed_mid_request_gives_an_error_or_a_recompute_in_ti
         asking = threading.Thread(target=ask)
         asking.start()
         deadline = time.monotonic() + fabric.request_timeout_s
-        while time.monotonic() < deadline and "elapsed_s" not in result:
-            if fabric.prefill.log_path.read_text(errors="replace").count(arrived) > seen:
-                break
+        while fabric.prefill.log_path.read_text(errors="replace").count(arrived) == seen:
+            assert time.monotonic() < deadline and "elapsed_s" not in result, result
             time.sleep(0.1)
         time.sleep(1.0)  # inside the engine, its save waiting on the stopped daemon
         fabric.prefill.kill()
