@@ -27,6 +27,10 @@ fi
 # plugin's path needs only what the [lmcache] extra lists.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[lmcache]'
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps lmcache==0.5.6
+# vllm-router (tests/e2e/vllm/test_behind_router.py runs its binary): a Rust wheel whose
+# dependencies (fastapi, uvicorn, aiohttp, requests, setproctitle, orjson) are all CPU-only and
+# already satisfied by vLLM's except orjson, so it installs with them.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check vllm-router==0.1.17
 # SGLang's HiCache storage interface: full SGLang needs a CUDA torch, so the tests unpack its
 # storage modules from the wheel instead of installing it.
 ls .venv/wheels/sglang-0.5.23-*.whl >/dev/null 2>&1 || \

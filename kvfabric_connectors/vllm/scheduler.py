@@ -13,8 +13,9 @@ scheduler's decisions into :class:`~.metadata.KVFabricMetadata` for the workers:
 * saves: every chunk of the prompt once all its tokens are computed (chunked prefill spreads
   them over steps), the partial last chunk included, except chunks the fabric already had.
 
-A producer (saves on) announces in ``kv_transfer_params`` (``{"kvfabric": {"tokens": n}}``)
-the prompt tokens its node's fabric holds when the request finishes: one ``contains`` of the
+A producer (saves on) announces in ``kv_transfer_params`` (``{"kvfabric": {"tokens": n}}``,
+plus vLLM's P/D keys when the request asked in that dialect: :mod:`.handoff`) the prompt
+tokens its node's fabric holds when the request finishes: one ``contains`` of the
 prompt's chunks on this side's link, when the step's saves are committed (a check, not a
 lookup: the daemon's hit-rate metrics do not see it). A producer whose saves went nowhere
 (the daemon is down, or refuses the engine's token: the worker's link fails the same way,
@@ -41,13 +42,13 @@ from kvfabric.lookup import LookupResult
 from kvfabric.spec import Namespace
 from kvfabric_connectors.link import DaemonLink
 
+from .handoff import Handoff, answer, read_params
 from .metadata import ChunkSlice, KVFabricMetadata, RequestTransfer
 from .namespace import Namespaces, lora_id_of
 from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 
-PARAMS_KEY = "kvfabric"
 # vLLM's hit sources, by the kind of tier that held the tokens
 TIER_SOURCES = {"device": "device", "dram": "host", "cxl": "host", "ssd": "disk"}
 
@@ -59,8 +60,8 @@ class _Request:
     lora_id: str
     refs: list[ChunkRef]  # the whole prompt, partial last chunk included
     prompt_tokens: int
+    handoff: Handoff  # what the request's kv_transfer_params ask
     expect_tokens: int = 0  # announced by a producer (kv_transfer_params)
-    push_to: str | None = None
     lookup: LookupResult | None = None
     hit_tokens: int = 0  # prompt tokens the fabric holds (local or on another node)
     waiting_since: float | None = None
@@ -164,11 +165,7 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
-        params = None
-        if self.saves:
-            tokens = self._stored_tokens(state)
-            if tokens:
-                params = {PARAMS_KEY: {"tokens": tokens}}
+        params = answer(state.handoff, self._stored_tokens(state)) if self.saves else None
         return state.loading, params
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
@@ -200,15 +197,21 @@ class SchedulerSide:
         salt = request.cache_salt or ""
         lora = lora_id_of(request)
         prompt = list(request.prompt_token_ids or ())
-        params = (request.kv_transfer_params or {}).get(PARAMS_KEY) or {}
+        handoff = read_params(
+            request.kv_transfer_params,
+            request.request_id,
+            len(prompt),
+            push_to=self.settings.push_to,
+            push_targets=self.settings.push_targets,
+        )
         state = _Request(
             request.request_id,
             salt,
             lora,
             chunk_hashes(self.namespaces.get(salt, lora), prompt),
             len(prompt),
-            expect_tokens=min(int(params.get("tokens", 0)), len(prompt)),
-            push_to=params.get("push_to") or self.settings.push_to,
+            handoff,
+            expect_tokens=handoff.expect_tokens,
         )
         self._requests[request.request_id] = state
         return state
@@ -335,6 +338,6 @@ class SchedulerSide:
             state.lora_id,
             tuple(state.block_ids),
             tuple(chunks),
-            state.push_to,
+            state.handoff.push_to,
             background,
         )

@@ -17,6 +17,9 @@ load_timeout_s      deadline of one request's load (pull or    10
 save_timeout_s      deadline of one step's saves               10
 push_to             node id every prefill pushes to            none (per request:
                                                                ``kv_transfer_params``)
+push_targets        decode engine ``host:port`` -> node id:    none (no push unless asked)
+                    push to the decode engine a router named
+                    in the request id (:mod:`.handoff`)
 expect_timeout_s    how long a consumer waits for KV a         5
                     producer announced (``kv_transfer_params``)
 kv_dtype            the fabric's storage dtype (bfloat16,      the engine's KV dtype
@@ -34,7 +37,9 @@ reserve_cpu         keep the core vLLM's CPU executor reserves false: an engine 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import field
+from types import MappingProxyType
 from typing import Annotated, Any
 
 from pydantic import PlainValidator
@@ -57,6 +62,15 @@ def _kv_dtype(value: object) -> str:
         raise ConfigError(str(exc)) from None
 
 
+def _push_targets(value: object) -> Mapping[str, str]:
+    """Decode engine ``host:port`` -> node id, both non-empty strings; read-only."""
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) and k and v for k, v in value.items()
+    ):
+        raise ConfigError("must map decode host:port strings to node ids")
+    return MappingProxyType(dict(value))
+
+
 @config_value
 class ConnectorSettings:
     socket_path: Text = field(default_factory=daemon_socket)
@@ -66,6 +80,9 @@ class ConnectorSettings:
     load_timeout_s: Seconds = 10.0
     save_timeout_s: Seconds = 10.0
     push_to: OptionalText = None
+    push_targets: Annotated[Mapping[str, str] | None, PlainValidator(optional(_push_targets))] = (
+        None
+    )
     expect_timeout_s: Seconds = 5.0
     kv_dtype: Annotated[str | None, PlainValidator(optional(_kv_dtype))] = None
     reserve_cpu: Flag = False  # read by the vLLM plugin in .cpu_threads, before any connector

@@ -19,6 +19,8 @@ dropped, ``&&`` lists split). Each gets one ``Check``:
 - ``BENCHMARK``: the script exists and its argument parser accepts the flags; the benchmark
   itself is not run (minutes).
 - ``EXTRAS``: ``pip install '.[extra]'`` is not run, but each extra it names exists.
+- ``ROUTER``: ``vllm-router ...`` (it would wait for engines): vllm-router's own argument
+  parser (``vllm_router.launch_router.parse_router_args``) accepts it.
 - ``NOT_RUN``: listed below with the reason; JSON arguments of those lines must parse.
 """
 
@@ -86,6 +88,7 @@ class Check(enum.Enum):
     PARSE = "accepted by the CLI's parser"
     BENCHMARK = "accepted by the benchmark's parser"
     EXTRAS = "its extras exist in pyproject.toml"
+    ROUTER = "accepted by vllm-router's parser"
     NOT_RUN = "in NOT_RUN"
 
 
@@ -104,6 +107,8 @@ def check_of(command: ShellCommand) -> Check | None:
         return Check.BENCHMARK
     if argv[0].endswith("pip") and argv[1:2] == ("install",) and any(".[" in a for a in argv):
         return Check.EXTRAS
+    if argv[0] == "vllm-router":
+        return Check.ROUTER
     if not_run_entry(argv) is not None:
         return Check.NOT_RUN
     return None
@@ -187,6 +192,25 @@ def test_kvfabric_commands_parse() -> None:
                 build_parser().parse_args(argv)
         except SystemExit as exc:
             pytest.fail(f"{where(command)}\n  exit {exc.code}: {errors.getvalue()}")
+
+
+def test_vllm_router_commands_parse() -> None:
+    """The router lines are not run (they wait for engines), but a flag vllm-router 0.1.17
+    does not know, or a PD setup it rejects, would break them."""
+    from vllm_router.launch_router import parse_router_args
+
+    commands = commands_with(Check.ROUTER)
+    assert commands
+    for command in commands:
+        errors = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+                args = parse_router_args(list(command.argv[1:]))
+        except SystemExit as exc:
+            pytest.fail(f"{where(command)}\n  exit {exc.code}: {errors.getvalue()}")
+        if args.vllm_pd_disaggregation:
+            assert args.prefill_urls and args.decode_urls, where(command)
+            assert args.kv_connector == "nixl", where(command)  # the one kvfabric works with
 
 
 def test_pip_extras_exist() -> None:

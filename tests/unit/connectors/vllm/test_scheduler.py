@@ -216,6 +216,36 @@ def test_a_consumer_waits_for_announced_kv_then_gives_up(daemon) -> None:
     sched.close()
 
 
+def test_behind_vllm_router_the_producer_answers_in_vllm_s_pd_dialect(daemon) -> None:
+    """vllm-router's PD mode (--kv-connector nixl) sends the prefill its nixl template and
+    forwards the prefill's answer verbatim to the decode engine."""
+    prompt = [t + 11 for t in PROMPT]
+    router_id = "cmpl-___prefill_addr_127.0.0.1:1___decode_addr_127.0.0.1:2_" + "ab" * 16 + "-0"
+    nixl = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}
+    producer = side(daemon.socket, loads=False, push_targets={"127.0.0.1:2": "decode-b"})
+    prefill = request(router_id, prompt, params=nixl)
+    producer.get_num_new_matched_tokens(prefill, 0)
+    (save,) = producer.build_connector_meta(step(new=[(router_id, prompt, [1, 2, 3], 0, 40)])).saves
+    assert save.push_to == "decode-b"  # the decode engine the router named, mapped to its node
+    store(daemon.socket, prompt)
+    _, params = producer.request_finished(prefill)
+    assert params == {
+        "kvfabric": {"tokens": 40},
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+    }
+    producer.close()
+    consumer = side(daemon.socket, saves=False)
+    assert consumer.get_num_new_matched_tokens(request("decode", prompt, params=params), 0) == (
+        39,
+        False,
+    )
+    # a proxy that sends only vLLM's key: the consumer still waits for the whole prompt
+    missing = request("d2", [t + 12 for t in PROMPT], params={"do_remote_prefill": True})
+    assert consumer.get_num_new_matched_tokens(missing, 0) == (None, False)
+    consumer.close()
+
+
 def test_without_a_daemon_every_request_is_a_quick_miss(tmp_path) -> None:
     sched = side(str(tmp_path / "absent.sock"))
     started = time.monotonic()
@@ -232,6 +262,8 @@ def test_settings_refuse_unknown_keys_and_bad_values() -> None:
         ConnectorSettings.from_extra_config({"chunk_tokens": 0})
     with pytest.raises(ValueError, match="load_timeout_s"):
         ConnectorSettings.from_extra_config({"load_timeout_s": -1})
+    with pytest.raises(ValueError, match="push_targets"):
+        ConnectorSettings.from_extra_config({"push_targets": {"127.0.0.1:2": 3}})
 
 
 def test_hit_sources_split_a_hit_by_the_tier_that_held_it(daemon) -> None:

@@ -1,0 +1,206 @@
+"""Real OpenAI-compatible vLLM servers and a real vllm-router, as test child processes.
+
+`ServedEngine`: ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs) on a
+loopback port, CPU build, the environment engine_runner.py gives its engines. `Router`: the
+``vllm-router`` binary of the vllm-router wheel (tests/install.sh installs it beside python).
+Each runs in its own session so `kill` takes its children (vLLM's engine core) with it.
+`wait_ready` polls the health endpoint until ``deadline_s``; a child that exits first fails
+at once with its log's tail. Used by tests/e2e/vllm/test_behind_router.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ROUTER_BIN = Path(sys.executable).with_name("vllm-router")
+
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "LMCACHE_TRACK_USAGE": "false",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+@dataclass
+class _Child:
+    name: str
+    workdir: Path
+    port: int
+    proc: subprocess.Popen | None = None
+    started_s: float = 0.0  # wall from spawn to healthy
+    _log: object = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def log_tail(self, limit: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return "<no log>"
+
+    def _spawn(self, args: list[str], env: dict[str, str]) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self._spawned = time.monotonic()
+        self.proc = subprocess.Popen(
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
+
+    def wait_ready(self, deadline_s: float, path: str = "/health") -> float:
+        """Seconds from spawn to a 200 on ``path``; fails after ``deadline_s``."""
+        assert self.proc is not None
+        limit = self._spawned + deadline_s
+        while time.monotonic() < limit:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited {self.proc.returncode}; log tail:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(self.url + path, timeout=2.0).status_code == 200:
+                    self.started_s = time.monotonic() - self._spawned
+                    return self.started_s
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.kill()
+        raise RuntimeError(
+            f"{self.name} not healthy within {deadline_s:.0f}s; log tail:\n{self.log_tail()}"
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+@dataclass
+class ServedEngine(_Child):
+    def start(
+        self, model: Path, served_name: str, kv_transfer_config: dict | None, *extra: str
+    ) -> ServedEngine:
+        rpc_dir = tempfile.mkdtemp(prefix="vrpc-", dir="/tmp")  # zmq ipc paths stay short
+        scratch = self.workdir / "scratch"
+        env = {
+            **ENGINE_ENV,
+            "VLLM_RPC_BASE_PATH": rpc_dir,
+            "VLLM_CACHE_ROOT": str(scratch / "cache"),
+            "VLLM_CONFIG_ROOT": str(scratch / "config"),
+            "PYTHONPATH": os.pathsep.join(
+                dict.fromkeys(
+                    [
+                        str(REPO_ROOT),
+                        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+                    ]
+                )
+            ),
+        }
+        args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "4096",
+            "--block-size",
+            "128",
+            "--enforce-eager",
+            "--seed",
+            "0",
+            *extra,
+        ]
+        if kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        self._spawn(args, env)
+        return self
+
+    def metric(self, name: str) -> float:
+        """The sum of a Prometheus series over all its labels (0 when absent)."""
+        text = httpx.get(self.url + "/metrics", timeout=10.0).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name
+        )
+
+
+@dataclass
+class Router(_Child):
+    metrics_port: int = 0
+
+    def start(self, *args: str) -> Router:
+        self._spawn(
+            [
+                str(ROUTER_BIN),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(self.metrics_port),
+                *args,
+            ],
+            {},
+        )
+        return self
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10.0).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
