@@ -228,7 +228,7 @@ def test_clear_deletes_the_pages_this_backend_stored(daemon: Any, make_backend: 
 
 
 def test_bad_configuration_fails_at_creation(daemon: Any, make_backend: Any) -> None:
-    with pytest.raises(ValueError, match="unknown kvfabric HiCache setting"):
+    with pytest.raises(ValueError, match=r"extra_config\.chunk_tokens: unknown key"):
         make_backend(pool("mha", "page_first"), daemon.socket, chunk_tokens=16)
     with pytest.raises(ValueError, match="host layouts"):
         make_backend(pool("mha", "page_head"), daemon.socket, mla=True)
