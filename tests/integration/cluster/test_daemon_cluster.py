@@ -121,7 +121,6 @@ def test_a_restarted_node_hides_its_old_entries_and_republishes_its_ssd(
     volatile = put_chain(a.socket, 3)
     first = wait_for(lambda: http_lookup(b, volatile), lambda r: "node-a" in holders(r))
     a.kill()  # no goodbye: its lease (10 s) is still live and its DRAM copies are gone
-    a.log.close()
     a.start()
     # the new epoch hides the old entries at once, long before the old lease would lapse
     assert "node-a" not in holders(http_lookup(b, volatile))
