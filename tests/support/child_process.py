@@ -98,7 +98,7 @@ class Child:
         assert self.proc is not None, f"{self.name} was never started"
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        if not self._exited(timeout):
+        if not self.exited(timeout):
             self.kill()
             raise subprocess.TimeoutExpired(self.argv, timeout)
         return self.kill()
@@ -121,7 +121,8 @@ class Child:
         return code
 
     def wait(self, timeout: float) -> int | None:
-        """The exit code, or None if still running after ``timeout`` seconds."""
+        """The exit code, or None if still running after ``timeout`` seconds (a child it
+        reaps is forgotten: what it left in its group is no longer :meth:`kill`'s)."""
         assert self.proc is not None
         try:
             code = self.proc.wait(timeout)
@@ -131,8 +132,9 @@ class Child:
             _live.discard(self)
         return code
 
-    def _exited(self, timeout: float) -> bool:
-        """Whether the child exits within ``timeout`` seconds; it is left unreaped."""
+    def exited(self, timeout: float) -> bool:
+        """Whether the child exits within ``timeout`` seconds. It is left unreaped (unlike
+        :meth:`wait`), so :meth:`kill` still reaches whatever it left in its group."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while self.proc.returncode is None:
