@@ -39,25 +39,16 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import (
-    daemon_process,
-    limit_torch_threads,
-    measure,
-    median,
-    percentile,
-    redis_server,
-    report,
-    tokens,
-    touched,
-)
+from _common import measure, median, percentile, tokens, touched
+from _runner import Benchmark, Outcome, run_benchmark
+from daemon_process import DaemonProcess
+from redis_process import RedisServer
 # isort: on
 
 import argparse
 import multiprocessing
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -113,11 +104,10 @@ FULL = Settings(rounds=10, lookups=5_000, records=200_000)
 
 
 # -- processes ------------------------------------------------------------------------------
-@contextmanager
-def daemon(data_dir: Path, *settings: str) -> Iterator[str]:
-    """A ``kvfabric serve`` child process; yields its socket path, killed when done."""
-    with daemon_process(data_dir, *settings, ready_timeout_s=READY_TIMEOUT_S) as info:
-        yield info["socket"]
+def node(data_dir: Path, redis_url: str, node_id: str, transport: str) -> DaemonProcess:
+    """A running ``kvfabric serve`` child (a ``with`` block kills it when it ends)."""
+    settings = node_settings(redis_url, node_id, transport)
+    return DaemonProcess(data_dir, settings).start(READY_TIMEOUT_S)
 
 
 def node_settings(redis_url: str, node_id: str, transport: str) -> list[str]:
@@ -217,13 +207,13 @@ def bench_transfers(root: Path, redis_url: str, preferred: str, cfg: Settings) -
         ]
 
         with (
-            daemon(root / f"a-{tag}", *node_settings(redis_url, "node-a", preferred)) as a,
-            daemon(root / f"b-{tag}", *node_settings(redis_url, "node-b", preferred)) as b,
-            Client(a) as ca,
-            Client(b) as cb,
+            node(root / f"a-{tag}", redis_url, "node-a", preferred) as a,
+            node(root / f"b-{tag}", redis_url, "node-b", preferred) as b,
+            Client(a.socket) as ca,
+            Client(b.socket) as cb,
             RedisGlobalIndex(redis_url) as index,
         ):
-            keys = put_chain(a)
+            keys = put_chain(a.socket)
             wait_until_held(index, keys, "node-a")
 
             def pull(_: int) -> None:
@@ -343,71 +333,78 @@ def transport_name(preferred: str) -> str:
     return select_backend(preferred).backend
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds: under a minute")
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object on stdout; the table goes to stderr",
-    )
+def all_transports_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--all-transports",
         action="store_true",
         help="also measure pull/push on socket and nixl separately",
     )
-    args = parser.parse_args(argv)
-    limit_torch_threads()
-    cfg = QUICK if args.quick else FULL
-    root = Path(tempfile.mkdtemp(prefix="kvfabric-cluster-bench-"))
-    described: list[tuple[str, str]] = []
-    # NIXL logs to stdout (here and in the spawned helper): send fd 1 to stderr while the
-    # benchmark runs, so that with --json stdout carries only the JSON object.
+
+
+BENCH = Benchmark(
+    __doc__, "kvfabric-cluster-bench-", TARGETS, (), add_arguments=all_transports_option
+)
+
+
+@contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """fd 1 goes to stderr inside the block: NIXL logs to stdout (here and in the spawned
+    helper), and with --json stdout carries only the JSON object."""
     sys.stdout.flush()
     saved_stdout = os.dup(1)
     os.dup2(2, 1)
-    figures: dict[str, Any] = {}
     try:
-        with redis_server(root) as url:
-            auto = transport_name("auto")
-            figures.update(bench_transfers(root, url, "auto", cfg))
-            described += [
-                ("pull_vs_raw_transport", f"client.prefetch {CHUNKS} x 4 MiB ({auto}) / raw read"),
-                ("push_vs_raw_transport", f"client.push {CHUNKS} x 4 MiB ({auto}) / raw write"),
-                ("pull_gb_s", "prefetch on B of A's 64 MiB chain, GB/s"),
-                ("push_gb_s", "push A -> B of 64 MiB, GB/s"),
-                ("raw_read_gb_s", f"{auto} transport read, 64 MiB between processes, GB/s"),
-                ("raw_write_gb_s", f"{auto} transport write, 64 MiB, GB/s"),
-                ("raw_read_anonymous_gb_s", f"{auto} read between anonymous (THP) buffers, GB/s"),
-            ]
-            if args.all_transports:
-                for backend in ("socket", "nixl"):
-                    if backend == "nixl" and nixl_unavailable_reason() is not None:
-                        print(f"nixl unavailable: {nixl_unavailable_reason()}", file=sys.stderr)
-                        continue
-                    got = bench_transfers(root, url, backend, cfg)
-                    for kind in ("pull", "push"):
-                        name = f"{kind}_vs_raw_transport_{backend}"
-                        figures[name] = got[f"{kind}_vs_raw_transport"]
-                        described.append((name, f"same, cluster.transport={backend}"))
-            figures.update(bench_index(url, cfg))
-            described += [
-                ("global_lookup_512_ms_p50", "RedisGlobalIndex.lookup, 512-chunk chain"),
-                ("global_lookup_512_ms_p99", "same, p99"),
-                ("redis_ping_ms_p50", "bare redis PING round trip, for scale"),
-                ("index_updates_per_s", f"publish + flush of {cfg.records} chunk records"),
-                ("events_per_s", f"events(after_id, count=1000) over {cfg.records} events"),
-            ]
+        yield
     finally:
-        shutil.rmtree(root, ignore_errors=True)
         sys.stdout.flush()
         os.dup2(saved_stdout, 1)
         os.close(saved_stdout)
+
+
+def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
+    cfg = QUICK if args.quick else FULL
+    described: list[tuple[str, str]] = []
+    figures: dict[str, Any] = {}
+    with stdout_to_stderr(), RedisServer(root).start() as server:
+        url = f"redis://127.0.0.1:{server.port}"
+        auto = transport_name("auto")
+        figures.update(bench_transfers(root, url, "auto", cfg))
+        described += [
+            ("pull_vs_raw_transport", f"client.prefetch {CHUNKS} x 4 MiB ({auto}) / raw read"),
+            ("push_vs_raw_transport", f"client.push {CHUNKS} x 4 MiB ({auto}) / raw write"),
+            ("pull_gb_s", "prefetch on B of A's 64 MiB chain, GB/s"),
+            ("push_gb_s", "push A -> B of 64 MiB, GB/s"),
+            ("raw_read_gb_s", f"{auto} transport read, 64 MiB between processes, GB/s"),
+            ("raw_write_gb_s", f"{auto} transport write, 64 MiB, GB/s"),
+            ("raw_read_anonymous_gb_s", f"{auto} read between anonymous (THP) buffers, GB/s"),
+        ]
+        if args.all_transports:
+            for backend in ("socket", "nixl"):
+                if backend == "nixl" and nixl_unavailable_reason() is not None:
+                    print(f"nixl unavailable: {nixl_unavailable_reason()}", file=sys.stderr)
+                    continue
+                got = bench_transfers(root, url, backend, cfg)
+                for kind in ("pull", "push"):
+                    name = f"{kind}_vs_raw_transport_{backend}"
+                    figures[name] = got[f"{kind}_vs_raw_transport"]
+                    described.append((name, f"same, cluster.transport={backend}"))
+        figures.update(bench_index(url, cfg))
+        described += [
+            ("global_lookup_512_ms_p50", "RedisGlobalIndex.lookup, 512-chunk chain"),
+            ("global_lookup_512_ms_p99", "same, p99"),
+            ("redis_ping_ms_p50", "bare redis PING round trip, for scale"),
+            ("index_updates_per_s", f"publish + flush of {cfg.records} chunk records"),
+            ("events_per_s", f"events(after_id, count=1000) over {cfg.records} events"),
+        ]
     figures["transport"] = auto  # not a table row: goes into the JSON object only
     print(
         f"transport: {auto} (cluster.transport=auto)", file=sys.stderr if args.json else sys.stdout
     )
-    return report(figures, TARGETS, described, as_json=args.json, quick=args.quick)
+    return Outcome(figures, described)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_benchmark(BENCH, measure_all, argv)
 
 
 if __name__ == "__main__":

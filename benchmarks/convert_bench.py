@@ -52,13 +52,13 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import limit_torch_threads, measure, measure_pairs, median, report, tokens, touched
+from _common import measure, measure_pairs, median, tokens, touched
+from _runner import Benchmark, Outcome, run_benchmark
 # isort: on
 
 import argparse
 import importlib.util
 import os
-import shutil
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -350,41 +350,40 @@ def bench_fp8_error(model_dir: Path, cfg: Settings) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object on stdout; the table goes to stderr",
-    )
-    parser.add_argument(
-        "--dir",
-        type=Path,
-        default=None,
-        help="where to create the scratch directory (default: system temp)",
-    )
+def model_dir_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-dir",
         type=Path,
         default=Path(tempfile.gettempdir()) / "kvfabric-bench-tiny-llama",
         help="where the tiny model is built once and reused",
     )
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    limit_torch_threads()
+
+
+BENCH = Benchmark(
+    __doc__,
+    "kvfabric-convert-bench-",
+    TARGETS,
+    FIGURES,
+    quick_help="fewer rounds",
+    scratch_dir_option=True,
+    add_arguments=model_dir_option,
+)
+
+
+def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
     cfg = QUICK if args.quick else FULL
-    root = Path(tempfile.mkdtemp(prefix="kvfabric-convert-bench-", dir=args.dir))
-    try:
-        figures = {
+    return Outcome(
+        {
             **bench_tp_slice(root, cfg),
             **bench_layout(cfg),
             **bench_fp8_speed(cfg),
             **bench_fp8_error(args.model_dir, cfg),
         }
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_benchmark(BENCH, measure_all, argv)
 
 
 if __name__ == "__main__":

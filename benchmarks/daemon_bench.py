@@ -39,28 +39,24 @@ from __future__ import annotations
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
 from _common import (
-    daemon_process,
-    limit_torch_threads,
     measure,
     measure_pairs,
     median,
     percentile,
-    report,
     tokens,
     touched,
 )
+from _runner import Benchmark, Outcome, run_benchmark
+from daemon_process import DaemonProcess
 # isort: on
 
 import argparse
 import http.client
 import json
 import multiprocessing
-import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
@@ -144,19 +140,6 @@ FULL = Settings(
     small_ops_s=5.0,
     small_ops_max_pairs=4_096,
 )
-
-
-@dataclass(frozen=True)
-class DaemonInfo:
-    socket: str
-    http_port: int
-
-
-@contextmanager
-def daemon(data_dir: Path, *settings: str) -> Iterator[DaemonInfo]:
-    """A ``kvfabric serve`` child process on ``data_dir``; killed when the block ends."""
-    with daemon_process(data_dir, *settings, ready_timeout_s=READY_TIMEOUT_S) as info:
-        yield DaemonInfo(info["socket"], info["http_port"])
 
 
 def dram_settings(capacity: int, page_size: int) -> list[str]:
@@ -388,43 +371,35 @@ def bench_small_ops(socket_path: str, cfg: Settings) -> dict[str, float]:
     return {"small_ops_per_s_8_clients": sum(rates)}
 
 
-def run(root: Path, cfg: Settings) -> dict[str, float]:
+def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
+    cfg = QUICK if args.quick else FULL
     # Daemon 1: 256 KiB pages (the default), room for a round of 4 MiB objects.
     big = dram_settings(arena_bytes(OBJECTS * OBJECT_BYTES, 256 * KiB), 256 * KiB)
     chain = chunk_hashes(SMALL, tokens(CHAIN_CHUNKS * SMALL.spec.chunk_tokens, seed=2))
-    with daemon(root / "node-big", *big) as info, Client(info.socket) as client:
+    with (
+        DaemonProcess(root / "node-big", big).start(READY_TIMEOUT_S) as node,
+        Client(node.socket) as client,
+    ):
         figures = {
             **bench_copies(client, cfg),
             **bench_lookup(client, chain, root, cfg),
-            **bench_http_lookup(info.http_port, chain, cfg),
+            **bench_http_lookup(node.info["http_port"], chain, cfg),
         }
     # Daemon 2: one 64 KiB page per small object, room for every pair the clients may put.
     small = dram_settings(
         arena_bytes(CLIENTS * cfg.small_ops_max_pairs * SMALL_OP_BYTES, SMALL_OP_BYTES),
         SMALL_OP_BYTES,
     )
-    with daemon(root / "node-small", *small) as info:
-        figures.update(bench_small_ops(info.socket, cfg))
-    return figures
+    with DaemonProcess(root / "node-small", small).start(READY_TIMEOUT_S) as node:
+        figures.update(bench_small_ops(node.socket, cfg))
+    return Outcome(figures)
+
+
+BENCH = Benchmark(__doc__, "kvfabric-daemon-bench-", TARGETS, FIGURES)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds: under a minute")
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object on stdout; the table goes to stderr",
-    )
-    args = parser.parse_args(argv)
-    limit_torch_threads()
-    cfg = QUICK if args.quick else FULL
-    root = Path(tempfile.mkdtemp(prefix="kvfabric-daemon-bench-"))
-    try:
-        figures = run(root, cfg)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)
+    return run_benchmark(BENCH, measure_all, argv)
 
 
 if __name__ == "__main__":

@@ -34,25 +34,18 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import (
-    daemon_process,
-    free_port,
-    limit_torch_threads,
-    measure,
-    median,
-    redis_server,
-    report,
-)
+from _common import measure, median
+from _runner import Benchmark, Outcome, run_benchmark
+from child_process import Child, free_port
+from daemon_process import DaemonProcess
+from redis_process import RedisServer
 # isort: on
 
 import argparse
 import asyncio
 import os
-import shutil
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -97,16 +90,12 @@ FIGURES = [
 def lm_server_process(workdir: Path) -> Iterator[str | None]:
     """LMCache's own remote server; None if it does not come up within 30 s."""
     port = free_port()
-    log = open(workdir / "lm_server.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    argv = [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"]
+    server = Child("lm_server", argv, workdir / "lm_server.log").start()
     try:
         deadline = time.monotonic() + 30
         url: str | None = None
-        while time.monotonic() < deadline and proc.poll() is None:
+        while time.monotonic() < deadline and server.alive:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
                 url = f"lm://127.0.0.1:{port}"
@@ -115,9 +104,7 @@ def lm_server_process(workdir: Path) -> Iterator[str | None]:
                 time.sleep(0.1)
         yield url
     finally:
-        proc.kill()
-        proc.wait()
-        log.close()
+        server.kill()
 
 
 class Backend:
@@ -257,20 +244,22 @@ def run_one(make: Callable[[], Backend], cfg: Config) -> dict[str, Any] | None:
         backend.close()
 
 
-def run(root: Path, cfg: Config) -> dict[str, float]:
+def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
+    cfg = QUICK if args.quick else FULL
     chunk_bytes = 2 * KV_SHAPE[0] * CHUNK_TOKENS * KV_SHAPE[3] * KV_SHAPE[4] * 2
     total = chunk_bytes * cfg.batch * (cfg.rounds + 1)
     cpu_gib = max(1.0, 4 * chunk_bytes * cfg.batch / 2**30)
     results: dict[str, dict[str, Any]] = {}
     dram = f"store.tiers.dram.capacity={max(1, 2 * total // 2**30 + 1)}GiB"
-    with daemon_process(root / "kvfabric", dram, "store.tiers.dram.page_size=2MiB") as info:
+    settings = [dram, "store.tiers.dram.page_size=2MiB"]
+    with DaemonProcess(root / "kvfabric", settings).start() as daemon:
         plugin = "remote_storage_plugin.kvfabric."
         overrides = {
             "remote_storage_plugins": ["kvfabric"],
             "extra_config": {
                 plugin + "module_path": "kvfabric_connectors.lmcache",
                 plugin + "class_name": "KVFabricConnectorAdapter",
-                plugin + "socket_path": info["socket"],
+                plugin + "socket_path": daemon.socket,
                 plugin + "pull": False,
             },
         }
@@ -278,7 +267,8 @@ def run(root: Path, cfg: Config) -> dict[str, float]:
             lambda: Backend("kvfabric", overrides, "kvfabric", cpu_gib), cfg
         )
     (root / "redis").mkdir()
-    with redis_server(root / "redis") as url:
+    with RedisServer(root / "redis").start() as server:
+        url = f"redis://127.0.0.1:{server.port}"
         results["redis"] = run_one(
             lambda: Backend("redis", {"remote_url": url}, None, cpu_gib), cfg
         )
@@ -306,27 +296,14 @@ def run(root: Path, cfg: Config) -> dict[str, float]:
     if "lm" in results:
         figures["get_vs_lm_server"] = results["lm"]["get_s"] / kvf["get_s"]
         figures["put_vs_lm_server"] = results["lm"]["put_s"] / kvf["put_s"]
-    return figures
+    return Outcome(figures)
+
+
+BENCH = Benchmark(__doc__, "kvfabric-lmcache-bench-", TARGETS, FIGURES)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds: under a minute")
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object on stdout; the table goes to stderr",
-    )
-    args = parser.parse_args(argv)
-    limit_torch_threads()
-    cfg = QUICK if args.quick else FULL
-    root = Path(tempfile.mkdtemp(prefix="kvfabric-lmcache-bench-"))
-    try:
-        figures = run(root, cfg)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    described = [(name, what) for name, what in FIGURES if name in figures]
-    return report(figures, TARGETS, described, as_json=args.json, quick=args.quick)
+    return run_benchmark(BENCH, measure_all, argv)
 
 
 if __name__ == "__main__":

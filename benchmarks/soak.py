@@ -47,19 +47,16 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import limit_torch_threads, report
+import _common  # noqa: F401  (first: thread caps, tests/support on sys.path, cleanup)
+from _runner import Benchmark, Outcome, run_benchmark
 # isort: on
 
 import argparse
 import dataclasses
-import shutil
-import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 import chaos_harness
 
 TARGETS: dict[str, tuple[str, float]] = {
@@ -132,14 +129,7 @@ def applicable(
     return targets, dropped
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="every fault once or twice")
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object on stdout; the table goes to stderr",
-    )
+def soak_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--duration",
         type=float,
@@ -147,45 +137,36 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds of random faults (without --quick; default 900)",
     )
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    args = parser.parse_args(argv)
-    limit_torch_threads()
+
+
+BENCH = Benchmark(
+    __doc__,
+    "kvfabric-soak-",
+    TARGETS,
+    FIGURES,
+    quick_help="every fault once or twice",
+    keep_option=True,
+    add_arguments=soak_options,
+)
+
+
+def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
     settings = chaos_harness.QUICK if args.quick else chaos_harness.SOAK
     changes: dict[str, Any] = {"seed": args.seed}
     if args.duration is not None and not args.quick:
         changes["duration_s"] = args.duration
-    settings = dataclasses.replace(settings, **changes)
-    # a SIGTERM (or a closed terminal) ends the run through its finally: children are killed
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda number, frame: sys.exit(128 + number))
-    root = Path(tempfile.mkdtemp(prefix="kvfabric-soak-"))
-    keep = args.keep
-    try:
-        figures = chaos_harness.run(settings, root / "run")
-        figures["kills_not_survived"] = figures["kills_total"] - figures["kills_survived"]
-        figures["enospc_rounds_not_survived"] = (
-            figures["enospc_rounds_total"] - figures["enospc_rounds_survived"]
-        )
-        targets, dropped = applicable(figures, args.quick)
-        figures["targets_dropped"] = dropped
-        verdicts = {
-            name: figures[name] is not None
-            and (figures[name] >= target if op == ">=" else figures[name] <= target)
-            for name, (op, target) in targets.items()
-        }
-        keep = keep or not all(verdicts.values())
-        report(figures, targets, FIGURES, as_json=args.json, quick=args.quick)
-        for line in dropped + figures["notes"]:
-            print(f"note: {line}", file=sys.stderr)
-    except BaseException:
-        keep = True
-        raise
-    finally:
-        if keep:
-            print(f"work directory kept: {root}", file=sys.stderr)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
-    return 0 if all(verdicts.values()) else 1
+    figures = chaos_harness.run(dataclasses.replace(settings, **changes), root / "run")
+    figures["kills_not_survived"] = figures["kills_total"] - figures["kills_survived"]
+    figures["enospc_rounds_not_survived"] = (
+        figures["enospc_rounds_total"] - figures["enospc_rounds_survived"]
+    )
+    targets, dropped = applicable(figures, args.quick)
+    figures["targets_dropped"] = dropped
+    return Outcome(figures, targets=targets, notes=dropped + figures["notes"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_benchmark(BENCH, measure_all, argv)
 
 
 if __name__ == "__main__":

@@ -39,15 +39,14 @@ from __future__ import annotations
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
 from _common import (
     Timer,
-    limit_torch_threads,
     measure,
     measure_pairs,
     median,
     percentile,
-    report,
     tokens,
     touched,
 )
+from _runner import Benchmark, Outcome, run_benchmark
 # isort: on
 
 import argparse
@@ -57,7 +56,6 @@ import os
 import pickle  # noqa: TID251 (the baseline measured is vLLM's pickle-based hash; no wire)
 import shutil
 import sys
-import tempfile
 import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
@@ -385,26 +383,13 @@ def bench_metadata(root: Path, cfg: Settings) -> dict[str, float]:
     return {"metadata_bytes_per_object": held / n}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds: under a minute")
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object on stdout; the table goes to stderr",
-    )
-    parser.add_argument(
-        "--dir",
-        type=Path,
-        default=None,
-        help="where to create the scratch directory (default: system temp)",
-    )
-    args = parser.parse_args(argv)
-    limit_torch_threads()
+BENCH = Benchmark(__doc__, "kvfabric-store-bench-", TARGETS, FIGURES, scratch_dir_option=True)
+
+
+def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
     cfg = QUICK if args.quick else FULL
-    root = Path(tempfile.mkdtemp(prefix="kvfabric-store-bench-", dir=args.dir))
-    try:
-        figures = {
+    return Outcome(
+        {
             **bench_dram(root, cfg),
             **bench_lookup(root, cfg),
             **bench_hash(cfg),
@@ -412,9 +397,11 @@ def main(argv: list[str] | None = None) -> int:
             **bench_demote(root, cfg),
             **bench_metadata(root, cfg),
         }
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_benchmark(BENCH, measure_all, argv)
 
 
 if __name__ == "__main__":

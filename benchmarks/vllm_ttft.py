@@ -63,28 +63,20 @@ from __future__ import annotations
 
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
-from _common import median, report
+from _common import median
+from _runner import Benchmark, Outcome, run_benchmark
+from daemon_process import DaemonProcess
+from engine_jobs import kvfabric_connector, load_model_builder, run_engine_job
 # isort: on
 
 import argparse
-import importlib.util
 import json
-import os
 import random
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RUNNER = REPO_ROOT / "tests" / "e2e" / "vllm" / "engine_runner.py"
-BUILDER = REPO_ROOT / "tests" / "models" / "build_tiny_llama.py"
 
 MODEL = {
     "layers": 8,
@@ -155,11 +147,8 @@ FULL = Settings(prompts=5, cost_prompts=8)
 
 
 def build_model(model_dir: Path) -> Path:
-    spec = importlib.util.spec_from_file_location("kvfabric_bench_build_tiny_llama", BUILDER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build_tiny_llama(model_dir, **MODEL)  # no-op when already built
+    # a no-op when it is already built there
+    return load_model_builder().build_tiny_llama(model_dir, **MODEL)
 
 
 def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
@@ -167,73 +156,23 @@ def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
     return [rng.randrange(10, MODEL["vocab"]) for _ in range(tokens)]
 
 
-class Daemon:
-    """``kvfabric serve`` on ``data_dir`` as benchmarks/_common.daemon_process starts it, but
-    stoppable with SIGTERM (it then persists its memory tiers) and restartable on the same
-    data dir."""
+def stop_for_restart(daemon: DaemonProcess) -> None:
+    """SIGTERM: the daemon writes memory-resident chunks to its SSD tier, then exits."""
+    code = daemon.stop(timeout=60.0)
+    if code != 0:
+        raise RuntimeError(f"the daemon exited {code} on SIGTERM")
 
-    def __init__(self, data_dir: Path, settings: list[str]) -> None:
-        self.data_dir = data_dir
-        self.settings = settings
-        self.proc: subprocess.Popen | None = None
-        self.info: dict[str, Any] = {}
-        data_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self) -> None:
-        ready = self.data_dir / "ready.json"
-        ready.unlink(missing_ok=True)
-        args = [
-            sys.executable,
-            "-m",
-            "kvfabric.cli",
-            "serve",
-            "--ready-file",
-            str(ready),
-            "--set",
-            f"store.data_dir={self.data_dir}",
-            "--set",
-            "http.host=127.0.0.1",
-            "--set",
-            "http.port=0",
-        ]
-        for item in self.settings:
-            args += ["--set", item]
-        log_path = self.data_dir / "daemon.log"
-        with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"the daemon did not come up:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.02)
-        self.info = json.loads(ready.read_text())
-
-    def stop(self, timeout: float = 60.0) -> None:
-        """SIGTERM: the daemon writes memory-resident chunks to its SSD tier, then exits."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout)
-        if rc != 0:
-            raise RuntimeError(f"the daemon exited {rc} on SIGTERM")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stats(self) -> dict[str, Any]:
-        url = f"http://127.0.0.1:{self.info['http_port']}/v1/stats"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return json.loads(response.read())
-
-    def tier_hit_tokens(self) -> dict[str, int]:
-        return {t["kind"]: int(t["hit_tokens"]) for t in self.stats()["tiers"]}
+def tier_hit_tokens(daemon: DaemonProcess) -> dict[str, int]:
+    with urllib.request.urlopen(f"{daemon.http_url}/v1/stats", timeout=10) as response:
+        stats = json.loads(response.read())
+    return {t["kind"]: int(t["hit_tokens"]) for t in stats["tiers"]}
 
 
 def run_job(workdir: Path, model: Path, engines: list[dict], **options: Any) -> dict:
-    """One engine_runner job in a subprocess (own session: vLLM children die with it);
-    ``options``: further job keys (``multiprocessing``, ``env``)."""
+    """One engine_runner job in a subprocess (own process group: vLLM children die with
+    it), killed after JOB_TIMEOUT_S; ``options``: further job keys (``multiprocessing``,
+    ``env``). Its engine records by name."""
     workdir.mkdir(parents=True)
     job = {
         "model": str(model),
@@ -241,51 +180,12 @@ def run_job(workdir: Path, model: Path, engines: list[dict], **options: Any) -> 
         "engines": engines,
         **options,
     }
-    job_file, result_file, log_file = (
-        workdir / "job.json",
-        workdir / "result.json",
-        workdir / "log",
-    )
-    job_file.write_text(json.dumps(job))
-    with open(log_file, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(RUNNER), str(job_file), str(result_file)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-            start_new_session=True,
-        )
-        try:
-            rc = proc.wait(JOB_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    tail = log_file.read_text(errors="replace")[-6000:]
-    if rc is None or not result_file.exists():
-        raise RuntimeError(
-            f"engine_runner {'timed out' if rc is None else f'exited {rc}'}:\n{tail}"
-        )
-    result = json.loads(result_file.read_text())
-    if rc != 0 or not result.get("ok"):
-        raise RuntimeError(
-            f"engine_runner failed: {result.get('error')}\n{result.get('traceback', '')}\n{tail}"
-        )
-    return {e["name"]: e for e in result["engines"]}
-
-
-def connector(socket: str) -> dict:
-    return {
-        "kv_connector": "KVFabricConnector",
-        "kv_connector_module_path": "kvfabric_connectors.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket_path": socket},
-    }
+    run = run_engine_job(workdir, job, stall_s=JOB_TIMEOUT_S, deadline_s=JOB_TIMEOUT_S)
+    failure = run.failure()
+    if failure is not None:
+        raise RuntimeError(failure)
+    assert run.result is not None
+    return {e["name"]: e for e in run.result["engines"]}
 
 
 def engine(name: str, prompts: list[list[int]], kv: dict | None = None) -> dict:
@@ -386,7 +286,9 @@ def connector_cost(root: Path, model: Path, kv: dict, n: int) -> dict[str, Any]:
     }
 
 
-def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
+def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
+    cfg = QUICK if args.quick else FULL
+    model = build_model(args.model_dir or root / "model")
     n = cfg.prompts
     warm, measured = prompt(1000), [prompt(i) for i in range(n)]
     hit_prompts = [warm, *measured]  # index 0: warm-up
@@ -395,10 +297,9 @@ def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
     plain_prompts = [prompt(2000)] + [p for p in measured for _ in range(2)]
     recompute_at, local_at = list(range(1, 2 * n, 2)), list(range(2, 2 * n + 1, 2))
 
-    daemon = Daemon(root / "daemon", DAEMON)
-    daemon.start()
+    daemon = DaemonProcess(root / "daemon", DAEMON).start(READY_TIMEOUT_S)
     try:
-        kv = connector(daemon.info["socket"])
+        kv = kvfabric_connector(daemon.socket)
         job1 = run_job(
             root / "job1",
             model,
@@ -408,11 +309,11 @@ def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
                 engine("hit-dram", hit_prompts, kv),
             ],
         )
-        daemon.stop()  # memory-resident chunks go to the SSD tier
-        daemon.start()
-        before = daemon.tier_hit_tokens()
+        stop_for_restart(daemon)  # memory-resident chunks go to the SSD tier
+        daemon.start(READY_TIMEOUT_S)
+        before = tier_hit_tokens(daemon)
         job2 = run_job(root / "job2", model, [engine("hit-ssd", hit_prompts, kv)])
-        after = daemon.tier_hit_tokens()
+        after = tier_hit_tokens(daemon)
         cost = connector_cost(root, model, kv, cfg.cost_prompts)
     finally:
         daemon.kill()
@@ -446,7 +347,7 @@ def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
     share_dram, per_req_dram = load_share(dram)
     share_ssd, per_req_ssd = load_share(ssd)
     kv_bytes = 2 * MODEL["layers"] * MODEL["kv_heads"] * MODEL["head_dim"] * 2 * PROMPT_TOKENS
-    return {
+    figures = {
         **cost,
         "ttft_hit_dram_vs_recompute": hit_dram / recompute,
         "ttft_hit_ssd_vs_recompute": hit_ssd / recompute,
@@ -478,32 +379,27 @@ def run(root: Path, model: Path, cfg: Settings) -> dict[str, Any]:
             "hit_ssd": ssd["connector_totals"],
         },
     }
+    return Outcome(figures)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"{QUICK.prompts} prompts per case instead of {FULL.prompts}",
-    )
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object on stdout; the table goes to stderr",
-    )
+def model_dir_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-dir", type=Path, help="build (or reuse) the model here instead of in the temp dir"
     )
-    args = parser.parse_args(argv)
-    cfg = QUICK if args.quick else FULL
-    root = Path(tempfile.mkdtemp(prefix="kvfabric-vllm-ttft-"))
-    try:
-        model = build_model(args.model_dir or root / "model")
-        figures = run(root, model, cfg)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return report(figures, TARGETS, FIGURES, as_json=args.json, quick=args.quick)
+
+
+BENCH = Benchmark(
+    __doc__,
+    "kvfabric-vllm-ttft-",
+    TARGETS,
+    FIGURES,
+    quick_help=f"{QUICK.prompts} prompts per case instead of {FULL.prompts}",
+    add_arguments=model_dir_option,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_benchmark(BENCH, measure_all, argv)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from child_process import free_port
 from readme_shell import ShellCommand, quickstart_block, readme_commands, split_shell
-from redis_servers import free_port
 
 from kvfabric.cli import build_parser
 

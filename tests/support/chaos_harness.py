@@ -3,7 +3,7 @@ with the invariants checked while it runs. ``benchmarks/soak.py`` (long) and ``t
 (CI-sized) both run it; :func:`run` returns every figure of one run.
 
 What runs (each a real process, in its own process group, none outliving the harness:
-:mod:`chaos_procs`):
+:mod:`child_process`, :mod:`chaos_procs`, :mod:`redis_process`):
 
 * a ``redis-server`` on a random loopback port, the global index of two ``kvfabric serve``
   nodes (cluster mode, a cluster secret, an admin token and one token per tenant, a small
@@ -61,7 +61,9 @@ from chaos_common import (
 )
 from chaos_events import EVENTS
 from chaos_monitor import Monitor, rss_slope_mb_per_hour, socket_fds
-from chaos_procs import Child, Daemon, Redis, kill_all
+from chaos_procs import Daemon
+from child_process import Child, kill_all
+from redis_process import RedisServer
 from small_fs import tmpfs
 
 from kvfabric.client import Client
@@ -187,7 +189,7 @@ class Harness:
 
     # ------------------------------------------------------------------ processes
     def worker(self, role: str, name: str, cfg: dict[str, Any]) -> Child:
-        """A client process running ``role`` (started from this thread: see chaos_procs)."""
+        """A client process running ``role`` (started from this thread: see child_process)."""
         cfg = {"name": name, "workdir": str(self.workdir), **cfg}
         path = self.workdir / f"{name}.json"
         path.write_text(json.dumps(cfg))
@@ -199,7 +201,7 @@ class Harness:
 
     def setup(self) -> None:
         s = self.settings
-        self.redis = Redis(self.workdir).start()
+        self.redis = RedisServer(self.workdir).start()
         secret = self.workdir / "cluster-secret"
         secret.write_bytes(os.urandom(32).hex().encode())
         for node in NODES:

@@ -1,5 +1,5 @@
-"""Real ``redis-server`` children for tests: one server on a random loopback port, or a
-3-master Redis Cluster. The fixtures that use them are in the tests' conftest files."""
+"""A 3-master Redis Cluster of real ``redis-server`` children for tests (one server alone:
+:mod:`redis_process`). The fixtures that use them are in the tests' conftest files."""
 
 from __future__ import annotations
 
@@ -11,67 +11,8 @@ from pathlib import Path
 
 import pytest
 import redis
-
-
-class RedisServer:
-    """One redis-server child without persistence; restart() comes back empty, same port."""
-
-    def __init__(self, workdir: Path, extra_args: tuple[str, ...] = ()) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail(
-                "redis-server is not on PATH: install it (e.g. apt-get install "
-                "redis-server) to run the global index tests"
-            )
-        self.binary, self.workdir = binary, workdir
-        self.port = free_port()
-        self.extra_args = extra_args
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        self.proc = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-                *self.extra_args,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port, socket_timeout=0.2, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                return self
-            except redis.exceptions.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                time.sleep(0.02)
-            finally:
-                client.close()
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
+from child_process import free_port
+from redis_process import RedisServer
 
 
 class RedisClusterServers:
@@ -84,17 +25,16 @@ class RedisClusterServers:
             pytest.fail("redis-cli is not on PATH: it creates the Redis Cluster of the tests")
         self.servers: list[RedisServer] = []
         for _ in range(masters):
-            server = RedisServer(workdir)
-            server.port = free_cluster_port()
-            server.extra_args = (
+            port = free_cluster_port()
+            cluster_args = (
                 "--cluster-enabled",
                 "yes",
                 "--cluster-config-file",
-                f"nodes-{server.port}.conf",
+                f"nodes-{port}.conf",
                 "--cluster-node-timeout",
                 "5000",
             )
-            self.servers.append(server)
+            self.servers.append(RedisServer(workdir, cluster_args, port=port))
 
     @property
     def url(self) -> str:
@@ -142,12 +82,6 @@ class RedisClusterServers:
     def kill(self) -> None:
         for server in self.servers:
             server.kill()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def free_cluster_port() -> int:

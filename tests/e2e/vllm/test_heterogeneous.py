@@ -45,6 +45,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_jobs import kvfabric_connector
 
 from kvfabric.client import Client
 from kvfabric.convert import fp8
@@ -75,16 +76,6 @@ def prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
 
 
 P = prompt(21)
-
-
-def connector(role: str, socket: str) -> dict:
-    return {
-        "kv_connector": "KVFabricConnector",
-        "kv_connector_module_path": "kvfabric_connectors.vllm",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket_path": socket},
-    }
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -144,14 +135,14 @@ def engines(nodes, job_runner, tmp_path_factory) -> dict:
                     "block_size": 128,
                     "prompts": [P],
                     "max_tokens": 1,
-                    "kv_transfer_config": connector("kv_producer", socket),
+                    "kv_transfer_config": kvfabric_connector(role="kv_producer", socket=socket),
                 },
                 {
                     "name": "consumer-256",
                     "block_size": 256,
                     "prompts": [P],
                     "max_tokens": STEPS,
-                    "kv_transfer_config": connector("kv_consumer", socket),
+                    "kv_transfer_config": kvfabric_connector(role="kv_consumer", socket=socket),
                     "kv_transfer_params_from": "producer",
                 },
                 {"name": "monolithic-256", "block_size": 256, "prompts": [P], "max_tokens": STEPS},

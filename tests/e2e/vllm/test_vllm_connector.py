@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_jobs import kvfabric_connector
 from transformers import AutoConfig
 
 from kvfabric.client import Client
@@ -38,16 +39,6 @@ P3 = prompt(3)
 P4 = prompt(4)
 
 
-def connector(role: str, socket: str, **extra: object) -> dict:
-    return {
-        "kv_connector": "KVFabricConnector",
-        "kv_connector_module_path": "kvfabric_connectors.vllm",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket_path": socket, **extra},
-    }
-
-
 def namespace(model: Path, tenant: str = "") -> Namespace:
     """The namespace the connector derives for the tiny model (served name = its path)."""
     return namespace_for(
@@ -63,7 +54,7 @@ def node(start_module_daemon):
 @pytest.fixture(scope="module")
 def reuse_job(node, job_runner, tmp_path_factory) -> dict:
     """One job, fresh engines one after another against one daemon (see each test)."""
-    both = connector("kv_both", node.socket)
+    both = kvfabric_connector(role="kv_both", socket=node.socket)
     return job_runner(
         tmp_path_factory.mktemp("reuse"),
         {
@@ -96,8 +87,8 @@ def reuse_job(node, job_runner, tmp_path_factory) -> dict:
                 },
                 {
                     "name": "no-daemon",
-                    "kv_transfer_config": connector(
-                        "kv_both", str(node.data_dir / "nobody-listens.sock")
+                    "kv_transfer_config": kvfabric_connector(
+                        role="kv_both", socket=str(node.data_dir / "nobody-listens.sock")
                     ),
                     "prompts": [P1],
                 },
@@ -163,7 +154,7 @@ def test_negative_control_corrupted_kv_changes_the_output(
             "engines": [
                 {
                     "name": "corrupt",
-                    "kv_transfer_config": connector("kv_both", node.socket),
+                    "kv_transfer_config": kvfabric_connector(role="kv_both", socket=node.socket),
                     "prompts": [P1],
                 }
             ]
@@ -177,7 +168,7 @@ def test_a_load_that_fails_is_recomputed(start_daemon, tiny_model, job_runner, t
     """The fabric says it holds the prompt, but a chunk is unreadable when the worker loads
     it (its SSD record is damaged): vLLM recomputes those blocks, the output is unchanged."""
     daemon = start_daemon(*SMALL)
-    both = connector("kv_both", daemon.socket)
+    both = kvfabric_connector(role="kv_both", socket=daemon.socket)
     first = job_runner(
         tmp_path / "store",
         {
@@ -222,7 +213,7 @@ def test_two_process_engine_saves_and_loads(node, job_runner, tmp_path, reuse_jo
             "engines": [
                 {
                     "name": "mp",
-                    "kv_transfer_config": connector("kv_both", node.socket),
+                    "kv_transfer_config": kvfabric_connector(role="kv_both", socket=node.socket),
                     "prompts": [P4, P4],
                     "reset_prefix_cache_after": [0],
                 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_jobs import kvfabric_connector
 
 from kvfabric.client import Client
 
@@ -34,16 +35,6 @@ def node(start_daemon, redis_url: str, name: str, transport: str):
     )
 
 
-def connector(role: str, socket: str) -> dict:
-    return {
-        "kv_connector": "KVFabricConnector",
-        "kv_connector_module_path": "kvfabric_connectors.vllm",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket_path": socket},
-    }
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_prefill_then_decode_by_pull(
     start_daemon, redis_server, job_runner, tmp_path, transport: str
@@ -58,13 +49,17 @@ def test_prefill_then_decode_by_pull(
                 {"name": "monolithic", "prompts": [tokens], "max_tokens": 8},
                 {
                     "name": "prefill",
-                    "kv_transfer_config": connector("kv_producer", prefill.socket),
+                    "kv_transfer_config": kvfabric_connector(
+                        role="kv_producer", socket=prefill.socket
+                    ),
                     "prompts": [tokens],
                     "max_tokens": 1,
                 },
                 {
                     "name": "decode",
-                    "kv_transfer_config": connector("kv_consumer", decode.socket),
+                    "kv_transfer_config": kvfabric_connector(
+                        role="kv_consumer", socket=decode.socket
+                    ),
                     "prompts": [tokens],
                     "max_tokens": 8,
                     "kv_transfer_params_from": "prefill",
@@ -100,7 +95,9 @@ def test_prefill_then_decode_by_push(
                 {"name": "monolithic", "prompts": [tokens], "max_tokens": 8},
                 {
                     "name": "prefill",
-                    "kv_transfer_config": connector("kv_producer", prefill.socket),
+                    "kv_transfer_config": kvfabric_connector(
+                        role="kv_producer", socket=prefill.socket
+                    ),
                     "prompts": [tokens],
                     "max_tokens": 1,
                     "kv_transfer_params": [{"kvfabric": {"push_to": "decode-b"}}],
@@ -117,7 +114,9 @@ def test_prefill_then_decode_by_push(
             "engines": [
                 {
                     "name": "decode",
-                    "kv_transfer_config": connector("kv_consumer", decode.socket),
+                    "kv_transfer_config": kvfabric_connector(
+                        role="kv_consumer", socket=decode.socket
+                    ),
                     "prompts": [tokens],
                     "max_tokens": 8,
                     "kv_transfer_params": [handoff["kv_transfer_params"]],

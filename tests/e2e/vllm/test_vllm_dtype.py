@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import random
 
+from engine_jobs import kvfabric_connector
+
 CHECKED_TOKENS = 3
 PROMPT_LEN = 700
 
@@ -19,16 +21,6 @@ PROMPT_LEN = 700
 def prompt(seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(10, 2000) for _ in range(PROMPT_LEN)]
-
-
-def connector(role: str, socket: str, **extra: object) -> dict:
-    return {
-        "kv_connector": "KVFabricConnector",
-        "kv_connector_module_path": "kvfabric_connectors.vllm",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket_path": socket, **extra},
-    }
 
 
 def test_bf16_producer_feeds_an_fp32_consumer(start_daemon, job_runner, tmp_path) -> None:
@@ -41,7 +33,9 @@ def test_bf16_producer_feeds_an_fp32_consumer(start_daemon, job_runner, tmp_path
                 {"name": "fp32", "dtype": "float32", "prompts": prompts, "max_tokens": 8},
                 {
                     "name": "bf16-prefill",
-                    "kv_transfer_config": connector("kv_producer", daemon.socket),
+                    "kv_transfer_config": kvfabric_connector(
+                        role="kv_producer", socket=daemon.socket
+                    ),
                     "prompts": prompts,
                     "max_tokens": 1,
                 },
@@ -50,8 +44,8 @@ def test_bf16_producer_feeds_an_fp32_consumer(start_daemon, job_runner, tmp_path
                     "dtype": "float32",
                     "prompts": prompts,
                     "max_tokens": 8,
-                    "kv_transfer_config": connector(
-                        "kv_consumer", daemon.socket, kv_dtype="bfloat16"
+                    "kv_transfer_config": kvfabric_connector(
+                        role="kv_consumer", socket=daemon.socket, kv_dtype="bfloat16"
                     ),
                 },
             ]

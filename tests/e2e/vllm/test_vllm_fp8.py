@@ -39,6 +39,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_jobs import kvfabric_connector
 from logprob_bounds import gap_of_reference_token
 
 from kvfabric.client import Client
@@ -67,16 +68,6 @@ def prompt(seed: int) -> list[int]:
 
 PROMPTS = [prompt(seed) for seed in SEEDS]
 CONTROL = prompt(CONTROL_SEED)
-
-
-def connector(role: str, socket: str, **extra: object) -> dict:
-    return {
-        "kv_connector": "KVFabricConnector",
-        "kv_connector_module_path": "kvfabric_connectors.vllm",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket_path": socket, "chunk_tokens": CHUNK, **extra},
-    }
 
 
 def namespace(model: Path, dtype: str, tenant: str = "") -> Namespace:
@@ -190,13 +181,17 @@ def run(start_module_daemon, job_runner, tiny_model, tmp_path_factory) -> dict:
                     "name": "prefill-bf16",
                     "prompts": every,
                     "max_tokens": 1,
-                    "kv_transfer_config": connector("kv_producer", daemon.socket),
+                    "kv_transfer_config": kvfabric_connector(
+                        role="kv_producer", chunk_tokens=CHUNK, socket=daemon.socket
+                    ),
                 },
                 {
                     "name": "prefill-fp8",
                     "prompts": PROMPTS,
                     "max_tokens": 1,
-                    "kv_transfer_config": connector("kv_producer", daemon.socket, **fp8_at),
+                    "kv_transfer_config": kvfabric_connector(
+                        role="kv_producer", chunk_tokens=CHUNK, socket=daemon.socket, **fp8_at
+                    ),
                 },
             ]
         },
@@ -213,8 +208,11 @@ def run(start_module_daemon, job_runner, tiny_model, tmp_path_factory) -> dict:
                     "max_tokens": MAX_TOKENS,
                     "logprobs": TOP_K,
                     **({"cache_salt": AT_BOUND} if kind == "at-bound" else {}),
-                    "kv_transfer_config": connector(
-                        "kv_consumer", daemon.socket, **(fp8_at if kind == "decode" else bf16_at)
+                    "kv_transfer_config": kvfabric_connector(
+                        role="kv_consumer",
+                        chunk_tokens=CHUNK,
+                        socket=daemon.socket,
+                        **(fp8_at if kind == "decode" else bf16_at),
                     ),
                 }
                 for name, dtype in (("bf16", "bfloat16"), ("fp32", "float32"))

@@ -41,6 +41,7 @@ import os
 import random
 
 import pytest
+from engine_jobs import kvfabric_connector
 from logprob_bounds import compare, largest_diff
 
 PREFIXES = 4
@@ -80,16 +81,6 @@ def _engine(name: str, connector: dict | None = None, **extra: object) -> dict:
     }
 
 
-def _kvfabric(socket: str) -> dict:
-    return {
-        "kv_connector": "KVFabricConnector",
-        "kv_connector_module_path": "kvfabric_connectors.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket_path": socket},
-    }
-
-
 NOOP = {
     "kv_connector": "NoopConnector",
     "kv_connector_module_path": "noop_connector",
@@ -106,7 +97,7 @@ def report():
 @pytest.fixture(scope="module")
 def run(start_module_daemon, job_runner, tmp_path_factory) -> dict:
     daemon = start_module_daemon("neutral-node", "store.tiers.dram.capacity=512MiB")
-    fabric = _kvfabric(daemon.socket)
+    fabric = kvfabric_connector(daemon.socket)
     result = job_runner(
         tmp_path_factory.mktemp("neutrality"),
         {

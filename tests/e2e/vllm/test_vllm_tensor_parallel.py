@@ -30,13 +30,13 @@ Claims, all on greedy outputs of fresh engines against their own no-connector ru
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from engine_jobs import kvfabric_connector, load_model_builder
 from logprob_bounds import deciding_diffs, top2_margin
 from transformers import AutoConfig
 
@@ -64,17 +64,6 @@ def prompt(seed: int) -> list[int]:
 
 
 PA, PB, PC = prompt(21), prompt(22), prompt(23)  # TP=2 producer, TP=1 producers
-BUILDER = Path(__file__).resolve().parents[2] / "models" / "build_tiny_llama.py"
-
-
-def connector(socket: str) -> dict:
-    return {
-        "kv_connector": "KVFabricConnector",
-        "kv_connector_module_path": "kvfabric_connectors.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket_path": socket},
-    }
 
 
 def tp2(engine: dict) -> dict:
@@ -129,7 +118,7 @@ def node(start_module_daemon):
 def runs(node, job_runner, tiny_model, tmp_path_factory) -> dict:
     """Three jobs against one daemon: TP=2 reference runs and producer, TP=1 consumer and
     producers, then (after PC's KV is corrupted) a fresh TP=2 consumer."""
-    both = connector(node.socket)
+    both = kvfabric_connector(node.socket)
     env = tp2_env()
     first = job_runner(
         tmp_path_factory.mktemp("tp2-produce"),
@@ -264,11 +253,9 @@ def test_each_rank_wrote_its_own_heads(runs, node, tiny_model) -> None:
 
 @pytest.fixture(scope="module")
 def single_kv_head_model(tmp_path_factory) -> Path:
-    spec = importlib.util.spec_from_file_location("kvfabric_tests_build_tiny_llama_tp", BUILDER)
-    assert spec is not None and spec.loader is not None
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
-    return builder.build_tiny_llama(tmp_path_factory.mktemp("mqa") / "model", kv_heads=1)
+    return load_model_builder().build_tiny_llama(
+        tmp_path_factory.mktemp("mqa") / "model", kv_heads=1
+    )
 
 
 def test_replicated_kv_head_is_saved_by_rank_zero_and_loaded_by_both(
@@ -284,7 +271,7 @@ def test_replicated_kv_head_is_saved_by_rank_zero_and_loaded_by_both(
                 tp2(
                     {
                         "name": "mqa",
-                        "kv_transfer_config": connector(node.socket),
+                        "kv_transfer_config": kvfabric_connector(node.socket),
                         "prompts": [tokens_, tokens_],
                         "reset_prefix_cache_after": [0],
                     }

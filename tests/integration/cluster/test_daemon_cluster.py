@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from cluster_nodes import SMALL_TIERS, cluster_node
 
 from kvfabric.client import Client
 from kvfabric.client import requests as client_requests
@@ -20,24 +21,10 @@ from kvfabric.spec import KVSpec, Namespace
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
 NS = Namespace("cluster-model", SPEC, tenant_salt="t1")
-SMALL = [
-    "store.tiers.dram.capacity=4MiB",
-    "store.tiers.dram.page_size=16KiB",
-    "store.tiers.ssd.capacity=32MiB",
-]
 
 
 def node_settings(redis_url: str, node_id: str, lease_ttl_s: float = 10) -> list[str]:
-    return [
-        *SMALL,
-        f"node_id={node_id}",
-        "cluster.index=redis",
-        f"cluster.redis_url={redis_url}",
-        f"cluster.lease_ttl_s={lease_ttl_s}",
-        "cluster.heartbeat_s=0.2",
-        "cluster.hardware_class=test",
-        "tcp.port=0",
-    ]
+    return cluster_node(redis_url, node_id, "cluster.hardware_class=test", lease_ttl_s=lease_ttl_s)
 
 
 def put_chain(socket: str, n_chunks: int, start: int = 0) -> list[bytes]:
@@ -121,7 +108,6 @@ def test_a_restarted_node_hides_its_old_entries_and_republishes_its_ssd(
     volatile = put_chain(a.socket, 3)
     first = wait_for(lambda: http_lookup(b, volatile), lambda r: "node-a" in holders(r))
     a.kill()  # no goodbye: its lease (10 s) is still live and its DRAM copies are gone
-    a.log.close()
     a.start()
     # the new epoch hides the old entries at once, long before the old lease would lapse
     assert "node-a" not in holders(http_lookup(b, volatile))
@@ -173,7 +159,7 @@ def test_redis_outage_keeps_a_serving_and_it_republishes_when_redis_returns(
 
 
 def test_the_embedded_index_answers_cluster_lookups_with_this_node_alone(start_daemon) -> None:
-    a = start_daemon(*SMALL, "node_id=solo")  # cluster.index defaults to embedded
+    a = start_daemon(*SMALL_TIERS, "node_id=solo")  # cluster.index defaults to embedded
     keys = put_chain(a.socket, 3)
     answer = wait_for(lambda: http_lookup(a, keys), lambda r: "solo" in holders(r))
     assert holders(answer) == {"solo": (3, {"dram": 3})} and answer["stale"] is False

@@ -6,26 +6,13 @@ from __future__ import annotations
 import time
 
 import pytest
+from cluster_nodes import cluster_node
 
 from kvfabric.cluster.redis_index import RedisGlobalIndex
 
-SMALL = [
-    "store.tiers.dram.capacity=4MiB",
-    "store.tiers.dram.page_size=16KiB",
-    "store.tiers.ssd.capacity=32MiB",
-]
-
 
 def settings(redis_url: str, node_id: str) -> list[str]:
-    return [
-        *SMALL,
-        f"node_id={node_id}",
-        "cluster.index=redis",
-        f"cluster.redis_url={redis_url}",
-        "cluster.lease_ttl_s=10",
-        "cluster.heartbeat_s=0.2",
-        "tcp.port=0",
-    ]
+    return cluster_node(redis_url, node_id)
 
 
 def test_a_second_daemon_with_a_live_node_id_refuses_to_start(redis_server, start_daemon) -> None:

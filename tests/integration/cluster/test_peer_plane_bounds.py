@@ -11,11 +11,10 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
+from cluster_nodes import cluster_node, put_random_chain
 from daemon_ports import transport_port
 
 from kvfabric.client import Client
-from kvfabric.hashing import chunk_hashes
 from kvfabric.spec import KVSpec, Namespace
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
@@ -24,20 +23,10 @@ DEADLINE_S = 5.0
 
 
 def settings(redis_url: str, node_id: str, secret: Path, *extra: str) -> list[str]:
-    return [
-        "store.tiers.dram.capacity=4MiB",
-        "store.tiers.dram.page_size=16KiB",
-        "store.tiers.ssd.capacity=32MiB",
-        f"node_id={node_id}",
-        "cluster.index=redis",
-        f"cluster.redis_url={redis_url}",
-        "cluster.heartbeat_s=0.2",
-        "tcp.port=0",
-        "cluster.transport=socket",
-        f"cluster.secret_file={secret}",
-        "limits.peer_handshake_timeout_s=2",
-        *extra,
-    ]
+    peer_plane = (f"cluster.secret_file={secret}", "limits.peer_handshake_timeout_s=2")
+    return cluster_node(
+        redis_url, node_id, *peer_plane, *extra, transport="socket", lease_ttl_s=None
+    )
 
 
 def threads_of(pid: int) -> int:
@@ -63,13 +52,7 @@ def flood(port: int, n: int) -> list[socket.socket]:
 
 
 def put_chain(socket_path: str, n_chunks: int) -> tuple[list[bytes], list[bytes]]:
-    refs = chunk_hashes(NS, list(range(n_chunks * SPEC.chunk_tokens)))
-    rng = np.random.default_rng(11)
-    payloads = [rng.integers(0, 256, SPEC.chunk_bytes, dtype=np.uint8).tobytes() for _ in refs]
-    with Client(socket_path) as client:
-        for ref, data in zip(refs, payloads):
-            assert client.put(NS, ref.key, data, parent=ref.parent)
-    return [r.key for r in refs], payloads
+    return put_random_chain(socket_path, NS, n_chunks, seed=11)
 
 
 def pull(puller, keys: list[bytes], payloads: list[bytes]) -> None:

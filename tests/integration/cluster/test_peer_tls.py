@@ -12,14 +12,13 @@ import ssl
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
+from cluster_nodes import cluster_node, put_random_chain
 from daemon_ports import transport_port
 from tls_certs import CA, client_context, serial_of
 
 from kvfabric.client import Client, ClientTLS
 from kvfabric.errors import AuthError, UnavailableError
-from kvfabric.hashing import chunk_hashes
 from kvfabric.protocol.frames import encode_frame
 from kvfabric.spec import KVSpec, Namespace
 
@@ -42,30 +41,20 @@ def node(
 ):
     # transport left at auto: with the peer plane on it must be the socket backend
     return start_daemon(
-        "store.tiers.dram.capacity=4MiB",
-        "store.tiers.dram.page_size=16KiB",
-        "store.tiers.ssd.capacity=32MiB",
-        f"node_id={node_id}",
-        "cluster.index=redis",
-        f"cluster.redis_url={redis_url}",
-        "cluster.heartbeat_s=0.2",
-        "tcp.port=0",
-        f"cluster.secret_file={secret}",
-        f"security.tls_cert_file={cert}",
-        f"security.tls_client_ca_file={ca_file}",
-        *extra,
+        *cluster_node(
+            redis_url,
+            node_id,
+            f"cluster.secret_file={secret}",
+            f"security.tls_cert_file={cert}",
+            f"security.tls_client_ca_file={ca_file}",
+            *extra,
+            lease_ttl_s=None,
+        )
     )
 
 
 def put_chain(daemon, n_chunks: int, seed: int) -> tuple[list[bytes], list[bytes]]:
-    tokens = [seed * 1000 + i for i in range(n_chunks * SPEC.chunk_tokens)]
-    refs = chunk_hashes(NS, tokens)
-    rng = np.random.default_rng(seed)
-    payloads = [rng.integers(0, 256, SPEC.chunk_bytes, dtype=np.uint8).tobytes() for _ in refs]
-    with Client(daemon.socket) as client:
-        for ref, data in zip(refs, payloads):
-            assert client.put(NS, ref.key, data, parent=ref.parent)
-    return [r.key for r in refs], payloads
+    return put_random_chain(daemon.socket, NS, n_chunks, seed=seed, first_token=seed * 1000)
 
 
 def wait_held(viewer, keys: list[bytes], node_id: str) -> None:

@@ -11,6 +11,7 @@ import time
 import httpx
 import numpy as np
 import torch
+from cluster_nodes import cluster_node
 from scrape import sample, scrape
 from vllm import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
@@ -29,24 +30,10 @@ from kvfabric_connectors.vllm.worker import WorkerSide, _Item, _LayerLoad
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
 NAMESPACES = Namespaces("pull-counters-model", SPEC)
 PROMPT = list(range(500, 572))  # 72 tokens: four full chunks and a partial one of 8
-SMALL = [
-    "store.tiers.dram.capacity=4MiB",
-    "store.tiers.dram.page_size=16KiB",
-    "store.tiers.ssd.capacity=32MiB",
-]
 
 
 def node(redis_url: str, node_id: str) -> list[str]:
-    return [
-        *SMALL,
-        f"node_id={node_id}",
-        "cluster.index=redis",
-        f"cluster.redis_url={redis_url}",
-        "cluster.lease_ttl_s=10",
-        "cluster.heartbeat_s=0.2",
-        "tcp.port=0",
-        "cluster.transport=socket",
-    ]
+    return cluster_node(redis_url, node_id, transport="socket")
 
 
 class _Blocks:

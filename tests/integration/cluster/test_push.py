@@ -13,21 +13,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cluster_nodes import cluster_node, put_random_chain
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfabric.client import Client
 from kvfabric.client.objects import RemoteReader
 from kvfabric.errors import KVFabricError, NotFoundError
-from kvfabric.hashing import chunk_hashes
 from kvfabric.spec import KVSpec, Namespace
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", chunk_tokens=16)
 NS = Namespace("push-model", SPEC, tenant_salt="t1")
-SMALL = [
-    "store.tiers.dram.capacity=4MiB",
-    "store.tiers.dram.page_size=16KiB",
-    "store.tiers.ssd.capacity=32MiB",
-]
 TRANSPORTS = ["socket", "nixl"]  # both always: tests/run.sh installs NIXL
 DEADLINE_S = 5.0
 # more layers than NS, so that streaming has several steps to order
@@ -37,17 +32,7 @@ LAYER_GAP_S = 0.3  # between the producer's layer commits
 
 
 def node_settings(redis_url: str, node_id: str, transport: str, *extra: str) -> list[str]:
-    return [
-        *SMALL,
-        f"node_id={node_id}",
-        "cluster.index=redis",
-        f"cluster.redis_url={redis_url}",
-        "cluster.lease_ttl_s=10",
-        "cluster.heartbeat_s=0.2",
-        "tcp.port=0",
-        f"cluster.transport={transport}",
-        *extra,
-    ]
+    return cluster_node(redis_url, node_id, *extra, transport=transport)
 
 
 def push_chunks_counted(node) -> dict[tuple[str, str], float]:
@@ -63,13 +48,7 @@ def push_chunks_counted(node) -> dict[tuple[str, str], float]:
 
 def put_chain(socket: str, n_chunks: int) -> tuple[list[bytes], list[bytes]]:
     """A chain of random chunks; returns (keys, payloads)."""
-    refs = chunk_hashes(NS, list(range(n_chunks * SPEC.chunk_tokens)))
-    rng = np.random.default_rng(7)
-    payloads = [rng.integers(0, 256, SPEC.chunk_bytes, dtype=np.uint8).tobytes() for _ in refs]
-    with Client(socket) as client:
-        for ref, data in zip(refs, payloads):
-            assert client.put(NS, ref.key, data, parent=ref.parent)
-    return [r.key for r in refs], payloads
+    return put_random_chain(socket, NS, n_chunks)
 
 
 def dram_used(client: Client) -> int:

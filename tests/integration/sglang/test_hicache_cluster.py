@@ -6,22 +6,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from cluster_nodes import cluster_node
+
 GEOMETRY = {"layer_num": 3, "head_num": 2, "head_dim": 96, "page_size": 4}
 
 
+TIERS = (
+    "store.tiers.dram.capacity=16MiB",
+    "store.tiers.dram.page_size=4KiB",
+    "store.tiers.ssd.capacity=32MiB",
+)
+
+
 def node_settings(redis_url: str, node_id: str) -> list[str]:
-    return [
-        "store.tiers.dram.capacity=16MiB",
-        "store.tiers.dram.page_size=4KiB",
-        "store.tiers.ssd.capacity=32MiB",
-        f"node_id={node_id}",
-        "cluster.index=redis",
-        f"cluster.redis_url={redis_url}",
-        "cluster.lease_ttl_s=10",
-        "cluster.heartbeat_s=0.2",
-        "tcp.port=0",
-        "cluster.transport=socket",
-    ]
+    return cluster_node(redis_url, node_id, transport="socket", tiers=TIERS)
 
 
 def test_a_second_node_pulls_pages_through_the_global_index(
