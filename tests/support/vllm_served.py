@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from child_process import Child
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -41,14 +40,28 @@ ENGINE_ENV = {
 }
 
 
+def _metric_sum(url: str, name: str, labels: dict[str, str]) -> float:
+    """The sum of a Prometheus series over the samples carrying ``labels`` (0 when absent)."""
+    text = httpx.get(url, timeout=10.0).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
 @dataclass
-class _Child:
+class _Served:
+    """A server child (child_process.Child: own process group, dies with the test run)
+    answering HTTP on ``port``."""
+
     name: str
     workdir: Path
     port: int
-    proc: subprocess.Popen | None = None
+    child: Child | None = None
     started_s: float = 0.0  # wall from spawn to healthy
-    _log: object = field(default=None, repr=False)
+    _spawned: float = field(default=0.0, repr=False)
 
     @property
     def url(self) -> str:
@@ -59,33 +72,23 @@ class _Child:
         return self.workdir / f"{self.name}.log"
 
     def log_tail(self, limit: int = 6000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-limit:]
-        except OSError:
-            return "<no log>"
+        return (self.child.tail(limit) if self.child else "") or "<no log>"
 
     def _spawn(self, args: list[str], env: dict[str, str]) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")
         self._spawned = time.monotonic()
-        self.proc = subprocess.Popen(
-            args,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-            env={**os.environ, **env},
-            start_new_session=True,
-        )
+        self.child = Child(
+            self.name, args, self.log_path, env={**os.environ, **env}, cwd=REPO_ROOT
+        ).start()
 
     def wait_ready(self, deadline_s: float, path: str = "/health") -> float:
         """Seconds from spawn to a 200 on ``path``; fails after ``deadline_s``."""
-        assert self.proc is not None
+        assert self.child is not None
         limit = self._spawned + deadline_s
         while time.monotonic() < limit:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited {self.proc.returncode}; log tail:\n{self.log_tail()}"
-                )
+            if not self.child.alive:
+                code = self.child.kill()
+                raise RuntimeError(f"{self.name} exited {code}; log tail:\n{self.log_tail()}")
             try:
                 if httpx.get(self.url + path, timeout=2.0).status_code == 200:
                     self.started_s = time.monotonic() - self._spawned
@@ -99,23 +102,15 @@ class _Child:
         )
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.child is not None and self.child.alive
 
     def kill(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(30)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        if self.child is not None:
+            self.child.kill(30)
 
 
 @dataclass
-class ServedEngine(_Child):
+class ServedEngine(_Served):
     def start(
         self, model: Path, served_name: str, kv_transfer_config: dict | None, *extra: str
     ) -> ServedEngine:
@@ -165,17 +160,11 @@ class ServedEngine(_Child):
 
     def metric(self, name: str) -> float:
         """The sum of a Prometheus series over all its labels (0 when absent)."""
-        text = httpx.get(self.url + "/metrics", timeout=10.0).text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name
-        )
+        return _metric_sum(self.url + "/metrics", name, {})
 
 
 @dataclass
-class Router(_Child):
+class Router(_Served):
     metrics_port: int = 0
 
     def start(self, *args: str) -> Router:
@@ -197,10 +186,4 @@ class Router(_Child):
         return self
 
     def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10.0).text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name and labels.items() <= sample.labels.items()
-        )
+        return _metric_sum(f"http://127.0.0.1:{self.metrics_port}/metrics", name, labels)
