@@ -9,11 +9,13 @@ layer is committed. Everything here is a memory operation: no locks, no I/O.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import numpy as np
 
-from kvfabric.errors import PayloadSizeError, SpecError
+from kvfabric.errors import AlreadyExistsError, PayloadSizeError, SpecError
 from kvfabric.memory.copy import Piece, as_bytes_view, copy_pieces, nbytes_of, total_bytes
 from kvfabric.spec import ChunkLayout
 
@@ -122,6 +124,26 @@ class PayloadReader(PayloadAccess):
         out = np.empty(self.layout.nbytes, dtype=np.uint8)
         self.read_into(out)
         return out.tobytes()
+
+
+class WholeWriter(AbstractContextManager[Any], Protocol):
+    """A writer that takes a whole payload: the store's and the client's handles."""
+
+    def write(self, data: Any) -> None: ...
+    def commit(self) -> None: ...
+
+
+def put_whole(reserve: Callable[[], WholeWriter], data: Any) -> bool:
+    """``put`` of the store and of the client: reserve, copy the whole payload, commit
+    (the writer aborts if the copy fails); ``False`` when the key is already stored."""
+    try:
+        writer = reserve()
+    except AlreadyExistsError:
+        return False
+    with writer:
+        writer.write(data)
+        writer.commit()
+    return True
 
 
 def _copy_exact(dst: list[Piece], data: Any, what: str) -> None:

@@ -37,7 +37,7 @@ from kvfabric.client.tls import TLSOption
 from kvfabric.errors import AlreadyExistsError, KVFabricError, NotFoundError, UnavailableError
 from kvfabric.hashing import ROOT, ChunkRef
 from kvfabric.lookup import LookupResult
-from kvfabric.payload import HeadRange
+from kvfabric.payload import HeadRange, put_whole
 from kvfabric.protocol.messages import Op
 from kvfabric.readspec import ReadSpec
 from kvfabric.spec import Namespace
@@ -186,14 +186,7 @@ class Client:
         num_tokens: int | None = None,
     ) -> bool:
         """Store a whole payload; ``False`` if the node already holds the key."""
-        try:
-            writer = self.reserve(ns, key, parent=parent, num_tokens=num_tokens)
-        except AlreadyExistsError:
-            return False
-        with writer:
-            writer.write(data)
-            writer.commit()
-        return True
+        return put_whole(lambda: self.reserve(ns, key, parent=parent, num_tokens=num_tokens), data)
 
     def reserve_many(
         self, ns: Namespace, chunks: Sequence[ChunkRef], *, heads: HeadRange | None = None

@@ -70,6 +70,7 @@ from kvfabric.hashing import KEY_BYTES, ROOT, chunk_keys
 from kvfabric.lookup import LookupResult
 from kvfabric.memory.arena import SharedArena
 from kvfabric.memory.copy import Piece
+from kvfabric.payload import put_whole
 from kvfabric.spec import Namespace
 from kvfabric.store.codec import FP8
 from kvfabric.store.config import StoreConfig
@@ -267,14 +268,7 @@ class TieredStore:
         num_tokens: int | None = None,
     ) -> bool:
         """Store a whole payload in canonical layout; ``False`` if the key is already stored."""
-        try:
-            writer = self.reserve(ns, key, parent=parent, num_tokens=num_tokens)
-        except AlreadyExistsError:
-            return False
-        with writer:
-            writer.write(data)
-            writer.commit()
-        return True
+        return put_whole(lambda: self.reserve(ns, key, parent=parent, num_tokens=num_tokens), data)
 
     def _commit_layers(self, writer: ObjectWriter, mask: int) -> bool:
         with self._lock:
