@@ -211,6 +211,8 @@ class Placement:
         src.free(old)
 
     def start_disk_promotion(self, entry: Entry) -> tuple[int, Any]:
+        """Mark an SSD entry MOVING and allocate memory for it: (tier index, pages) for
+        :meth:`finish_disk_promotion`, which reads it in without the lock."""
         nbytes = entry.ns.spec.layout(entry.num_tokens).nbytes
         entry.flags |= MOVING  # first: allocating may wait, and other readers must wait too
         try:

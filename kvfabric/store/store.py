@@ -69,6 +69,7 @@ from kvfabric.hashing import KEY_BYTES, ROOT, chunk_keys
 from kvfabric.lookup import LookupResult
 from kvfabric.memory.arena import SharedArena
 from kvfabric.spec import Namespace
+from kvfabric.store.accounting import count_lookup, snapshot
 from kvfabric.store.config import StoreConfig
 from kvfabric.store.handles import ObjectReader, ObjectWriter
 from kvfabric.store.index import ABORTED, MOVING, REMOVED, Entry
@@ -80,10 +81,8 @@ from kvfabric.store.protocol import InventoryListener, StoredObject, TokenIds
 from kvfabric.store.shards import HeadRange, HeadShards, head_mask
 from kvfabric.store.ssd_usage import SsdUsage
 from kvfabric.store.state import PlacementHooks, StoreState
-from kvfabric.store.stats import StoreStats, TierStats
+from kvfabric.store.stats import StoreStats
 from kvfabric.store.tenants import EVERY_TENANT, ArenaInfo, EveryTenant, Tenancy
-from kvfabric.tiers.disk import DiskTier
-from kvfabric.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +326,9 @@ class TieredStore:
             peer = 0
             if peer_chunks > matched_chunks:
                 peer = max(0, min(peer_chunks * ns.spec.chunk_tokens, requested) - matched)
-            self._count_lookup(known, requested, matched, per_tier, chunks, peer)
+            count_lookup(
+                self._state, self._namespaces, known, requested, matched, per_tier, chunks, peer
+            )
         return LookupResult(
             len(keys),
             matched_chunks,
@@ -344,28 +345,6 @@ class TieredStore:
         return self.lookup(
             ns, chunk_keys(ns, tokens, include_partial=False), peer_chunks=peer_chunks
         )
-
-    def _count_lookup(
-        self,
-        ns: Namespace | None,
-        requested: int,
-        matched: int,
-        per_tier: list[int],
-        chunks: list[int],
-        peer: int = 0,
-    ) -> None:
-        count = self._state.counters
-        count.lookups += 1
-        count.lookup_tokens += requested
-        count.hit_tokens += matched + peer
-        count.peer_hit_tokens += peer
-        count.miss_tokens += requested - matched - peer
-        for i, tokens in enumerate(per_tier):
-            if tokens:
-                self._state.tier_counters[i].hit_tokens += tokens
-                self._state.tier_counters[i].hit_chunks += chunks[i]
-        if ns is not None:  # per-namespace counters exist only for namespaces the store holds
-            self._namespaces.count_lookup(ns, requested, matched + peer)
 
     def contains(self, ns: Namespace, key: bytes) -> bool:
         with self._lock:
@@ -484,58 +463,12 @@ class TieredStore:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            tiers = []
-            for i, tier in enumerate(self._state.tiers):
-                c = self._state.tier_counters[i]
-                extra: dict[str, Any] = {}
-                if isinstance(tier, DiskTier):
-                    disk_stats = tier.stats()
-                    extra = {
-                        "corrupt_records": disk_stats.corrupt_records,
-                        "torn_records": disk_stats.torn_records,
-                        "degraded": disk_stats.degraded,
-                        "disk_errors": disk_stats.disk_errors,
-                        "refused_demotions": c.refused_demotions,
-                        "quota_refused_demotions": c.quota_refused_demotions,
-                        "tenant_bytes": self._placement.ssd_bytes_by_tenant(),
-                    }
-                elif isinstance(tier, HostTier):
-                    extra = {
-                        "tenant_bytes": {t: tier.pool_used_bytes(t) for t in self._tenancy.tenants}
-                    }
-                tiers.append(
-                    TierStats(
-                        name=self._state.names[i],
-                        kind=self.config.tiers[i].kind.value,
-                        capacity_bytes=tier.capacity_bytes,
-                        used_bytes=tier.used_bytes,
-                        objects=self._state.index.tier_count(i),
-                        hit_tokens=c.hit_tokens,
-                        hit_chunks=c.hit_chunks,
-                        evictions=c.evictions,
-                        promotions=c.promotions,
-                        demotions=c.demotions,
-                        bytes_in=c.bytes_in,
-                        bytes_out=c.bytes_out,
-                        bytes_saved=c.bytes_saved,
-                        **extra,
-                    )
-                )
-            count = self._state.counters
-            return StoreStats(
-                tiers=tuple(tiers),
-                objects=len(self._state.index),
-                lookups=count.lookups,
-                lookup_tokens=count.lookup_tokens,
-                hit_tokens=count.hit_tokens,
-                miss_tokens=count.miss_tokens,
-                peer_hit_tokens=count.peer_hit_tokens,
-                puts=count.puts,
-                gets=count.gets,
-                deletes=count.deletes,
-                expired_leases=count.expired,
-                aborted_writes=count.aborted,
-                namespaces=self._namespaces.stats(),
+            return snapshot(
+                self._state,
+                self.config,
+                self._tenancy.tenants,
+                self._placement.ssd_bytes_by_tenant(),
+                self._namespaces.stats(),
             )
 
     def close(self) -> None:
