@@ -8,8 +8,8 @@ until it is deleted or found dead:
 * placement (:mod:`kvfabric.store.disk_moves`, :mod:`kvfabric.store.residency`) calls
   :meth:`SsdUsage.add` when it queues a demotion's record and :meth:`SsdUsage.remove` when
   the write fails, or the record is deleted (an evicted or deleted object, a dropped SSD
-  copy, a record compaction found corrupt); a record that changes hands (an object read back keeps its record as a copy,
-  compaction moves it) stays charged;
+  copy, a record compaction found corrupt); a record that changes hands (an object read
+  back keeps its record as a copy, compaction moves it) stays charged;
 * recovery charges the records a restart finds (:meth:`DiskMoves.recover
   <kvfabric.store.disk_moves.DiskMoves.recover>`): a record's metadata names its namespace,
   and so its tenant salt, so the count survives restarts.
