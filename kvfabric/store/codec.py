@@ -7,20 +7,26 @@ module documents, and decoded back to the namespace's dtype when the chunk is re
 memory. Readers of such a namespace never see fp8: memory tiers always hold the namespace's
 dtype. A chunk of any other dtype stays native; in particular a namespace stored in fp8 at
 put time (KVSpec dtype ``float8_e4m3fn``) already is in that very serialized form, and goes
-to disk byte for byte. The record's metadata says which form it is in, so a restart
-decodes correctly whatever the tier's format is by then.
+to disk byte for byte. The record's metadata (:func:`encode_meta`) says which form it is in,
+so a restart decodes correctly whatever the tier's format is by then.
 
-Pure functions over page pieces; torch is imported only when fp8 is in use.
+Pure functions over page pieces and records' metadata; torch is imported only when fp8 is
+in use.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgpack
 import numpy as np
 
+from kvfabric.hashing import KEY_BYTES
 from kvfabric.memory.copy import Piece, copy_pieces
-from kvfabric.spec import KVSpec
+from kvfabric.spec import KVSpec, Namespace
+
+if TYPE_CHECKING:
+    from kvfabric.store.index import Entry
 
 NATIVE = "native"
 FP8 = "fp8"
@@ -85,3 +91,38 @@ def _layer_tensor(spec: KVSpec, num_tokens: int, raw: np.ndarray) -> Any:
     return (
         torch.from_numpy(raw).view(getattr(torch, spec.dtype.value)).view(_shape(spec, num_tokens))
     )
+
+
+def encode_meta(entry: Entry, fmt: str = NATIVE) -> bytes:
+    """The SSD record's metadata: enough to re-index (and decode) the object after a
+    restart. ``fmt`` appears only for fp8 records: native ones read as they always did."""
+    ns = entry.ns
+    meta = {
+        "v": 1,
+        "parent": entry.parent,
+        "tokens": entry.num_tokens,
+        "model": ns.model_id,
+        "tenant": ns.tenant_salt,
+        "lora": ns.lora_id,
+        "spec": ns.spec.to_dict(),
+    }
+    if fmt != NATIVE:
+        meta["fmt"] = fmt
+    packed: bytes = msgpack.packb(meta)
+    return packed
+
+
+def decode_meta(raw: bytes) -> tuple[Namespace, bytes, int, str]:
+    meta = msgpack.unpackb(raw)
+    if not isinstance(meta, dict) or meta.get("v") != 1:
+        raise ValueError("unknown metadata version")
+    spec = KVSpec.from_dict(meta["spec"])
+    ns = Namespace(meta["model"], spec, meta["tenant"], meta["lora"])
+    parent = meta["parent"]
+    if not isinstance(parent, bytes) or len(parent) != KEY_BYTES:
+        raise ValueError("bad parent key")
+    spec.layout(meta["tokens"])
+    fmt = meta.get("fmt", NATIVE)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown payload format {fmt!r}")
+    return ns, parent, int(meta["tokens"]), fmt

@@ -34,22 +34,23 @@ from kvfabric.store.shards import HeadRange
 
 
 class LeaseOwner(Protocol):
-    """What a handle needs from the store that issued it (the store implements it)."""
+    """What a handle needs from the store that issued it (the store's
+    :class:`~kvfabric.store.leases.Leases` implements it; each call takes the store lock)."""
 
     def tier_name(self, index: int) -> str: ...
-    def _pieces(self, entry: Entry, offset: int, length: int) -> list[Piece]: ...
-    def _commit_layers(self, writer: ObjectWriter, mask: int) -> bool: ...
-    def _abort(self, writer: ObjectWriter) -> None: ...
-    def _unpin(self, reader: ObjectReader) -> None: ...
-    def _end_quarantine(self, writer: ObjectWriter) -> None: ...
+    def pieces(self, entry: Entry, offset: int, length: int) -> list[Piece]: ...
+    def commit_layers(self, writer: ObjectWriter, mask: int) -> bool: ...
+    def abort(self, writer: ObjectWriter) -> None: ...
+    def unpin(self, reader: ObjectReader) -> None: ...
+    def end_quarantine(self, writer: ObjectWriter) -> None: ...
     def arena_id(self, entry: Entry) -> int | None: ...
-    def _layer_ready(self, entry: Entry, layer: int) -> bool: ...
-    def _wait_layer(self, entry: Entry, layer: int, timeout: float | None) -> None: ...
+    def layer_ready(self, entry: Entry, layer: int) -> bool: ...
+    def wait_layer(self, entry: Entry, layer: int, timeout: float | None) -> None: ...
 
 
 class _Lease(PayloadAccess):
-    def __init__(self, store: LeaseOwner, entry: Entry, deadline: float) -> None:
-        self._store = store
+    def __init__(self, owner: LeaseOwner, entry: Entry, deadline: float) -> None:
+        self._owner = owner
         self._entry = entry
         self.deadline = deadline
         self.expired = False
@@ -71,7 +72,7 @@ class _Lease(PayloadAccess):
 
     @property
     def tier(self) -> str:
-        return self._store.tier_name(self._entry.tier)
+        return self._owner.tier_name(self._entry.tier)
 
     @property
     def tier_index(self) -> int:
@@ -80,7 +81,7 @@ class _Lease(PayloadAccess):
     @property
     def arena_id(self) -> int | None:
         """The shared-memory arena the pages lie in (None: not a host arena)."""
-        return self._store.arena_id(self._entry)
+        return self._owner.arena_id(self._entry)
 
     @property
     def pages(self) -> array[int]:
@@ -97,7 +98,7 @@ class _Lease(PayloadAccess):
 
     def _range_pieces(self, offset: int, length: int) -> list[Piece]:
         self._check_open()
-        return self._store._pieces(self._entry, offset, length)
+        return self._owner.pieces(self._entry, offset, length)
 
     def __enter__(self) -> Any:
         return self
@@ -114,14 +115,14 @@ class ObjectWriter(_Lease, PayloadWriter):
 
     def __init__(
         self,
-        store: LeaseOwner,
+        owner: LeaseOwner,
         entry: Entry,
         deadline: float,
         *,
         heads: HeadRange | None = None,
         head_mask: int = 0,
     ) -> None:
-        super().__init__(store, entry, deadline)
+        super().__init__(owner, entry, deadline)
         self.heads = heads
         self.head_mask = head_mask
         self.committed = 0  # layers this writer committed
@@ -130,31 +131,31 @@ class ObjectWriter(_Lease, PayloadWriter):
         """Publish one layer to readers; True once every layer is committed."""
         self._check_open()
         self.layout.layer_range(layer)  # validates the index
-        return self._store._commit_layers(self, 1 << layer)
+        return self._owner.commit_layers(self, 1 << layer)
 
     def commit_layers(self, mask: int) -> bool:
         """Publish the layers set in ``mask``; True once every layer is committed."""
         self._check_open()
         if mask <= 0 or mask >> self.layout.spec.num_layers:
             raise ValueError(f"layer mask {mask:#x} names layers outside the spec")
-        return self._store._commit_layers(self, mask)
+        return self._owner.commit_layers(self, mask)
 
     def commit(self) -> None:
         """Publish every layer not committed yet and end the reservation."""
         self._check_open()
-        self._store._commit_layers(self, (1 << self.layout.spec.num_layers) - 1)
+        self._owner.commit_layers(self, (1 << self.layout.spec.num_layers) - 1)
 
     def abort(self) -> None:
         """Drop the object; readers waiting on it get an error. Idempotent."""
         if not self.closed and not self.expired:
-            self._store._abort(self)
+            self._owner.abort(self)
 
     def close(self) -> None:
         """:meth:`abort` if still open, and give back an expired reservation's quarantined
         pages: the caller promises not to touch the pages again. Idempotent."""
         self.abort()
         if self.expired:
-            self._store._end_quarantine(self)
+            self._owner.end_quarantine(self)
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
         self.close()
@@ -164,7 +165,7 @@ class ObjectReader(_Lease, PayloadReader):
     """A pin: read layers (zero copy) while the object stays put."""
 
     def ready(self, layer: int) -> bool:
-        return self._store._layer_ready(self._entry, layer)
+        return self._owner.layer_ready(self._entry, layer)
 
     @property
     def ready_mask(self) -> int:
@@ -179,7 +180,7 @@ class ObjectReader(_Lease, PayloadReader):
         """Block until ``layer`` is committed; DeadlineExceededError / ObjectAbortedError."""
         self._check_open()
         self.layout.layer_range(layer)
-        self._store._wait_layer(self._entry, layer, timeout)
+        self._owner.wait_layer(self._entry, layer, timeout)
 
     def wait_complete(self, timeout: float | None = None) -> None:
         for layer in range(self.layout.spec.num_layers):
@@ -188,7 +189,7 @@ class ObjectReader(_Lease, PayloadReader):
     def release(self) -> None:
         """Give the pin back. Idempotent; a no-op after expiry."""
         if not self.closed and not self.expired:
-            self._store._unpin(self)
+            self._owner.unpin(self)
 
     def __exit__(self, *exc: object) -> None:
         self.release()

@@ -5,19 +5,21 @@ of every SSD record that holds one of its objects (header page and alignment inc
 the record takes of the tier's capacity), from the moment the record is queued for writing
 until it is deleted or found dead:
 
-* :class:`~kvfabric.store.placement.Placement` calls :meth:`SsdUsage.add` when it queues a
-  demotion's record and :meth:`SsdUsage.remove` when the write fails, or the record is
-  deleted (an evicted or deleted object, a dropped SSD copy, a record compaction found
-  corrupt); a record that changes hands (an object read back keeps its record as a copy,
-  compaction moves it) stays charged;
-* the store charges the records a restart finds (:meth:`TieredStore._recover`): a record's
-  metadata names its namespace, and so its tenant salt, so the count survives restarts.
+* placement (:mod:`kvfabric.store.disk_moves`, :mod:`kvfabric.store.residency`) calls
+  :meth:`SsdUsage.add` when it queues a demotion's record and :meth:`SsdUsage.remove` when
+  the write fails, or the record is deleted (an evicted or deleted object, a dropped SSD
+  copy, a record compaction found corrupt); a record that changes hands (an object read
+  back keeps its record as a copy, compaction moves it) stays charged;
+* recovery charges the records a restart finds (:meth:`DiskMoves.recover
+  <kvfabric.store.disk_moves.DiskMoves.recover>`): a record's metadata names its namespace,
+  and so its tenant salt, so the count survives restarts.
 
 Dead bytes that compaction has not returned yet are nobody's: they count in the tier's
 ``used_bytes``, not a tenant's. Namespaces of other tenant salts (not configured) are not
-counted. Placement enforces the quota (:meth:`Placement.make_ssd_room`): before a tenant's
-record is queued its own SSD records go first, and its object is evicted from memory instead
-of demoted when that cannot make room.
+counted. Placement enforces the quota (:meth:`DiskMoves.make_ssd_room
+<kvfabric.store.disk_moves.DiskMoves.make_ssd_room>`): before a tenant's record is queued
+its own SSD records go first, and its object is evicted from memory instead of demoted when
+that cannot make room.
 
 Not thread-safe: used under the store lock.
 """

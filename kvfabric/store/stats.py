@@ -33,6 +33,22 @@ class TierCounters:
 
 
 @dataclass
+class StoreCounters:
+    """The store's operation counters (what :class:`StoreStats` totals)."""
+
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    peer_hit_tokens: int = 0
+    puts: int = 0
+    gets: int = 0
+    deletes: int = 0
+    expired: int = 0
+    aborted: int = 0
+
+
+@dataclass
 class NamespaceCounters:
     lookups: int = 0
     lookup_tokens: int = 0

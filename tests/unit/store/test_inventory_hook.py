@@ -15,7 +15,7 @@ from kvfabric.errors import NotFoundError
 from kvfabric.hashing import ROOT, chunk_hashes
 from kvfabric.spec import KVSpec, Namespace
 from kvfabric.store import StoreConfig, TierConfig, TieredStore
-from kvfabric.store.store import RemovedObject, StoredObject
+from kvfabric.store.protocol import RemovedObject, StoredObject
 from kvfabric.tiers.base import TierKind
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=4, head_dim=32, dtype="bfloat16", chunk_tokens=16)
@@ -136,7 +136,7 @@ def test_corrupt_ssd_record_is_reported_removed(tmp_path: Path) -> None:
     keys = put_chain(store, 2)
     store.flush()
     assert mirror.held[keys[0]] == {"ssd"}
-    extent = store._index.find(store._namespaces[NS.seed], keys[0]).handle  # type: ignore
+    extent = store._state.index.find(store._namespaces[NS.seed], keys[0]).handle  # type: ignore
     segment = next((tmp_path / "ssd").glob("seg-*.kvf"))
     with open(segment, "r+b") as f:
         f.seek(extent.payload_offset + 100)

@@ -23,7 +23,7 @@ from kvfabric.errors import WouldBlockError
 from kvfabric.hashing import chunk_hashes
 from kvfabric.spec import KVSpec, Namespace
 from kvfabric.store import StoreConfig, TierConfig, TieredStore
-from kvfabric.store.placement import Placement
+from kvfabric.store.disk_moves import DiskMoves
 from kvfabric.tiers.base import TierKind
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=16)
@@ -39,17 +39,17 @@ WAIT_S = 10.0
 def observable(store: TieredStore) -> dict[str, Any]:
     """Everything an operation could change, read under the store lock."""
     with store._lock:
-        entries = sorted(store._index.entries(), key=lambda e: (e.ns.seed, e.key))
+        entries = sorted(store._state.index.entries(), key=lambda e: (e.ns.seed, e.key))
         return {
             "stats": store.stats(),
             "entries": [
                 (e.key, e.tier, e.ready, e.flags, e.pins, id(e.handle), e.ssd_copy) for e in entries
             ],
-            "leases": sorted(store._leases),
-            "quarantine": sorted(store._quarantine),
+            "leases": sorted(store._leases.held),
+            "quarantine": sorted(store._leases.quarantined),
             "namespaces": sorted(store._namespaces),
             "writes_in_flight": dict(store._tenancy._writers),
-            "pending_demotion": list(store._placement.pending_demotion),
+            "pending_demotion": list(store._state.pending_demotion),
         }
 
 
@@ -65,19 +65,19 @@ def make(tmp_path: Path, *tiers: TierConfig) -> TieredStore:
 
 
 class Gate:
-    """Holds the thread that reaches ``method`` of Placement there until opened."""
+    """Holds the thread that reaches ``method`` of DiskMoves there until opened."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, method: str) -> None:
         self.reached = threading.Event()
         self.opened = threading.Event()
-        original = getattr(Placement, method)
+        original = getattr(DiskMoves, method)
 
-        def held(placement: Placement, *args: Any, **kwargs: Any) -> Any:
+        def held(moves: DiskMoves, *args: Any, **kwargs: Any) -> Any:
             self.reached.set()
             assert self.opened.wait(WAIT_S), "the gate was never opened"
-            return original(placement, *args, **kwargs)
+            return original(moves, *args, **kwargs)
 
-        monkeypatch.setattr(Placement, method, held)
+        monkeypatch.setattr(DiskMoves, method, held)
 
     def wait_reached(self) -> None:
         assert self.reached.wait(WAIT_S), "nothing reached the gate"

@@ -51,7 +51,7 @@ def ssd_bytes(store: TieredStore) -> dict[str, int]:
 
 
 def disk_live_bytes(store: TieredStore) -> int:
-    disk = store._tiers[-1]
+    disk = store._state.tiers[-1]
     assert isinstance(disk, DiskTier)
     return disk.stats().live_bytes
 

@@ -73,7 +73,7 @@ def test_put_get_round_trip_is_byte_exact(store: TieredStore) -> None:
 
 def test_reader_pieces_are_zero_copy_views_of_the_arena(store: TieredStore) -> None:
     (key,) = put_chain(store, NS, 1)
-    arena = store._tiers[0].arena.array  # type: ignore[union-attr]
+    arena = store._state.tiers[0].arena.array  # type: ignore[union-attr]
     with store.get(NS, key) as reader:
         assert all(np.shares_memory(piece, arena) for piece in reader.pieces())
 
@@ -83,7 +83,7 @@ def test_head_range_read_returns_only_that_range(store: TieredStore) -> None:
     data = payload(key)
     layout = SPEC.layout()
     canonical = data.reshape(SPEC.num_layers, 2, SPEC.num_kv_heads, -1)  # [L][k|v][head][tok*dim]
-    arena = store._tiers[0].arena.array  # type: ignore[union-attr]
+    arena = store._state.tiers[0].arena.array  # type: ignore[union-attr]
     with store.get(NS, key) as reader:
         pieces = reader.layer_pieces(2, heads=(1, 3))
         assert sum(p.nbytes for p in pieces) == 2 * 2 * layout.head_bytes
@@ -136,7 +136,7 @@ def test_wait_layer_times_out_and_sees_aborts(store: TieredStore) -> None:
         reader.wait_layer(1, timeout=1)
     reader.release()
     assert not store.contains(NS, key)
-    assert store._tiers[0].used_bytes == 0  # type: ignore[union-attr]
+    assert store._state.tiers[0].used_bytes == 0  # type: ignore[union-attr]
 
 
 def test_writer_context_without_commit_aborts(store: TieredStore) -> None:
@@ -205,7 +205,7 @@ def test_bad_input_leaves_the_store_intact(store: TieredStore) -> None:
         reader.read_into(np.zeros(10, np.uint8))
     assert not store.contains(NS, b"k" * 16)
     assert [read(store, NS, k) for k in keys] == [payload(k).tobytes() for k in keys]
-    assert store._tiers[0].used_bytes == 2 * CHUNK  # type: ignore[union-attr]
+    assert store._state.tiers[0].used_bytes == 2 * CHUNK  # type: ignore[union-attr]
 
 
 def test_partial_last_chunk_is_its_own_object(store: TieredStore) -> None:
@@ -340,7 +340,7 @@ def test_corrupt_ssd_record_is_never_served(tmp_path: Path) -> None:
     keys = put_chain(store, NS, 2)
     store.flush()
     assert store.tier_of(NS, keys[0]) == "ssd"
-    extent = store._index.find(store._namespaces[NS.seed], keys[0]).handle  # type: ignore[union-attr]
+    extent = store._state.index.find(store._namespaces[NS.seed], keys[0]).handle  # type: ignore[union-attr]
     segment = next((tmp_path / "ssd").glob("seg-*.kvf"))
     with open(segment, "r+b") as f:
         f.seek(extent.payload_offset + 100)
@@ -375,11 +375,11 @@ def test_expired_reservation_is_reclaimed_and_late_commit_fails(tmp_path: Path) 
     time.sleep(0.1)
     store.maintain()
     assert not store.contains(NS, key) and store.stats().expired_leases == 1
-    assert store._tiers[0].used_bytes == CHUNK  # type: ignore[union-attr]
+    assert store._state.tiers[0].used_bytes == CHUNK  # type: ignore[union-attr]
     with pytest.raises(LeaseExpiredError):
         writer.commit()
     writer.close()
-    assert store._tiers[0].used_bytes == 0  # type: ignore[union-attr]
+    assert store._state.tiers[0].used_bytes == 0  # type: ignore[union-attr]
     store.close()
 
 
@@ -438,7 +438,7 @@ def test_a_writer_frozen_past_its_deadline_never_writes_into_another_objects_pag
     with pytest.raises(LeaseExpiredError):
         frozen.commit()
     frozen.close()  # now its pages may be reused
-    assert store._tiers[0].used_bytes <= 2 * CHUNK  # type: ignore[union-attr]
+    assert store._state.tiers[0].used_bytes <= 2 * CHUNK  # type: ignore[union-attr]
     store.close()
 
 
@@ -460,9 +460,9 @@ def test_delete_while_pinned_frees_on_release(store: TieredStore) -> None:
     assert store.delete(NS, key)
     assert not store.contains(NS, key)
     assert reader.to_bytes() == payload(key).tobytes()  # the pin keeps the bytes valid
-    assert store._tiers[0].used_bytes == CHUNK  # type: ignore[union-attr]
+    assert store._state.tiers[0].used_bytes == CHUNK  # type: ignore[union-attr]
     reader.release()
-    assert store._tiers[0].used_bytes == 0  # type: ignore[union-attr]
+    assert store._state.tiers[0].used_bytes == 0  # type: ignore[union-attr]
 
 
 def test_background_maintenance_keeps_memory_under_the_high_watermark(tmp_path: Path) -> None:
@@ -479,16 +479,16 @@ def test_background_maintenance_keeps_memory_under_the_high_watermark(tmp_path: 
     with TieredStore(config) as store:
         put_chain(store, NS, 6)
         deadline = time.monotonic() + 10
-        while store._tiers[0].used_bytes > 2 * CHUNK and time.monotonic() < deadline:
+        while store._state.tiers[0].used_bytes > 2 * CHUNK and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert store._tiers[0].used_bytes <= 2 * CHUNK
+        assert store._state.tiers[0].used_bytes <= 2 * CHUNK
         assert store.stats().tier("ssd").objects >= 4
 
 
 def test_root_parent_default(store: TieredStore) -> None:
     key = b"r" * 16
     store.put(NS, key, payload(key))
-    assert store._index.find(store._namespaces[NS.seed], key).parent == ROOT  # type: ignore[union-attr]
+    assert store._state.index.find(store._namespaces[NS.seed], key).parent == ROOT  # type: ignore[union-attr]
 
 
 def test_admin_evict_drops_leaves_first_and_counts(tmp_path: Path) -> None:

@@ -67,7 +67,7 @@ def make_store(
 
 
 def disk_of(store: TieredStore) -> DiskTier:
-    disk = store._placement.disk()
+    disk = store._state.disk()
     assert disk is not None
     return disk
 
@@ -190,13 +190,13 @@ def test_kept_copies_are_the_first_ssd_space_given_up(tmp_path: Path) -> None:
         for key in on_ssd[:2]:  # read back: in memory, with their records kept
             assert read(store, key) == payload(key).tobytes()
         store.flush()
-        assert len(store._placement.copies) == 2
+        assert len(store._placement._residency.copies) == 2
         assert disk_of(store).used_bytes == 12 * SPAN  # full: 8 + 2 copies + 2 demoted
         put_keys(store, range(100, 102))  # their victims need SSD space
         store.flush()
         stats = store.stats()
         assert stats.tier("ssd").evictions == 0  # the copies went, not SSD objects
-        assert len(store._placement.copies) == 0
+        assert len(store._placement._residency.copies) == 0
         assert stats.tier("ssd").objects == 10
         for key in on_ssd[:2]:
             assert store.tier_of(NS, key) == "dram"
@@ -217,13 +217,13 @@ def test_a_record_compaction_finds_corrupt_leaves_the_index(tmp_path: Path) -> N
             k
             for k in map(key_of, range(28))
             if store.tier_of(NS, k) == "ssd"
-            and store._index.find(index_ns, k).handle.segment_id == 1
+            and store._state.index.find(index_ns, k).handle.segment_id == 1
         ]  # type: ignore
         assert len(in_first) == 4
         for key in in_first[:3]:
             assert store.delete(NS, key)
         bad = in_first[3]
-        extent = store._index.find(index_ns, bad).handle  # type: ignore[union-attr]
+        extent = store._state.index.find(index_ns, bad).handle  # type: ignore[union-attr]
         with open(tmp_path / "ssd" / "seg-00000001.kvf", "r+b") as f:
             f.seek(extent.payload_offset + 64)
             f.write(b"\x00\xff" * 8)

@@ -52,8 +52,8 @@ from kvfabric.errors import AlreadyExistsError, CapacityError, NotFoundError, Ob
 from kvfabric.hashing import ROOT, ChunkRef, chunk_hashes
 from kvfabric.spec import KVSpec, Namespace
 from kvfabric.store import StoreConfig, TierConfig, TieredStore
+from kvfabric.store.disk_moves import DiskMoves
 from kvfabric.store.handles import ObjectReader, ObjectWriter
-from kvfabric.store.placement import Placement
 from kvfabric.tiers.base import TierKind
 from kvfabric.tiers.disk import DiskTier
 
@@ -138,7 +138,7 @@ def settle(store: TieredStore) -> None:
 
 
 def disk_tier(store: TieredStore) -> DiskTier:
-    disk = store._tiers[-1]
+    disk = store._state.tiers[-1]
     assert isinstance(disk, DiskTier)
     return disk
 
@@ -533,8 +533,8 @@ class StoreMachine(RuleBasedStateMachine):
                 )
         if self.ssd_tier is not None:
             # objects read back from SSD keep their record there until the space is needed
-            copies = store._placement.copies
-            assert all(e.tier != store._disk_index and e.ssd_copy is not None for e in copies)
+            copies = store._placement._residency.copies
+            assert all(e.tier != store._state.disk_index and e.ssd_copy is not None for e in copies)
             assert disk_tier(store).stats().records_live == per_tier_objects[self.ssd_tier] + len(
                 copies
             ), "SSD live records != objects the index places on the SSD + kept copies"
@@ -603,13 +603,13 @@ def test_flush_covers_the_demotions_it_waited_for(
     store books a demotion in such a callback: a writer thread descheduled in between
     (simulated by a slow callback) must not leave the demotion unbooked after flush().
     """
-    finish = Placement.finish_disk_demotion
+    finish = DiskMoves.finish_disk_demotion
 
-    def slow_finish(self: Placement, *args: object) -> None:
+    def slow_finish(self: DiskMoves, *args: object) -> None:
         time.sleep(0.2)
         finish(self, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Placement, "finish_disk_demotion", slow_finish)
+    monkeypatch.setattr(DiskMoves, "finish_disk_demotion", slow_finish)
     store, chain = _demoting_store(tmp_path)
     try:
         store.flush()
@@ -630,20 +630,20 @@ def test_close_does_not_deadlock_with_a_pending_demotion(
     joins the disk tier's writers, so holding that lock meanwhile would deadlock. The slow
     callback here gives up after a few seconds instead of hanging the suite, and says so.
     """
-    finish = Placement.finish_disk_demotion
+    finish = DiskMoves.finish_disk_demotion
     starved = threading.Event()
 
-    def slow_finish(self: Placement, *args: object) -> None:
+    def slow_finish(self: DiskMoves, *args: object) -> None:
         time.sleep(0.2)
-        if not self._cond.acquire(timeout=3):
+        if not self._state.cond.acquire(timeout=3):
             starved.set()  # a deadlock without the timeout
             return
         try:
             finish(self, *args)  # type: ignore[arg-type]
         finally:
-            self._cond.release()
+            self._state.cond.release()
 
-    monkeypatch.setattr(Placement, "finish_disk_demotion", slow_finish)
+    monkeypatch.setattr(DiskMoves, "finish_disk_demotion", slow_finish)
     store, _ = _demoting_store(tmp_path)
     store.close()
     assert not starved.is_set(), "close() held the store lock while joining the SSD writers"

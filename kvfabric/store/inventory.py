@@ -1,0 +1,65 @@
+"""The store's inventory feed: who is told when complete objects are stored, move or leave.
+
+:class:`InventoryFeed` keeps the listeners registered through
+:meth:`TieredStore.add_inventory_listener <kvfabric.store.store.TieredStore.add_inventory_listener>`
+and turns index entries into what they see (:data:`~kvfabric.store.protocol.StoredObject`,
+:data:`~kvfabric.store.protocol.RemovedObject`, with tier names). Its :meth:`~InventoryFeed.changed`
+is placement's ``inventory_changed`` hook and the leases' on a completed write.
+
+Thread rules: every method runs under the store lock (the caller holds it), so listeners see
+changes in the order they happened, on whichever thread made them. A listener must be quick
+and must not call the store; an exception it raises is logged and ignored, so that the
+store's own work completes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvfabric.store.index import Entry, LocalIndex
+from kvfabric.store.protocol import InventoryListener, RemovedObject, StoredObject
+
+log = logging.getLogger(__name__)
+
+
+class InventoryFeed:
+    """Inventory listeners, and the store's complete objects as they see them."""
+
+    def __init__(self, names: Sequence[str], index: LocalIndex) -> None:
+        self._names = names
+        self._index = index
+        self._listeners: list[InventoryListener] = []
+
+    def add(self, callback: InventoryListener, *, replay: bool) -> None:
+        """Register ``callback``; with ``replay``, first report the current inventory to it
+        as stored (atomically with the registration: the caller holds the lock)."""
+        self._listeners.append(callback)
+        if replay:
+            self._call(callback, self.snapshot(), [])
+
+    def snapshot(self) -> list[StoredObject]:
+        """Every complete object as (namespace, key, parent, num_tokens, tier name)."""
+        return [
+            (e.ns, e.key, e.parent, e.num_tokens, self._names[e.tier])
+            for e in self._index.entries()
+            if e.complete
+        ]
+
+    def changed(self, stored: list[Entry], removed: list[tuple[Entry, int]]) -> None:
+        """Complete objects were stored or moved (``stored``, in their new tier) or left a
+        tier (``removed``, with that tier's index): tell every listener."""
+        if not self._listeners:
+            return
+        stored_out = [(e.ns, e.key, e.parent, e.num_tokens, self._names[e.tier]) for e in stored]
+        removed_out = [(e.ns, e.key, self._names[tier]) for e, tier in removed]
+        for callback in self._listeners:
+            self._call(callback, stored_out, removed_out)
+
+    def _call(
+        self, callback: InventoryListener, stored: list[StoredObject], removed: list[RemovedObject]
+    ) -> None:
+        try:
+            callback(stored, removed)
+        except Exception:  # a listener bug must not leave a store operation half done
+            log.exception("inventory listener failed")
