@@ -339,6 +339,9 @@ class RedisGlobalIndex(BatchingIndex):
 
         statuses = self._call(run)
         if 0 in statuses:
+            current = self._info
+            if current is not None and current.epoch != info.epoch:
+                return  # this client re-registered meanwhile (a republish): not another node
             raise LeaseExpiredError(f"node {info.node_id} epoch {info.epoch} was replaced")
         if statuses[0] == 2:  # lease lapsed (or Redis lost it): our entries can't be trusted
             self._stale = True
