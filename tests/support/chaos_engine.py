@@ -49,7 +49,8 @@ Figures (``finish``):
   token cannot flip on float32 rounding), ``engine_start_s``.
 
 Every result is also written to ``engine-results.jsonl`` (and the reference to
-``engine-reference.json``) for :func:`load_results` and :func:`differences`.
+``engine-reference.json``), under the run's ``engine/`` directory, for :func:`load_results`
+and :func:`differences`.
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ def _completion(data: dict[str, Any]) -> Completion:
 
 
 def load_results(workdir: Path) -> tuple[list[Completion], list[Result]]:
-    """The reference and every result a run wrote to ``workdir``."""
+    """The reference and every result a run in ``workdir`` wrote."""
+    workdir = workdir / "engine"
     reference = [
         _completion(c) for c in json.loads((workdir / "engine-reference.json").read_text())
     ]
@@ -167,8 +169,12 @@ def load_results(workdir: Path) -> tuple[list[Completion], list[Result]]:
 
 
 class EngineRun:
-    def __init__(self, s: EngineSettings, workdir: Path, token: str) -> None:
-        self.s, self.workdir, self.token = s, workdir, token
+    def __init__(self, s: EngineSettings, workdir: Path, token: str, salt: str) -> None:
+        """``token``: a tenant token of the harness's cluster; ``salt``: its tenant's salt,
+        every request's ``cache_salt``. Files go to ``workdir/engine``."""
+        self.s, self.token, self.salt = s, token, salt
+        self.workdir = workdir / "engine"
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.prompts = prompts(s)
         self.ref: list[Completion] = []
         self.results: list[Result] = []
@@ -237,7 +243,7 @@ class EngineRun:
             self.threads.append(thread)
 
     def _complete(self, server: Server, prompt: list[int], timeout: float) -> Completion:
-        return server.complete(prompt, self.s.max_tokens, self.s.top_k, timeout)
+        return server.complete(prompt, self.salt, self.s.max_tokens, self.s.top_k, timeout)
 
     def _drive(self) -> None:
         assert self.engine is not None

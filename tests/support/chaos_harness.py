@@ -30,6 +30,9 @@ Invariants (the figures :func:`run` returns; targets in ``benchmarks/soak.py``):
   move: pinned or reserved, once every client is gone) and ``sessions_at_end``;
 * ``kills_survived``, ``enospc_rounds_survived`` (and ``*_total``), ``client_internal_errors``
   (``internal`` or untyped errors any client saw).
+* ``engine_outputs_identical`` and the other ``engine_*`` figures -- with ``Settings.engine``:
+  a vLLM CPU engine with the connector on one node through the faults (:mod:`chaos_engine`);
+  ``None`` without one.
 """
 
 from __future__ import annotations
@@ -219,7 +222,8 @@ class Harness:
     def setup(self) -> None:
         s = self.settings
         if s.engine is not None:
-            self.engine = EngineRun(s.engine, self.workdir, TOKENS[s.engine.tenant])
+            tenant = s.engine.tenant
+            self.engine = EngineRun(s.engine, self.workdir, TOKENS[tenant], SALTS[tenant])
             self._stack.callback(self.engine.close)
             self.engine.reference()
         self.redis = Redis(self.workdir).start()

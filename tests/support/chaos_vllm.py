@@ -13,8 +13,9 @@ Contract:
   growing for ``FIRST_STALL_S``; a later start gets a deadline derived from the measured
   first one (``START_FACTOR`` times it, at least ``START_FLOOR_S``);
 * :meth:`Server.complete` is one greedy request (temperature 0, ``ignore_eos``, top-k
-  logprobs) on token ids; it raises :class:`EngineError` on anything but a completion.
-  Thread-safe (one ``httpx.Client`` per call).
+  logprobs) on token ids, with a ``cache_salt`` (the tenant: a connector holding a tenant
+  token may only touch its tenant's namespace, which the salt names); it raises
+  :class:`EngineError` on anything but a completion. Thread-safe (a connection per call).
 """
 
 from __future__ import annotations
@@ -157,11 +158,12 @@ class Server:
             return False
 
     def complete(
-        self, prompt: list[int], max_tokens: int, top_k: int, timeout: float
+        self, prompt: list[int], salt: str, max_tokens: int, top_k: int, timeout: float
     ) -> Completion:
         body = {
             "model": "tiny",
             "prompt": prompt,
+            "cache_salt": salt,
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
