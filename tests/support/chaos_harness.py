@@ -128,9 +128,10 @@ ENGINE_CI = Settings(
         "disk_fill@node-b",
         "kill9@node-b",
     ),
-    warmup_s=6.0,
+    warmup_s=20.0,  # the engine's first passes: the fabric fills before the faults
     gap_s=(2.0, 3.0),
     disk_full_s=6.0,
+    settle_s=15.0,  # hits again once the daemon is back
     engine=EngineSettings(stop_every_s=12.0),
 )
 # the negative controls: no faults, a planted corrupt chunk and an admin-token reader
