@@ -97,4 +97,5 @@ def test_negative_control_outputs_depend_on_the_kv_past_the_shared_prefix(chaos)
     for group in groups:
         for a, b in combinations(group, 2):
             assert a.token_ids != b.token_ids
-    assert chaos["engine_reference_min_margin"] > 1e-3  # no near-tie a rounding could flip
+    # no near-tie that float32 rounding (~1e-6 on these logprobs) could flip
+    assert chaos["engine_reference_min_margin"] > 1e-4

@@ -285,6 +285,7 @@ class EngineRun:
         """Stop driving (the request in flight completes), end the engine, every figure.
         ``records``: the harness's fault records (kind, node, t0, t1)."""
         self.halt.set()
+        self.first_pass.set()  # a stopper still waiting for it ends at once
         for thread in self.threads:
             thread.join(self.request_timeout_s + self.s.stop_s + 10)
         self.close()
