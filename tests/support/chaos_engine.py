@@ -2,12 +2,17 @@
 output compared with the same engine's output without the connector.
 
 Who calls what (:mod:`chaos_harness`, when ``Settings.engine`` is set; main thread):
-:meth:`EngineRun.reference` first in ``setup`` (before Redis and the daemons: an idle machine
-starts vLLM fastest), :meth:`EngineRun.start` once the daemons serve, :meth:`EngineRun.finish`
-first in ``figures`` (the engine must be gone before the end-state checks count sessions and
-leases), :meth:`EngineRun.close` in ``teardown`` (idempotent). Two threads of its own run
-between ``start`` and ``finish``: the driver (requests, one at a time) and the stopper
-(SIGSTOP / SIGCONT of the engine's process group); neither starts a process.
+:meth:`EngineRun.reference` then :meth:`EngineRun.start` first in ``setup``, before Redis and
+the daemons (the harness's load and timing stay those of a run without an engine: its
+workers start once the engine serves; the engine's connector reaches its daemon at its first
+request, after the harness took the daemons' idle descriptor baseline), :meth:`EngineRun.drive`
+last in ``setup``, :meth:`EngineRun.finish` first in ``figures`` (the engine must be gone
+before the end-state checks count sessions and leases), :meth:`EngineRun.close` in
+``teardown`` (idempotent). Two threads of its own run between ``drive`` and ``finish``: the
+driver (requests, one at a time) and the stopper (SIGSTOP / SIGCONT of the engine's process
+group); neither starts a process. Both engines run ``nice`` (``EngineSettings.nice``): in a
+deployment an engine has cores of its own, here it would take one of the two the daemons'
+latency figures are measured on.
 
 What runs (:mod:`chaos_vllm`): the tiny test model (``tests/models/build_tiny_llama.py``),
 in **float32**, vLLM's prefix cache off, one engine at a time:
@@ -84,6 +89,7 @@ class EngineSettings:
     stop_s: float = 3.0
     stop_every_s: float = 25.0
     seed: int = 11
+    nice: int = 5
 
 
 @dataclass(frozen=True)
@@ -199,7 +205,7 @@ class EngineRun:
     def reference(self) -> None:
         """The reference engine (no connector): every prompt once, then it is gone."""
         model = tiny_model(self.workdir)
-        server = Server("vllm-reference", model, self._args(), self.workdir)
+        server = Server("vllm-reference", model, self._args(), self.workdir, self.s.nice)
         try:
             server.start(deadline_s=None)
             took = []
@@ -219,8 +225,7 @@ class EngineRun:
         )
 
     def start(self, socket: str) -> None:
-        """The engine under test on the daemon at ``socket``, then the driver and the
-        stopper."""
+        """The engine under test, for the daemon at ``socket`` (which may not serve yet)."""
         connector = {
             "kv_connector": "KVFabricConnector",
             "kv_connector_module_path": "kvfabric_connectors.vllm",
@@ -234,9 +239,12 @@ class EngineRun:
             },
         }
         args = [*self._args(), "--kv-transfer-config", json.dumps(connector)]
-        self.engine = Server("vllm-engine", self.model, args, self.workdir)
+        self.engine = Server("vllm-engine", self.model, args, self.workdir, self.s.nice)
         self.engine.start(deadline_s=self.start_deadline_s)
         self.start_s["engine"] = self.engine.start_s
+
+    def drive(self) -> None:
+        """The driver and the stopper, until :meth:`finish`."""
         for target in (self._drive, self._stopper):
             thread = threading.Thread(target=target, name=f"engine-{target.__name__}", daemon=True)
             thread.start()

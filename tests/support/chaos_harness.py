@@ -227,6 +227,8 @@ class Harness:
             self.engine = EngineRun(s.engine, self.workdir, TOKENS[tenant], SALTS[tenant])
             self._stack.callback(self.engine.close)
             self.engine.reference()
+            # the node's Daemon.socket: the engine starts before the daemon it will use
+            self.engine.start(str(self.workdir / s.engine.node / "kvfabric.sock"))
         self.redis = Redis(self.workdir).start()
         secret = self.workdir / "cluster-secret"
         secret.write_bytes(os.urandom(32).hex().encode())
@@ -325,7 +327,7 @@ class Harness:
         self.auditor.start()
         self.monitor.start()
         if self.engine is not None:
-            self.engine.start(self.daemons[self.engine.s.node].socket)
+            self.engine.drive()
 
     def teardown(self) -> None:
         (self.workdir / "stop").touch()

@@ -78,8 +78,11 @@ def tiny_model(workdir: Path) -> Path:
 class Server:
     """One ``api_server`` process; ``args`` are its engine arguments past ``--model``."""
 
-    def __init__(self, name: str, model: Path, args: list[str], workdir: Path) -> None:
+    def __init__(
+        self, name: str, model: Path, args: list[str], workdir: Path, nice: int = 0
+    ) -> None:
         self.name, self.model, self.args, self.workdir = name, model, args, workdir
+        self.nice = nice  # added to the harness's own nice value
         self.port = free_port()
         self.child: Child | None = None
         self.start_s: float | None = None
@@ -109,6 +112,9 @@ class Server:
     def start(self, deadline_s: float | None) -> Server:
         """Start and wait until it serves; ``deadline_s`` None: bounded by log stalls only."""
         argv = [
+            "nice",
+            "-n",
+            str(self.nice),
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
