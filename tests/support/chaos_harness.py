@@ -30,6 +30,9 @@ Invariants (the figures :func:`run` returns; targets in ``benchmarks/soak.py``):
   move: pinned or reserved, once every client is gone) and ``sessions_at_end``;
 * ``kills_survived``, ``enospc_rounds_survived`` (and ``*_total``), ``client_internal_errors``
   (``internal`` or untyped errors any client saw).
+* ``engine_outputs_identical`` and the other ``engine_*`` figures -- with ``Settings.engine``:
+  a vLLM CPU engine with the connector on one node through the faults (:mod:`chaos_engine`);
+  ``None`` without one.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from chaos_common import (
     read_all,
     verify,
 )
+from chaos_engine import EngineRun, EngineSettings
 from chaos_events import EVENTS
 from chaos_monitor import Monitor, rss_slope_mb_per_hour, socket_fds
 from chaos_procs import Daemon
@@ -104,6 +108,7 @@ class Settings:
     negative_controls: bool = False
     settle_s: float = 2.0  # load only, after the last fault, before the figures
     seed: int = 1
+    engine: EngineSettings | None = None  # a vLLM engine through the faults: chaos_engine
 
 
 CHAOS_KINDS = (
@@ -116,6 +121,21 @@ CHAOS_KINDS = (
 )
 # tests/chaos: every kind of fault once, a couple of minutes on two shared cores
 CI = Settings(schedule=CHAOS_KINDS, warmup_s=4.0, gap_s=(0.5, 1.0), abuse_s=6.0, disk_full_s=6.0)
+# tests/chaos/test_chaos_engine.py: a vLLM engine on node-b through its daemon's faults
+ENGINE_CI = Settings(
+    schedule=(
+        "kill9@node-b",
+        "sigstop@node-b",
+        "redis_restart",
+        "disk_fill@node-b",
+        "kill9@node-b",
+    ),
+    warmup_s=20.0,  # the engine's first passes: the fabric fills before the faults
+    gap_s=(2.0, 3.0),
+    disk_full_s=6.0,
+    settle_s=15.0,  # hits again once the daemon is back
+    engine=EngineSettings(stop_every_s=12.0),
+)
 # the negative controls: no faults, a planted corrupt chunk and an admin-token reader
 NEGATIVE = Settings(warmup_s=5.0, settle_s=4.0, negative_controls=True)
 # benchmarks/soak.py --quick: every kind once, then each node's turn at the others
@@ -130,6 +150,7 @@ QUICK = Settings(
     ),
     warmup_s=5.0,
     gap_s=(1.0, 2.0),
+    engine=EngineSettings(),
 )
 # benchmarks/soak.py: faults drawn at random for duration_s (every kind once first)
 SOAK = Settings(
@@ -140,6 +161,7 @@ SOAK = Settings(
     stop_s=3.0,
     disk_full_s=8.0,
     rss_warmup_s=60.0,
+    engine=EngineSettings(stop_every_s=60.0),
 )
 
 
@@ -186,6 +208,7 @@ class Harness:
         self.notes: list[str] = []
         self.planted: str | None = None
         self._stack = contextlib.ExitStack()
+        self.engine: EngineRun | None = None
 
     # ------------------------------------------------------------------ processes
     def worker(self, role: str, name: str, cfg: dict[str, Any]) -> Child:
@@ -201,6 +224,13 @@ class Harness:
 
     def setup(self) -> None:
         s = self.settings
+        if s.engine is not None:
+            tenant = s.engine.tenant
+            self.engine = EngineRun(s.engine, self.workdir, TOKENS[tenant], SALTS[tenant])
+            self._stack.callback(self.engine.close)
+            self.engine.reference()
+            # the node's Daemon.socket: the engine starts before the daemon it will use
+            self.engine.start(str(self.workdir / s.engine.node / "kvfabric.sock"))
         self.redis = RedisServer(self.workdir).start()
         secret = self.workdir / "cluster-secret"
         secret.write_bytes(os.urandom(32).hex().encode())
@@ -298,6 +328,8 @@ class Harness:
             )
         self.auditor.start()
         self.monitor.start()
+        if self.engine is not None:
+            self.engine.drive()
 
     def teardown(self) -> None:
         (self.workdir / "stop").touch()
@@ -512,6 +544,7 @@ class Harness:
 
     def figures(self) -> dict[str, Any]:
         s = self.settings
+        engine = self.engine.finish(self.records) if self.engine else {}
         self.stop_workers()
         self.auditor.finish()
         self.monitor.stop()
@@ -565,6 +598,7 @@ class Harness:
                 n for k, n in reports["errors"].items() if "internal" in k or "untyped" in k
             ),
             "engine_outputs_identical": None,
+            **engine,
             "acked_puts": acked,
             "verified_reads": reads_ok,
             "final_sweep": sweep,
