@@ -71,6 +71,12 @@ class _Request:
     loading: bool = False  # a background load is in flight (its blocks must stay)
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0  # first chunk not yet saved or known to be in the fabric
+    load_failed: bool = False  # a load of it failed: offer only what this node holds
+
+    def forget_hit(self) -> None:
+        """A load into this request's blocks failed (chunks lost, a daemon or owner down):
+        the next offer asks the daemon again, and counts this node's chunks only."""
+        self.lookup, self.hit_tokens, self.remote, self.load_failed = None, 0, False, True
 
 
 class SchedulerSide:
@@ -152,6 +158,14 @@ class SchedulerSide:
         return KVFabricMetadata(loads=tuple(loads), saves=tuple(saves))
 
     def update_connector_output(self, output: Any) -> None:
+        # vLLM (recompute policy) reschedules a request whose load failed and asks the
+        # connector again: offering the cached hit again failed the same way, thousands of
+        # times a minute, until the request timed out
+        invalid = output.invalid_block_ids or set()
+        if invalid:
+            for pending in self._requests.values():
+                if not invalid.isdisjoint(pending.block_ids):
+                    pending.forget_hit()
         for req_id in output.finished_recving or ():
             state = self._requests.get(req_id)
             if state is not None:
@@ -229,7 +243,9 @@ class SchedulerSide:
             if not isinstance(exc, UnavailableError):
                 log.warning("kvfabric lookup failed: %s", exc)
             return
-        chunks = max(result.matched_chunks, result.cluster_chunks or 0)
+        chunks = result.matched_chunks
+        if not state.load_failed:  # another node's chunks, pulled in the background
+            chunks = max(chunks, result.cluster_chunks or 0)
         state.remote = chunks > result.matched_chunks
         state.lookup = result
         state.hit_tokens = sum(ref.num_tokens for ref in state.refs[:chunks])

@@ -10,6 +10,7 @@ import pytest
 from scrape import sample, scrape
 from vllm import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvfabric.client import Client
@@ -97,6 +98,33 @@ def test_load_slices_cover_exactly_the_tokens_to_load(daemon) -> None:
     assert load.block_ids == (7, 8, 9)
     assert load.chunks == (ChunkSlice(refs[1].key, refs[1].parent, 16, 16, 0, 16),)
     assert meta.saves == ()
+    sched.close()
+
+
+def test_a_failed_load_is_not_offered_again(daemon) -> None:
+    """Regression (the soak's engine under chaos): a load failed (its chunks were lost
+    before they could be copied), vLLM rescheduled the request to recompute and asked the
+    connector again, and the connector offered the same cached hit: the load failed again,
+    2,334 times in 46 s, until the request timed out. Now a failed load forgets the hit and
+    the next offer asks the daemon (old code: (32, False) again)."""
+    prompt = [t + 9 for t in PROMPT]
+    store(daemon.socket, prompt, chunks=2)
+    sched = side(daemon.socket, saves=False)
+    req = request("lost", prompt)
+    assert sched.get_num_new_matched_tokens(req, 0) == (32, False)
+    sched.update_state_after_alloc(req, None, 32)
+    sched.build_connector_meta(step(new=[("lost", prompt, [7, 8, 9], 32, 8)]))
+    with Client(daemon.socket) as client:  # the chunks go away before the load copies them
+        for ref in chunk_hashes(NAMESPACES.get("", ""), prompt)[:2]:
+            assert client.delete(NAMESPACES.get("", ""), ref.key)
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids={8}))
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    # a failure in another request's blocks changes nothing here
+    other = request("kept", [t + 10 for t in PROMPT])
+    store(daemon.socket, [t + 10 for t in PROMPT], chunks=2)
+    assert sched.get_num_new_matched_tokens(other, 0) == (32, False)
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids={99}))
+    assert sched.get_num_new_matched_tokens(other, 0) == (32, False)
     sched.close()
 
 
