@@ -25,30 +25,19 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from child_process import Child, free_port
+from vllm_env import QUIET, engine_env
 
 REPO = Path(__file__).resolve().parents[2]
 BUILDER = REPO / "tests" / "models" / "build_tiny_llama.py"
 FIRST_STALL_S = 600.0  # vLLM's first import on a cold, loaded machine (as conftest's first job)
 START_FACTOR = 4.0  # a later start may take this many times the measured first one
 START_FLOOR_S = 120.0
-QUIET_ENV = {
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "LMCACHE_TRACK_USAGE": "false",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-}
 
 
 class EngineError(Exception):
@@ -69,7 +58,7 @@ def tiny_model(workdir: Path) -> Path:
         [sys.executable, str(BUILDER), str(target)],
         check=True,
         capture_output=True,
-        env={**os.environ, **QUIET_ENV},
+        env={**os.environ, **QUIET},
     )
     return target
 
@@ -91,22 +80,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def _env(self) -> dict[str, str]:
-        scratch = self.workdir / f"{self.name}-scratch"
-        dirs = {
-            "TMPDIR": scratch / "tmp",
-            "VLLM_CACHE_ROOT": scratch / "cache",
-            "VLLM_CONFIG_ROOT": scratch / "config",
-        }
-        for path in dirs.values():
-            path.mkdir(parents=True, exist_ok=True)
-        # zmq's ipc:// socket paths must stay under 108 bytes: not under a pytest tmp dir
-        rpc = tempfile.mkdtemp(prefix="vrpc-", dir="/tmp")
-        return {
-            **os.environ,
-            **QUIET_ENV,
-            **{k: str(v) for k, v in dirs.items()},
-            "VLLM_RPC_BASE_PATH": rpc,
-        }
+        return {**os.environ, **engine_env(self.workdir / f"{self.name}-scratch")}
 
     def start(self, deadline_s: float | None) -> Server:
         """Start and wait until it serves; ``deadline_s`` None: bounded by log stalls only."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,23 +20,12 @@ from pathlib import Path
 import httpx
 from child_process import Child
 from prometheus_client.parser import text_string_to_metric_families
+from vllm_env import QUIET, engine_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROUTER_BIN = Path(sys.executable).with_name("vllm-router")
 
-ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "LMCACHE_TRACK_USAGE": "false",
-    "TOKENIZERS_PARALLELISM": "false",
-    "OMP_NUM_THREADS": "1",
-}
+ENGINE_ENV = {**QUIET, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _metric_sum(url: str, name: str, labels: dict[str, str]) -> float:
@@ -114,13 +102,9 @@ class ServedEngine(_Served):
     def start(
         self, model: Path, served_name: str, kv_transfer_config: dict | None, *extra: str
     ) -> ServedEngine:
-        rpc_dir = tempfile.mkdtemp(prefix="vrpc-", dir="/tmp")  # zmq ipc paths stay short
-        scratch = self.workdir / "scratch"
         env = {
             **ENGINE_ENV,
-            "VLLM_RPC_BASE_PATH": rpc_dir,
-            "VLLM_CACHE_ROOT": str(scratch / "cache"),
-            "VLLM_CONFIG_ROOT": str(scratch / "config"),
+            **engine_env(self.workdir / "scratch"),
             "PYTHONPATH": os.pathsep.join(
                 dict.fromkeys(
                     [

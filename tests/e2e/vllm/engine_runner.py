@@ -86,13 +86,13 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-
+sys.path.insert(0, str(REPO_ROOT / "tests" / "support"))  # run as a script
+from vllm_env import engine_env  # noqa: E402
 
 _CLEANUP: list[Path] = []  # removed before exiting (os._exit skips atexit)
 _PROGRESS: list[Path] = []  # RESULT.progress: one JSON line per step, for the parent's deadline
@@ -107,32 +107,13 @@ def progress(event: str, **fields: object) -> None:
 
 
 def _setup_env(job: dict) -> None:
-    scratch = Path(job["scratch_dir"]).resolve()
-    dirs = {
-        "TMPDIR": scratch / "tmp",
-        "VLLM_CACHE_ROOT": scratch / "cache",
-        "VLLM_CONFIG_ROOT": scratch / "config",
-    }
-    for path in dirs.values():
-        path.mkdir(parents=True, exist_ok=True)
-    # zmq's ipc:// sockets live here: a Unix socket path must stay under 108 bytes
-    dirs["VLLM_RPC_BASE_PATH"] = Path(tempfile.mkdtemp(prefix="vrpc-", dir="/tmp"))
-    _CLEANUP.append(dirs["VLLM_RPC_BASE_PATH"])
+    env = engine_env(Path(job["scratch_dir"]).resolve())
+    _CLEANUP.append(Path(env["VLLM_RPC_BASE_PATH"]))
     multiprocessing = bool(job.get("multiprocessing", False))
-    env = {
+    env |= {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "LMCACHE_TRACK_USAGE": "false",
-        "TOKENIZERS_PARALLELISM": "false",
         "PYTHONFAULTHANDLER": "1",  # and in vLLM's child processes
-        **{name: str(path) for name, path in dirs.items()},
     }
     if not multiprocessing:
         env["OMP_NUM_THREADS"] = "1"
