@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 from kvfabric.config import AuthConfig
@@ -64,13 +65,16 @@ def resolve(auth: AuthConfig, presented: bytes | None) -> Principal | None:
         return None
     candidates = [(admin, ADMIN)] if admin is not None else []
     candidates += [(token, Principal(tenant)) for token, tenant in auth.tenants.items()]
-    digest = _digest(presented)
+    digest = hashlib.sha256(presented).digest()
     found = None
     for token, principal in candidates:  # no early exit: timing does not tell which matched
-        if hmac.compare_digest(digest, _digest(token.encode())) and found is None:
+        if hmac.compare_digest(digest, _configured_digest(token)) and found is None:
             found = principal
     return found
 
 
-def _digest(token: bytes) -> bytes:
-    return hashlib.sha256(token).digest()
+@lru_cache(maxsize=4096)
+def _configured_digest(token: str) -> bytes:
+    """A configured token's digest, computed once (HTTP checks every request against every
+    token); only configured tokens are cached, never a presented one."""
+    return hashlib.sha256(token.encode()).digest()
