@@ -227,6 +227,53 @@ TRANSPORTS = ("auto", "socket", "nixl")  # kvfabric.transport.BACKENDS, without 
 
 
 @config_value
+class KVEventsConfig:
+    """The node's inventory as vLLM KV events (:mod:`kvfabric.kvevents`).
+
+    ``endpoint`` (``tcp://host:port`` or ``ipc://path``; empty: off) is a ZMQ PUB socket that
+    publishes every announceable object of the node as vLLM's ``BlockStored`` /
+    ``BlockRemoved`` for engine blocks of ``block_size`` tokens, for routers that consume
+    vLLM KV events (``vllm-router --kv-event-source``); ``replay_endpoint`` answers vLLM's
+    replay requests, with a snapshot of the inventory for a subscriber that starts late;
+    ``topic`` is the frames' first part. The events carry prompts' token ids, so they name
+    only namespaces without a tenant salt, plus those of the tenants listed in ``tenants``
+    (comma-separated; ``*``: every tenant), and a non-loopback endpoint is an exposed plane
+    (the bind rule, ``security.allow_insecure``). ``log_changes`` bounds the change log that
+    the stream and the engines' connectors (the ``kv_events`` op) read from.
+    """
+
+    endpoint: Text = ""
+    replay_endpoint: Text = ""
+    block_size: PositiveInt = 16
+    topic: Text = ""
+    tenants: Text = ""
+    buffer_batches: PositiveInt = 10_000
+    log_changes: PositiveInt = 65_536
+
+    @model_validator(mode="after")
+    def _endpoints(self) -> KVEventsConfig:
+        problems = [
+            (name, "must be tcp://host:port or ipc://path")
+            for name in ("endpoint", "replay_endpoint")
+            if getattr(self, name) and not getattr(self, name).startswith(("tcp://", "ipc://"))
+        ]
+        if self.replay_endpoint and not self.endpoint:
+            problems.append(("replay_endpoint", "needs endpoint"))
+        if problems:
+            raise KeyProblems(problems)
+        return self
+
+    @property
+    def tenant_names(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.tenants.split(",") if t.strip())
+
+    def publishes(self, tenant_salt: str) -> bool:
+        """Whether the stream names a namespace of this tenant salt."""
+        names = self.tenant_names
+        return not tenant_salt or "*" in names or tenant_salt in names
+
+
+@config_value
 class ClusterConfig:
     """Membership of the global prefix index (see :mod:`kvfabric.cluster.index`).
 
@@ -328,6 +375,7 @@ class DaemonConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log_level: Text = "info"
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> DaemonConfig:
@@ -418,6 +466,14 @@ def exposed_planes(config: DaemonConfig) -> list[str]:
             out.append(
                 f"peer transport on {config.tcp.host} without cluster.secret_file: "
                 "anyone who reaches it reads and writes the arenas"
+            )
+    for name in ("endpoint", "replay_endpoint"):
+        endpoint = getattr(config.kv_events, name)
+        host = urlsplit(endpoint).hostname if endpoint.startswith("tcp://") else None
+        if host is not None and not is_loopback(host):
+            out.append(
+                f"KV events on {endpoint} (kv_events.{name}): anyone who reaches it reads "
+                "the token ids of every namespace the stream names (ZMQ has no tokens)"
             )
     return out
 

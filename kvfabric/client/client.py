@@ -38,7 +38,7 @@ from kvfabric.errors import AlreadyExistsError, KVFabricError, NotFoundError, Un
 from kvfabric.hashing import ROOT, ChunkRef
 from kvfabric.lookup import LookupResult
 from kvfabric.payload import HeadRange, put_whole
-from kvfabric.protocol.messages import Op
+from kvfabric.protocol.messages import Op, encode_namespace
 from kvfabric.readspec import ReadSpec
 from kvfabric.spec import Namespace
 
@@ -297,6 +297,20 @@ class Client:
 
     def stats(self) -> dict[str, Any]:
         return dict(self._call(Op.STATS, {}))
+
+    def kv_events(
+        self, ns: Namespace, after: int, block_size: int, limit: int | None = None
+    ) -> dict[str, Any]:
+        """The namespace's inventory changes since ``after`` (-1: a snapshot first) as vLLM
+        KV event maps for engine blocks of ``block_size`` tokens; see the ``kv_events`` op."""
+        args: dict[str, Any] = {
+            "ns": encode_namespace(ns),
+            "after": after,
+            "block_size": block_size,
+        }
+        if limit is not None:
+            args["max"] = limit
+        return dict(self._call(Op.KV_EVENTS, args))
 
     def ping(self) -> None:
         self._call(Op.PING, {})

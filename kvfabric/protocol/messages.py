@@ -71,6 +71,7 @@ class Op(str, enum.Enum):
     PEER_COMMIT = "peer_commit"
     PEER_ABORT = "peer_abort"
     PUSH = "push"  # push chunks to a peer, layer by layer as they are committed
+    KV_EVENTS = "kv_events"  # a namespace's inventory changes as vLLM KV events
 
 
 def request(request_id: int, op: Op, args: dict[str, Any]) -> dict[str, Any]:

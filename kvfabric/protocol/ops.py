@@ -267,6 +267,23 @@ OPS: tuple[OpSpec, ...] = (
     ),
     OpSpec(Op.PING, "Liveness.", (), '"pong"'),
     OpSpec(
+        Op.KV_EVENTS,
+        "A namespace's inventory changes since a position, as vLLM KV events (an engine "
+        "connector's `take_events`).",
+        (
+            NS,
+            Field(
+                "after", "int ≥ -1", "the `next` of the previous poll; -1: start with a snapshot"
+            ),
+            Field("block_size", "int", "the engine's block size; divides the chunk size"),
+            Field("max", "int", "at most this many changes (absent: 4096)", required=False),
+        ),
+        "`next` (the position for the next poll), `events` (vLLM `BlockStored` / "
+        "`BlockRemoved` / `AllBlocksCleared` maps: `type` and fields), `snapshot` (the events "
+        "start with `AllBlocksCleared` and the namespace's inventory: the first poll, or a "
+        "poll that fell behind the change log), `truncated` (a snapshot cut at `max`)",
+    ),
+    OpSpec(
         Op.PREFETCH,
         "Pull the chunks this node lacks from the nodes that hold them (cluster nodes).",
         (

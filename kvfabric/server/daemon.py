@@ -20,7 +20,8 @@ Lifecycle of :func:`run` (``kvfabric serve``):
    same certificate is the client certificate: the peer links speak TLS to peers' TCP control
    endpoints when the ``tcp`` plane does, and the socket transport is mutual TLS when the
    ``peer`` plane is on (``transport: auto`` then picks it over NIXL, which is not encrypted);
-3. write the ready file if asked (JSON: pid, socket, tcp_port, http_port, node_id) and
+3. write the ready file if asked (JSON: pid, socket, tcp_port, http_port, node_id, and the
+   KV event endpoints when :mod:`kvfabric.kvevents` publishes) and
    report ready on ``/readyz`` (503 again if the peer transport's accept loop dies);
 4. on SIGTERM or SIGINT: report not ready, stop accepting, give in-flight requests a grace
    period, close every session (their leases are given back), stop HTTP, then close the
@@ -50,6 +51,10 @@ from kvfabric.api.http_server import HttpLimits, HttpServer
 from kvfabric.api.metrics import Metrics
 from kvfabric.config import DaemonConfig, check_binds
 from kvfabric.errors import ConfigError
+from kvfabric.kvevents.announce import MEDIUM_OF_KIND, Announcer
+from kvfabric.kvevents.log import ChangeLog
+from kvfabric.kvevents.node import NamespaceEvents
+from kvfabric.kvevents.publisher import EventStream
 from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.control import ControlServer
 from kvfabric.server.handlers import Context
@@ -129,6 +134,7 @@ class Daemon:
             if self._links is None
             else InstrumentedPusher(Pusher(self.store, self._links), self.metrics)
         )
+        self.kv_events, self.event_stream = _kv_events(config, self._raw_store)
         self._executor = ThreadPoolExecutor(
             config.limits.request_threads, thread_name_prefix="kvfabric-request"
         )
@@ -141,6 +147,7 @@ class Daemon:
                 self.cluster,
                 self.puller,
                 self.pusher,
+                self.kv_events,
             ),
             self._executor,
             self.metrics,
@@ -255,6 +262,8 @@ class Daemon:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.event_stream is not None:
+            self.event_stream.close()
         if self._links is not None:
             self._links.close()  # peers give back the pins and reservations taken for us
         # before the store: no peer may read the arenas once they are unmapped
@@ -268,6 +277,40 @@ class Daemon:
             self.transport.close()
         if self._tcp is not None:
             self._tcp.close()  # asyncio closed it already if the server ran; closing twice is fine
+
+
+def _kv_events(
+    config: DaemonConfig, store: TieredStore
+) -> tuple[NamespaceEvents, EventStream | None]:
+    """The change log engines' connectors poll (the ``kv_events`` op) and, with
+    ``kv_events.endpoint``, the node's event stream (:mod:`kvfabric.kvevents.publisher`)."""
+    changes = ChangeLog(config.kv_events.log_changes)
+    store.add_inventory_listener(changes.on_inventory)
+    media = {
+        name: MEDIUM_OF_KIND[tier.kind]
+        for name, tier in zip(store.tier_names, config.store.tiers, strict=True)
+    }
+    per_namespace = NamespaceEvents(changes, media, store.inventory)
+    settings = config.kv_events
+    if not settings.endpoint:
+        return per_namespace, None
+    stream = EventStream(
+        changes,
+        Announcer(settings.block_size, media, lambda ns: settings.publishes(ns.tenant_salt)),
+        store.inventory,
+        settings.endpoint,
+        replay_endpoint=settings.replay_endpoint or None,
+        topic=settings.topic,
+        buffer_batches=settings.buffer_batches,
+    )
+    stream.start()
+    log.info(
+        "kv_events: vLLM KV events on %s (replay %s), block size %d",
+        stream.endpoint,
+        stream.replay_endpoint,
+        settings.block_size,
+    )
+    return per_namespace, stream
 
 
 def _open_transport(
@@ -346,6 +389,9 @@ def _write_ready_file(path: Path, daemon: Daemon) -> None:
         "tcp_port": daemon.control.tcp_port,
         "http_port": daemon.http_port,
     }
+    if daemon.event_stream is not None:  # the bound ports, when the config asked for any
+        info["kv_events_endpoint"] = daemon.event_stream.endpoint
+        info["kv_events_replay_endpoint"] = daemon.event_stream.replay_endpoint
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(info))
     tmp.replace(path)  # readers never see a half-written file

@@ -33,6 +33,8 @@ from kvfabric.errors import (
     WouldBlockError,
 )
 from kvfabric.hashing import ROOT, chunk_keys
+from kvfabric.kvevents.blocks import blocks_per_chunk
+from kvfabric.kvevents.node import MAX_EVENTS_PER_POLL, NamespaceEvents
 from kvfabric.protocol.messages import (
     MAX_KEYS,
     MAX_TOKENS,
@@ -81,6 +83,7 @@ class Context:
     # None: prefetch is refused (no peer transport)
     puller: Puller | InstrumentedPuller | None = None
     pusher: Pusher | InstrumentedPusher | None = None  # None: push is refused (no transport)
+    kv_events: NamespaceEvents | None = None  # None: the kv_events op is unsupported
 
 
 @dataclass(frozen=True)
@@ -347,6 +350,22 @@ def delete(ctx: Context, session: Session, args: dict[str, Any]) -> bool:
     return bool(ctx.store.delete(ns, arg_key(args, "key")))
 
 
+def kv_events(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    """A namespace's changes as vLLM events (:mod:`kvfabric.kvevents.node`); a tenant reads
+    only its own namespaces (``session.namespace``)."""
+    if ctx.kv_events is None:
+        raise UnsupportedError("this daemon keeps no change log")
+    ns = session.namespace(args.get("ns"))
+    block_size = arg_int(args, "block_size", low=1, high=ns.spec.chunk_tokens)
+    try:
+        blocks_per_chunk(ns.spec.chunk_tokens, block_size)
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+    after = arg_int(args, "after", low=-1)
+    limit = arg_int(args, "max", low=1, high=MAX_EVENTS_PER_POLL, default=MAX_EVENTS_PER_POLL)
+    return ctx.kv_events.poll(ns, after, block_size, limit)
+
+
 def stats(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     if session.tenant is not None:
         raise ForbiddenError("node statistics need the admin token")
@@ -564,6 +583,8 @@ HANDLERS: dict[Op, Handler] = {
     Op.DELETE: Handler(delete),
     Op.STATS: Handler(stats),
     Op.PING: Handler(ping),
+    # blocking: a first poll reads the whole inventory (a snapshot)
+    Op.KV_EVENTS: Handler(kv_events, blocking=True),
     # node to node, over TCP: batch so it never runs on the loop (it may read SSD, wait)
     Op.PEER_PIN: Handler(peer_pin, blocking=True, batch=True),
     Op.PEER_RELEASE: Handler(peer_release),

@@ -14,6 +14,8 @@ hook                                caller     what kvfabric does
                                                writes them; tells a consumer what to expect
                                                (``kv_transfer_params``)
 ``get_external_cache_hit_sources``  scheduler  the hit split by tier (host, disk, p2p)
+``take_events``                     scheduler  the fabric's blocks for the engine's KV events
+                                               (``--kv-events-config``): :mod:`.events`
 ``register_kv_caches``              worker     detect the engine's block layout
 ``start_load_kv``                   worker     pin (pull if remote) and copy in, per layer
 ``wait_for_layer_load``             worker     layer i is in place before attention i
@@ -31,9 +33,11 @@ failed load costs time, never a request. Settings: :mod:`.settings`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -66,6 +70,9 @@ class KVFabricConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 settings, namespaces, loads=transfer.is_kv_consumer, saves=transfer.is_kv_producer
             )
+            events = getattr(vllm_config, "kv_events_config", None)
+            if events is not None and events.enable_kv_cache_events:
+                self._scheduler.publish_events(vllm_config.cache_config.block_size)
         else:
             self._worker = WorkerSide(
                 settings,
@@ -106,6 +113,12 @@ class KVFabricConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         split = self._scheduler.hit_sources(request, num_external_tokens)
         return {CacheHitSource(source): tokens for source, tokens in split.items()}
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The fabric's blocks for vLLM's KV event publisher (engines started with
+        ``--kv-events-config``): :mod:`.events`."""
+        assert self._scheduler is not None
+        return () if self._scheduler.events is None else self._scheduler.events.take()
 
     # -- worker side -------------------------------------------------------------------
 

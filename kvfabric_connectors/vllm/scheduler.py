@@ -42,6 +42,7 @@ from kvfabric.lookup import LookupResult
 from kvfabric.spec import Namespace
 from kvfabric_connectors.link import DaemonLink
 
+from .events import EventRelay
 from .handoff import Handoff, answer, read_params
 from .metadata import ChunkSlice, KVFabricMetadata, RequestTransfer
 from .namespace import Namespaces, lora_id_of
@@ -92,6 +93,19 @@ class SchedulerSide:
         )
         self._requests: dict[str, _Request] = {}
         self._cluster_scope = True  # until the daemon says it has no global index
+        self.events: EventRelay | None = None  # the fabric's blocks in the engine's KV events
+
+    def publish_events(self, block_size: int) -> None:
+        """Relay the fabric's blocks of this engine's namespaces into vLLM's KV events
+        (:mod:`.events`), starting with the base model's."""
+        link = DaemonLink(
+            self.settings.socket_path,
+            self.settings.token,
+            timeout=self.settings.load_timeout_s,
+            engine="vllm",
+        )
+        self.events = EventRelay(link, block_size, self.settings.kv_events_poll_s)
+        self.events.watch(self.namespaces.get("", ""))
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -200,6 +214,8 @@ class SchedulerSide:
         return out
 
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
         self.link.close()
 
     # -- helpers -----------------------------------------------------------------------
@@ -218,11 +234,14 @@ class SchedulerSide:
             push_to=self.settings.push_to,
             push_targets=self.settings.push_targets,
         )
+        ns = self.namespaces.get(salt, lora)
+        if self.events is not None:
+            self.events.watch(ns)
         state = _Request(
             request.request_id,
             salt,
             lora,
-            chunk_hashes(self.namespaces.get(salt, lora), prompt),
+            chunk_hashes(ns, prompt),
             len(prompt),
             handoff,
             expect_tokens=handoff.expect_tokens,

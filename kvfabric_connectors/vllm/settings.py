@@ -28,6 +28,9 @@ kv_dtype            the fabric's storage dtype (bfloat16,      the engine's KV d
                     scales), converted at the edge when the
                     engine's differs (fp8: quantized at save,
                     dequantized at load)
+kv_events_poll_s    how often the fabric's blocks are asked    0.25
+                    for, for the engine's KV events
+                    (``--kv-events-config``: :mod:`.events`)
 reserve_cpu         keep the core vLLM's CPU executor reserves false: an engine with the
                     for any connector (the engine's OpenMP     connector keeps the thread
                     team is then one core smaller per rank)    layout it has without one
@@ -85,6 +88,7 @@ class ConnectorSettings:
     )
     expect_timeout_s: Seconds = 5.0
     kv_dtype: Annotated[str | None, PlainValidator(optional(_kv_dtype))] = None
+    kv_events_poll_s: Seconds = 0.25
     reserve_cpu: Flag = False  # read by the vLLM plugin in .cpu_threads, before any connector
 
     @classmethod
