@@ -112,6 +112,12 @@ class FrameTooLargeError(ProtocolError):
     read). Same kind as :class:`ProtocolError` on the wire."""
 
 
+class TokenMismatchError(ProtocolError):
+    """Token ids given with a chunk are not its own: not ``num_tokens`` of them, or they do
+    not hash (with its parent and namespace) to its key. Same kind as :class:`ProtocolError`
+    on the wire."""
+
+
 class UnsupportedVersionError(ProtocolError):
     """The peer speaks a protocol version this side does not."""
 

@@ -13,6 +13,9 @@ A whole prompt is hashed in one call: the token ids are converted to one little-
 buffer once, and each chunk is a slice of it fed to a C hash (no per-token Python work).
 Hashing can resume from any chunk boundary (``parent=``), so a growing request re-hashes only
 its new chunks.
+
+A stored chunk may carry its own token ids (int32-LE bytes, :func:`token_bytes`); the store
+takes them only once :func:`verify_chunk_tokens` found that they hash to the chunk's key.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from kvfabric.errors import SpecError
+from kvfabric.errors import SpecError, TokenMismatchError
 from kvfabric.spec import Namespace
 
 KEY_BYTES = 16
@@ -62,6 +65,35 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         return np.array(tokens, dtype=_INT32)
     except (OverflowError, ValueError, TypeError) as exc:
         raise SpecError(f"token ids must be int32 integers: {exc}") from None
+
+
+# a chunk's own token ids as callers may give them (see :func:`token_bytes`)
+ChunkTokens = bytes | Sequence[int] | np.ndarray
+
+
+def token_bytes(tokens: ChunkTokens) -> bytes:
+    """Token ids as int32-LE bytes, the form a chunk's tokens are sent and stored in (bytes
+    are taken to be in that form already: :func:`verify_chunk_tokens` checks their length)."""
+    if isinstance(tokens, bytes):
+        return tokens
+    return as_token_array(tokens).tobytes()
+
+
+def verify_chunk_tokens(
+    namespace: Namespace, key: bytes, parent: bytes, num_tokens: int, tokens: bytes
+) -> None:
+    """Raise TokenMismatchError unless ``tokens`` (int32-LE) are the ``num_tokens`` token ids
+    of the chunk ``key`` whose parent is ``parent``: the key is recomputed from them."""
+    if len(tokens) != num_tokens * 4:
+        raise TokenMismatchError(
+            f"tokens of chunk {key.hex()} must be {num_tokens} int32-LE ids "
+            f"({num_tokens * 4} bytes), got {len(tokens)} bytes"
+        )
+    if chunk_keys(namespace, np.frombuffer(tokens, dtype=_INT32), parent=parent) != [key]:
+        raise TokenMismatchError(
+            f"tokens given with chunk {key.hex()} do not hash to its key "
+            f"(with parent {parent.hex()} in its namespace)"
+        )
 
 
 def chunk_keys(

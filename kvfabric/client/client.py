@@ -35,7 +35,7 @@ from kvfabric.client.objects import RemoteReader, RemoteWriter
 from kvfabric.client.retry import Backoff, ExponentialBackoff
 from kvfabric.client.tls import TLSOption
 from kvfabric.errors import AlreadyExistsError, KVFabricError, NotFoundError, UnavailableError
-from kvfabric.hashing import ROOT, ChunkRef
+from kvfabric.hashing import ROOT, ChunkRef, ChunkTokens
 from kvfabric.lookup import LookupResult
 from kvfabric.payload import HeadRange, put_whole
 from kvfabric.protocol.messages import Op, encode_namespace
@@ -169,10 +169,14 @@ class Client:
         parent: bytes = ROOT,
         num_tokens: int | None = None,
         heads: HeadRange | None = None,
+        tokens: ChunkTokens | None = None,
     ) -> RemoteWriter:
         """Reserve a chunk to write; with ``heads``, only that KV-head range (one
-        tensor-parallel rank: the other ranks reserve the same key with theirs)."""
-        args = requests.reserve_args(ns, key, parent, num_tokens, heads)
+        tensor-parallel rank: the other ranks reserve the same key with theirs).
+
+        ``tokens``: the chunk's own token ids (int32-LE bytes, or integers), which the node
+        keeps with it; they must hash to ``key`` (else ProtocolError, nothing reserved)."""
+        args = requests.reserve_args(ns, key, parent, num_tokens, heads, tokens)
         session, reply = self._call_on_session(Op.RESERVE, args)
         return RemoteWriter(session, ns, key, reply, heads=heads)
 
@@ -184,16 +188,28 @@ class Client:
         *,
         parent: bytes = ROOT,
         num_tokens: int | None = None,
+        tokens: ChunkTokens | None = None,
     ) -> bool:
-        """Store a whole payload; ``False`` if the node already holds the key."""
-        return put_whole(lambda: self.reserve(ns, key, parent=parent, num_tokens=num_tokens), data)
+        """Store a whole payload; ``False`` if the node already holds the key. ``tokens``:
+        as for :meth:`reserve`."""
+        return put_whole(
+            lambda: self.reserve(ns, key, parent=parent, num_tokens=num_tokens, tokens=tokens),
+            data,
+        )
 
     def reserve_many(
-        self, ns: Namespace, chunks: Sequence[ChunkRef], *, heads: HeadRange | None = None
+        self,
+        ns: Namespace,
+        chunks: Sequence[ChunkRef],
+        *,
+        heads: HeadRange | None = None,
+        tokens: Sequence[ChunkTokens | None] | None = None,
     ) -> list[RemoteWriter | KVFabricError]:
-        """Reserve many chunks in one round trip; each item is a writer or its own error."""
+        """Reserve many chunks in one round trip; each item is a writer or its own error
+        (a chunk whose ``tokens`` do not hash to its key: ProtocolError). ``tokens``: each
+        chunk's own token ids as for :meth:`reserve` (None where not given)."""
         session, items = self._call_on_session(
-            Op.RESERVE_BATCH, requests.reserve_batch_args(ns, chunks, heads)
+            Op.RESERVE_BATCH, requests.reserve_batch_args(ns, chunks, heads, tokens)
         )
         return [
             r if isinstance(r, KVFabricError) else RemoteWriter(session, ns, c.key, r, heads=heads)
@@ -221,13 +237,19 @@ class Client:
         return [w.closed for w in writers]
 
     def put_many(
-        self, ns: Namespace, chunks: Sequence[ChunkRef], payloads: Sequence[Any]
+        self,
+        ns: Namespace,
+        chunks: Sequence[ChunkRef],
+        payloads: Sequence[Any],
+        *,
+        tokens: Sequence[ChunkTokens | None] | None = None,
     ) -> list[bool]:
         """Store many chunks (e.g. a prompt's :func:`~kvfabric.hashing.chunk_hashes`) with
-        two round trips in all; ``False`` where the node already held the chunk."""
+        two round trips in all; ``False`` where the node already held the chunk.
+        ``tokens``: as for :meth:`reserve_many`."""
         if len(chunks) != len(payloads):
             raise ValueError("one payload per chunk")
-        results = self.reserve_many(ns, chunks)
+        results = self.reserve_many(ns, chunks, tokens=tokens)
         writers = [r for r in results if isinstance(r, RemoteWriter)]
         try:
             requests.raise_first(

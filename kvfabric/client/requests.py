@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvfabric.errors import SpecError, UnavailableError, error_for_kind
-from kvfabric.hashing import ROOT, ChunkRef, as_token_array
+from kvfabric.hashing import ROOT, ChunkRef, ChunkTokens, as_token_array, token_bytes
 from kvfabric.lookup import LookupResult
 from kvfabric.payload import HeadRange
 from kvfabric.protocol.messages import encode_namespace, pack_keys
@@ -73,27 +73,44 @@ def reserve_args(
     parent: bytes = ROOT,
     num_tokens: int | None = None,
     heads: HeadRange | None = None,
+    tokens: ChunkTokens | None = None,
 ) -> dict[str, Any]:
-    return {"ns": encode_namespace(ns), **_reserve_item(key, parent, num_tokens, heads)}
+    return {"ns": encode_namespace(ns), **_reserve_item(key, parent, num_tokens, heads, tokens)}
 
 
 def reserve_batch_args(
-    ns: Namespace, chunks: Sequence[ChunkRef], heads: HeadRange | None = None
+    ns: Namespace,
+    chunks: Sequence[ChunkRef],
+    heads: HeadRange | None = None,
+    tokens: Sequence[ChunkTokens | None] | None = None,
 ) -> dict[str, Any]:
+    """``tokens``: each chunk's own token ids (None where not given), in chunk order."""
+    if tokens is not None and len(tokens) != len(chunks):
+        raise ValueError("tokens: one entry per chunk")
+    per_chunk = [None] * len(chunks) if tokens is None else tokens
     return {
         "ns": encode_namespace(ns),
-        "items": [_reserve_item(c.key, c.parent, c.num_tokens, heads) for c in chunks],
+        "items": [
+            _reserve_item(c.key, c.parent, c.num_tokens, heads, t)
+            for c, t in zip(chunks, per_chunk)
+        ],
     }
 
 
 def _reserve_item(
-    key: bytes, parent: bytes, num_tokens: int | None, heads: HeadRange | None
+    key: bytes,
+    parent: bytes,
+    num_tokens: int | None,
+    heads: HeadRange | None,
+    tokens: ChunkTokens | None,
 ) -> dict[str, Any]:
     item: dict[str, Any] = {"key": key, "parent": parent}
     if num_tokens is not None:
         item["num_tokens"] = num_tokens
     if heads is not None:  # one tensor-parallel rank's KV heads
         item["heads"] = list(heads)
+    if tokens is not None:  # the daemon checks that they hash to the key
+        item["tokens"] = token_bytes(tokens)
     return item
 
 

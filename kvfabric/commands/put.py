@@ -96,7 +96,9 @@ def put_prompt(client: Client, ns: Namespace, tokens: np.ndarray) -> tuple[int, 
         payloads = [
             np.zeros(ChunkLayout(ns.spec, ref.num_tokens).nbytes, np.uint8) for ref in batch
         ]
-        done = client.put_many(ns, batch, payloads)  # False: the node held it already
+        step = ns.spec.chunk_tokens  # each chunk's own tokens go with it (the node keeps them)
+        own = [tokens[j * step : j * step + ref.num_tokens] for j, ref in enumerate(batch, first)]
+        done = client.put_many(ns, batch, payloads, tokens=own)  # False: the node held it already
         stored += sum(done)
         present += len(done) - sum(done)
         nbytes += sum(p.nbytes for p, new in zip(payloads, done) if new)

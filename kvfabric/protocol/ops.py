@@ -108,6 +108,14 @@ _RESERVE_FIELDS = (
         "[start, end) of the KV heads this writer holds (one tensor-parallel rank); absent: all",
         required=False,
     ),
+    Field(
+        "tokens",
+        "bin (int32-LE, num_tokens ids)",
+        "the chunk's own token ids, kept with it (inventory, restarts, peer copies); they must "
+        "hash to `key` with `parent` and the namespace, else `bad_request` and nothing is "
+        "reserved; absent: none (a rank joining a chunk may omit them)",
+        required=False,
+    ),
 )
 ITEMS = Field("items", f"map[] (1 to {MAX_BATCH})", "one entry per chunk", items=_RESERVE_FIELDS)
 _PLACEMENT = (
@@ -313,7 +321,7 @@ OPS: tuple[OpSpec, ...] = (
         Op.PEER_PIN,
         "Node to node (TCP): pin chunks a peer is about to read over its transport.",
         (NS, KEYS, Field("timeout", _TIMEOUT, "bound on waiting for each chunk", False)),
-        f"per key: {_PLACEMENT}, `page_size`, `parent`",
+        f"per key: {_PLACEMENT}, `page_size`, `parent`, `tokens` (when the chunk has them)",
         access=Access.ADMIN,
         batch=True,
         errors=_READ_ERRORS,

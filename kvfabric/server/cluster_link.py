@@ -176,8 +176,8 @@ class ClusterLink:
         try:
             self._index.publish(
                 stored=[
-                    ChunkRecord(ns.seed, key, tier, parent, tokens)
-                    for ns, key, parent, tokens, tier in stored
+                    ChunkRecord(obj.ns.seed, obj.key, obj.tier, obj.parent, obj.num_tokens)
+                    for obj in stored
                 ],
                 removed=[ChunkRecord(ns.seed, key, tier) for ns, key, tier in removed],
             )
@@ -186,8 +186,8 @@ class ClusterLink:
 
     def _records(self) -> Iterator[ChunkRecord]:
         """The whole local inventory as index records (for a republish)."""
-        for ns, key, parent, tokens, tier in self._store.inventory():
-            yield ChunkRecord(ns.seed, key, tier, parent, tokens)
+        for obj in self._store.inventory():
+            yield ChunkRecord(obj.ns.seed, obj.key, obj.tier, obj.parent, obj.num_tokens)
 
     # -- reads ------------------------------------------------------------------------
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> GlobalLookup:

@@ -205,8 +205,10 @@ def _reserve_one(ctx: Context, session: Session, ns: Any, args: Any) -> dict[str
         args, "num_tokens", low=1, high=ns.spec.chunk_tokens, default=ns.spec.chunk_tokens
     )
     heads = arg_head_range(args, ns.spec.num_kv_heads) if "heads" in args else None
+    # the store checks that they hash to the key (TokenMismatchError: a bad request)
+    tokens = arg_tokens(args) if "tokens" in args else None
     writer = ctx.store.reserve(
-        ns, arg_key(args, "key"), parent=parent, num_tokens=num_tokens, heads=heads
+        ns, arg_key(args, "key"), parent=parent, num_tokens=num_tokens, heads=heads, tokens=tokens
     )
     return _placement(session.add_lease(writer), writer)
 
@@ -380,7 +382,8 @@ def peer_pin(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[
     """Pin chunks for a peer node that reads them over its transport (admin only).
 
     Per key: the pin's placement (see :func:`_placement`) plus ``page_size`` (of the tier the
-    pages are in) and ``parent``, or that key's error. SSD copies are read back into memory
+    pages are in), ``parent`` and, when the chunk has them, its ``tokens``, or that key's
+    error. SSD copies are read back into memory
     first; a chunk still being written is waited for until ``timeout``. The pins are leases
     of this session: given back by ``peer_release``, when the session ends, or at their
     deadline.
@@ -411,6 +414,8 @@ def _peer_pin_one(
         _release_one(ctx, session, None, result["lease"])
         raise UnavailableError("the chunk is in a tier peers cannot read from")
     result.update(page_size=page_size, parent=reader.parent)
+    if reader.tokens is not None:
+        result["tokens"] = reader.tokens
     return result
 
 

@@ -128,6 +128,7 @@ class InstrumentedStore:
         parent: bytes = ROOT,
         num_tokens: int | None = None,
         heads: HeadRange | None = None,
+        tokens: bytes | TokenIds | None = None,
     ) -> ObjectWriter:
         return self._timed(
             "reserve",
@@ -137,6 +138,7 @@ class InstrumentedStore:
             parent=parent,
             num_tokens=num_tokens,
             heads=heads,
+            tokens=tokens,
         )
 
     def put(
@@ -147,9 +149,17 @@ class InstrumentedStore:
         *,
         parent: bytes = ROOT,
         num_tokens: int | None = None,
+        tokens: bytes | TokenIds | None = None,
     ) -> bool:
         return self._timed(
-            "put", self._store.put, ns, key, data, parent=parent, num_tokens=num_tokens
+            "put",
+            self._store.put,
+            ns,
+            key,
+            data,
+            parent=parent,
+            num_tokens=num_tokens,
+            tokens=tokens,
         )
 
     def delete(self, ns: Namespace, key: bytes) -> bool:

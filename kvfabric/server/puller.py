@@ -6,7 +6,8 @@ more of the chunks in the owner's fastest tier). Each owner gets an even share o
 left, so a frozen one leaves time for the next. One pull from one owner is:
 
 1. ``peer_pin`` over the owner's TCP control endpoint: the owner pins the chunks (reading
-   SSD copies back into memory first) and answers with their tier, page ids and page size;
+   SSD copies back into memory first) and answers with their tier, page ids and page size
+   (and their token ids, which the local copies keep);
 2. reserve each chunk in this node's store, map every remote page range onto the local
    pages (page sizes may differ between the nodes; ranges adjacent on both sides merge into
    one piece) and move everything with one transport ``read`` into this node's arena;
@@ -190,7 +191,11 @@ class Puller:
                     continue  # the owner lost this chunk: it stays wanted
                 try:
                     writer = self._store.reserve(
-                        ns, key, parent=item["parent"], num_tokens=item["num_tokens"]
+                        ns,
+                        key,
+                        parent=item["parent"],
+                        num_tokens=item["num_tokens"],
+                        tokens=item.get("tokens"),  # the copy keeps them (checked here too)
                     )
                 except AlreadyExistsError:
                     raced.add(key)  # stored here since the check

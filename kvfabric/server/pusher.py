@@ -6,10 +6,11 @@ being computed or in flight. One push is:
 
 1. pin every chunk here (``store.get``: a chunk still being written is fine, its pin lasts
    the whole push);
-2. ``peer_reserve`` every chunk on the target in one request, over its TCP control endpoint:
-   the target answers with the reservation's tier, pages, page size and lease; a chunk the
-   target already holds (or is receiving from elsewhere) counts as already there. From now
-   on the chunks exist on the target: its readers may ``get`` them and wait on layers;
+2. ``peer_reserve`` every chunk (with its token ids, when it has them) on the target in one
+   request, over its TCP control endpoint: the target answers with the reservation's tier,
+   pages, page size and lease; a chunk the target already holds (or is receiving from
+   elsewhere) counts as already there. From now on the chunks exist on the target: its
+   readers may ``get`` them and wait on layers;
 3. layer by layer: wait until the next layer is committed here, for every chunk; move it,
    together with every later layer all of them have committed already, with one transport
    ``write`` into the target's pages (adjacent pages merged; page sizes may differ between
@@ -141,10 +142,7 @@ class Pusher:
         """(pushed, already there); raises KVFabricError when the push failed as a whole
         (what it reserved is aborted by then)."""
         link = self._links.link(target, epoch, end)
-        items = [
-            {"key": key, "parent": reader.parent, "num_tokens": reader.num_tokens}
-            for key, reader in readers.items()
-        ]
+        items = [_reserve_item(key, reader) for key, reader in readers.items()]
         reserved_at = time.monotonic()
         try:
             replies = item_results(
@@ -254,3 +252,11 @@ class Pusher:
             # dropping the session aborts the reservations on the target's side
             log.info("aborting on %s failed (%s); dropping the connection", target, exc)
             self._links.forget(target)
+
+
+def _reserve_item(key: bytes, reader: ObjectReader) -> dict[str, Any]:
+    """A ``peer_reserve`` item for a chunk pinned here: the target's copy keeps its tokens."""
+    item: dict[str, Any] = {"key": key, "parent": reader.parent, "num_tokens": reader.num_tokens}
+    if reader.tokens is not None:
+        item["tokens"] = reader.tokens
+    return item

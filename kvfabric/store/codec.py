@@ -16,7 +16,7 @@ in use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -24,6 +24,7 @@ import numpy as np
 from kvfabric.hashing import KEY_BYTES
 from kvfabric.memory.copy import Piece, copy_pieces
 from kvfabric.spec import KVSpec, Namespace
+from kvfabric.tiers.disk.records import MAX_META
 
 if TYPE_CHECKING:
     from kvfabric.store.index import Entry
@@ -95,7 +96,10 @@ def _layer_tensor(spec: KVSpec, num_tokens: int, raw: np.ndarray) -> Any:
 
 def encode_meta(entry: Entry, fmt: str = NATIVE) -> bytes:
     """The SSD record's metadata: enough to re-index (and decode) the object after a
-    restart. ``fmt`` appears only for fp8 records: native ones read as they always did."""
+    restart. ``fmt`` appears only for fp8 records: native ones read as they always did.
+    ``tk``, the chunk's token ids, appears only when the entry has them and they fit in a
+    record's metadata (:data:`~kvfabric.tiers.disk.records.MAX_META`: about 700 tokens with
+    the rest): a longer chunk's record is recovered without them."""
     ns = entry.ns
     meta = {
         "v": 1,
@@ -109,10 +113,25 @@ def encode_meta(entry: Entry, fmt: str = NATIVE) -> bytes:
     if fmt != NATIVE:
         meta["fmt"] = fmt
     packed: bytes = msgpack.packb(meta)
+    if entry.tokens is not None:
+        meta["tk"] = entry.tokens
+        with_tokens: bytes = msgpack.packb(meta)
+        if len(with_tokens) <= MAX_META:
+            return with_tokens
     return packed
 
 
-def decode_meta(raw: bytes) -> tuple[Namespace, bytes, int, str]:
+class RecordMeta(NamedTuple):
+    """What an SSD record's metadata says of its object (:func:`decode_meta`)."""
+
+    ns: Namespace
+    parent: bytes
+    num_tokens: int
+    fmt: str
+    tokens: bytes | None  # None: written without them (or by a version that kept none)
+
+
+def decode_meta(raw: bytes) -> RecordMeta:
     meta = msgpack.unpackb(raw)
     if not isinstance(meta, dict) or meta.get("v") != 1:
         raise ValueError("unknown metadata version")
@@ -125,4 +144,8 @@ def decode_meta(raw: bytes) -> tuple[Namespace, bytes, int, str]:
     fmt = meta.get("fmt", NATIVE)
     if fmt not in FORMATS:
         raise ValueError(f"unknown payload format {fmt!r}")
-    return ns, parent, int(meta["tokens"]), fmt
+    num_tokens = int(meta["tokens"])
+    tokens = meta.get("tk")
+    if tokens is not None and (not isinstance(tokens, bytes) or len(tokens) != num_tokens * 4):
+        raise ValueError("bad token ids")
+    return RecordMeta(ns, parent, num_tokens, fmt, tokens)

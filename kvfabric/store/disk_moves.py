@@ -338,17 +338,25 @@ class DiskMoves:
         disk, disk_index = self._disk(), self._state.ssd_index
         for record in disk.scan():
             try:
-                ns, parent, num_tokens, fmt = codec.decode_meta(record.meta)
+                meta = codec.decode_meta(record.meta)
             except (KVFabricError, ValueError, TypeError, KeyError) as exc:
                 log.warning(
                     "SSD record %s has unreadable metadata (%s); dropped", record.key.hex(), exc
                 )
                 disk.delete(record.extent)
                 continue
-            entry = Entry(record.key, parent, intern(ns), num_tokens, disk_index, record.extent)
+            entry = Entry(
+                record.key,
+                meta.parent,
+                intern(meta.ns),
+                meta.num_tokens,
+                disk_index,
+                record.extent,
+                meta.tokens,
+            )
             entry.ready = READY_ALL
-            if fmt == codec.FP8:
+            if meta.fmt == codec.FP8:
                 entry.flags |= FP8_ON_DISK
             self._state.index.add(entry)
             # the record's metadata names its tenant: its SSD bytes survive the restart
-            self._residency.ssd.add(ns.tenant_salt, record.extent.span)
+            self._residency.ssd.add(meta.ns.tenant_salt, record.extent.span)

@@ -67,6 +67,11 @@ class _Lease(PayloadAccess):
         return self._entry.parent
 
     @property
+    def tokens(self) -> bytes | None:
+        """The chunk's own token ids (int32-LE), or None when its writers gave none."""
+        return self._entry.tokens
+
+    @property
     def namespace(self) -> Namespace:
         return self._entry.ns
 

@@ -61,10 +61,18 @@ class Entry:
         "shards",
         "ssd_copy",
         "tier",
+        "tokens",
     )
 
     def __init__(
-        self, key: bytes, parent: bytes, ns: Namespace, num_tokens: int, tier: int, handle: Any
+        self,
+        key: bytes,
+        parent: bytes,
+        ns: Namespace,
+        num_tokens: int,
+        tier: int,
+        handle: Any,
+        tokens: bytes | None = None,
     ) -> None:
         self.key = key
         self.parent = parent
@@ -83,6 +91,9 @@ class Entry:
         # the SSD needs the space, so a crash still finds the object and demoting it again
         # writes nothing (see store/placement.py)
         self.ssd_copy: Any = None
+        # the chunk's own token ids (int32-LE, checked against the key) when its writer gave
+        # them; None costs no object of its own (the per-object budget above)
+        self.tokens = tokens
 
     @property
     def complete(self) -> bool:

@@ -39,19 +39,18 @@ class InventoryFeed:
             self._call(callback, self.snapshot(), [])
 
     def snapshot(self) -> list[StoredObject]:
-        """Every complete object as (namespace, key, parent, num_tokens, tier name)."""
-        return [
-            (e.ns, e.key, e.parent, e.num_tokens, self._names[e.tier])
-            for e in self._index.entries()
-            if e.complete
-        ]
+        """Every complete object as a :class:`StoredObject`."""
+        return [self._stored(e) for e in self._index.entries() if e.complete]
+
+    def _stored(self, e: Entry) -> StoredObject:
+        return StoredObject(e.ns, e.key, e.parent, e.num_tokens, self._names[e.tier], e.tokens)
 
     def changed(self, stored: list[Entry], removed: list[tuple[Entry, int]]) -> None:
         """Complete objects were stored or moved (``stored``, in their new tier) or left a
         tier (``removed``, with that tier's index): tell every listener."""
         if not self._listeners:
             return
-        stored_out = [(e.ns, e.key, e.parent, e.num_tokens, self._names[e.tier]) for e in stored]
+        stored_out = [self._stored(e) for e in stored]
         removed_out = [(e.ns, e.key, self._names[tier]) for e, tier in removed]
         for callback in self._listeners:
             self._call(callback, stored_out, removed_out)

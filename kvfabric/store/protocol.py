@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
@@ -32,9 +32,21 @@ if TYPE_CHECKING:
     from kvfabric.store.stats import StoreStats
     from kvfabric.store.tenants import ArenaInfo
 
-# A complete object as inventory listeners see it: (namespace, key, parent, num_tokens, tier
-# name); and a removed copy: (namespace, key, tier name).
-StoredObject = tuple[Namespace, bytes, bytes, int, str]
+
+class StoredObject(NamedTuple):
+    """A complete object as inventory listeners see it."""
+
+    ns: Namespace
+    key: bytes
+    parent: bytes
+    num_tokens: int
+    tier: str  # the tier's name
+    # the chunk's own token ids, int32-LE (``num_tokens * 4`` bytes); None when its writer
+    # did not give them
+    tokens: bytes | None
+
+
+# a removed copy: (namespace, key, tier name)
 RemovedObject = tuple[Namespace, bytes, str]
 InventoryListener = Callable[[list[StoredObject], list[RemovedObject]], None]
 # a prompt's token ids (what :func:`kvfabric.hashing.chunk_keys` hashes)
@@ -73,6 +85,7 @@ class Store(Protocol):
         parent: bytes = ROOT,
         num_tokens: int | None = None,
         heads: HeadRange | None = None,
+        tokens: bytes | TokenIds | None = None,
     ) -> ObjectWriter: ...
 
     def get(

@@ -65,7 +65,7 @@ from kvfabric.errors import (
     SpecMismatchError,
     WouldBlockError,
 )
-from kvfabric.hashing import KEY_BYTES, ROOT, chunk_keys
+from kvfabric.hashing import KEY_BYTES, ROOT, chunk_keys, token_bytes, verify_chunk_tokens
 from kvfabric.lookup import LookupResult
 from kvfabric.memory.arena import SharedArena
 from kvfabric.payload import put_whole
@@ -136,24 +136,34 @@ class TieredStore:
         parent: bytes = ROOT,
         num_tokens: int | None = None,
         heads: HeadRange | None = None,
+        tokens: bytes | TokenIds | None = None,
     ) -> ObjectWriter:
         """Allocate an object and return its writer (commit layers, or abort).
 
         With ``heads`` the writer writes only that KV-head range (one tensor-parallel rank):
         the other ranks reserve the same key with their own ranges and join the object
-        (see :mod:`kvfabric.store.shards`)."""
+        (see :mod:`kvfabric.store.shards`).
+
+        ``tokens``: the chunk's own token ids (int32-LE bytes or integers), kept with the
+        object and reported by :meth:`inventory`. They must hash to ``key``
+        (:func:`~kvfabric.hashing.verify_chunk_tokens`), or TokenMismatchError is raised and
+        nothing is reserved. A rank joining an object may omit them; if the object has none
+        yet, a joining rank's tokens are kept."""
         _check_key("key", key)
         _check_key("parent", parent)
         num_tokens = ns.spec.chunk_tokens if num_tokens is None else num_tokens
         nbytes = ns.spec.layout(num_tokens).nbytes  # validates num_tokens
         if heads is not None:
             head_mask(heads, ns.spec.num_kv_heads)  # validates the range
+        raw_tokens = None if tokens is None else token_bytes(tokens)
+        if raw_tokens is not None:  # hashed outside the lock
+            verify_chunk_tokens(ns, key, parent, num_tokens, raw_tokens)
         with self._lock:
             self._check_open()
             known = self._namespaces.get(ns.seed)
             existing = None if known is None else self._state.index.find(known, key)
             if existing is not None:
-                return self._join(existing, parent, num_tokens, heads)
+                return self._join(existing, parent, num_tokens, heads, raw_tokens)
             if known is None:  # fail before allocating: a namespace over the tenant's limit
                 self._tenancy.add_namespace(ns, check_only=True)
             self._tenancy.begin_write(ns.tenant_salt, check_only=True)
@@ -166,14 +176,19 @@ class TieredStore:
             except BaseException:
                 self._state.tiers[tier].free(pages)  # type: ignore[union-attr]
                 raise
-            entry = Entry(key, parent, ns, num_tokens, tier, pages)
+            entry = Entry(key, parent, ns, num_tokens, tier, pages, raw_tokens)
             if heads is not None:
                 entry.shards = HeadShards(ns.spec.num_kv_heads, ns.spec.num_layers)
             self._state.index.add(entry)
             return self._leases.new_writer(entry, heads)
 
     def _join(
-        self, entry: Entry, parent: bytes, num_tokens: int, heads: HeadRange | None
+        self,
+        entry: Entry,
+        parent: bytes,
+        num_tokens: int,
+        heads: HeadRange | None,
+        tokens: bytes | None,
     ) -> ObjectWriter:
         """Another tensor-parallel rank's writer for an object being written by ranges."""
         if (
@@ -188,7 +203,10 @@ class TieredStore:
                 f"{entry.key.hex()} is being written with parent "
                 f"{entry.parent.hex()} and {entry.num_tokens} tokens"
             )
-        return self._leases.new_writer(entry, heads)
+        writer = self._leases.new_writer(entry, heads)
+        if entry.tokens is None:  # verified: they are the tokens of this very key
+            entry.tokens = tokens
+        return writer
 
     def put(
         self,
@@ -198,9 +216,14 @@ class TieredStore:
         *,
         parent: bytes = ROOT,
         num_tokens: int | None = None,
+        tokens: bytes | TokenIds | None = None,
     ) -> bool:
-        """Store a whole payload in canonical layout; ``False`` if the key is already stored."""
-        return put_whole(lambda: self.reserve(ns, key, parent=parent, num_tokens=num_tokens), data)
+        """Store a whole payload in canonical layout; ``False`` if the key is already stored.
+        ``tokens``: as for :meth:`reserve`."""
+        return put_whole(
+            lambda: self.reserve(ns, key, parent=parent, num_tokens=num_tokens, tokens=tokens),
+            data,
+        )
 
     def get(
         self,
@@ -279,8 +302,9 @@ class TieredStore:
             self._feed.add(callback, replay=replay)
 
     def inventory(self) -> Iterator[StoredObject]:
-        """Every complete object as (namespace, key, parent, num_tokens, tier name); a
-        snapshot taken under the lock (for a republish of the whole inventory)."""
+        """Every complete object as a :class:`StoredObject` (its tier's name, and its tokens
+        when its writer gave them); a snapshot taken under the lock (for a republish of the
+        whole inventory)."""
         with self._lock:
             return iter(self._feed.snapshot())
 

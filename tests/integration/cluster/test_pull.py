@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cluster_nodes import cluster_node, put_random_chain
+from cluster_nodes import chain_tokens, cluster_node, put_random_chain, tokens_held
 
 from kvfabric.client import Client
 from kvfabric.client import requests as client_requests
@@ -75,6 +75,8 @@ def test_prefetch_pulls_a_chain_byte_exact_and_releases_the_owners_pins(
         for key, data in zip(keys, payloads):
             with client.get(NS, key) as reader:  # zero copy from B's own arena
                 assert reader.to_bytes() == data
+    # B's copies keep each chunk's token ids (what B's KV events report)
+    assert tokens_held(b.info["tcp_port"], NS, keys) == chain_tokens(NS, 4)
     with Client(b.socket) as client:  # by token ids this time: held here now
         assert client.prefetch(NS, tokens=list(range(4 * SPEC.chunk_tokens))) == {
             "pulled": 0,

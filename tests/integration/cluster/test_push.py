@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cluster_nodes import cluster_node, put_random_chain
+from cluster_nodes import chain_tokens, cluster_node, put_random_chain, tokens_held
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfabric.client import Client
@@ -117,6 +117,8 @@ def test_push_copies_a_committed_chain_byte_exact_and_releases_the_pins(
                 with decode.get(NS, key) as reader:  # from B's own arena
                     assert reader.complete
                     assert reader.to_bytes() == data
+        # B's copies keep each chunk's token ids (what B's KV events report)
+        assert tokens_held(b.info["tcp_port"], NS, keys) == chain_tokens(NS, 3)
         assert producer.push(NS, keys, "node-b", timeout=DEADLINE_S) == {
             "pushed": 0,
             "already_there": 3,

@@ -56,7 +56,7 @@ class Mirror:
 
     def __call__(self, stored: list[StoredObject], removed: list[RemovedObject]) -> None:
         self.calls.append((stored, removed))
-        for ns, key, _parent, _tokens, tier in stored:
+        for ns, key, _parent, _num_tokens, tier, _tokens in stored:
             assert ns.seed == NS.seed
             self.held.setdefault(key, set()).add(tier)
         for _ns, key, tier in removed:
@@ -67,7 +67,7 @@ class Mirror:
                 del self.held[key]
 
     def assert_matches(self, store: TieredStore) -> None:
-        truth = {key: {tier} for _ns, key, _p, _t, tier in store.inventory()}
+        truth = {obj.key: {obj.tier} for obj in store.inventory()}
         assert self.held == truth
 
 
@@ -81,8 +81,8 @@ def test_completion_is_reported_once_with_chain_fields(tmp_path: Path) -> None:
     assert mirror.calls == []  # half-written objects are not inventory
     assert list(store.inventory()) == []
     writer.commit_layers(0b1100)
-    assert mirror.calls == [([(NS, ref.key, ref.parent, 9, "dram")], [])]
-    assert list(store.inventory()) == [(NS, ref.key, ref.parent, 9, "dram")]
+    assert mirror.calls == [([(NS, ref.key, ref.parent, 9, "dram", None)], [])]
+    assert list(store.inventory()) == [(NS, ref.key, ref.parent, 9, "dram", None)]
     assert not store.put(NS, ref.key, payload(ref.key))  # already stored: nothing reported
     assert len(mirror.calls) == 1
     store.close()
@@ -160,7 +160,7 @@ def test_replay_reports_recovered_objects_and_inventory_lists_them(tmp_path: Pat
     store.add_inventory_listener(replayed, replay=True)
     assert silent.calls == []  # recovery happened before: only a replay reports it
     assert replayed.held == {k: {"ssd"} for k in keys}
-    parents = {key: parent for _ns, key, parent, _t, _tier in store.inventory()}
+    parents = {obj.key: obj.parent for obj in store.inventory()}
     assert parents == {keys[0]: ROOT, keys[1]: keys[0], keys[2]: keys[1]}
     store.close()
 
