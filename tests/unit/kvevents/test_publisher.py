@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import zmq
+from event_store import BLOCK, NS, make_store, media, put_prompt
 from msgspec.msgpack import Decoder
-from test_announce import BLOCK, NS, make_store, media, put_prompt
 from vllm.distributed.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 
 from kvfabric.kvevents.announce import Announcer
