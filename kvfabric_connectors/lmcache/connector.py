@@ -433,6 +433,8 @@ class KVFabricRemoteConnector(RemoteConnector):
             return
 
         def write(client: Client) -> tuple[int, int, int, int]:
+            # no token ids: LMCache's put has none, and its keys are not kvfabric's chained
+            # hashes of tokens that the daemon would check them with
             results = client.reserve_many(self.namespace, chunks)
             writers: builtins.list[RemoteWriter] = []
             existing = failed = written = 0

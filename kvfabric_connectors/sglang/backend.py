@@ -294,6 +294,8 @@ class KVFabricHiCacheStorage(HiCacheStorage):
         results: list[Any] = []
         try:
             client = self._link.client()
+            # no token ids: SGLang does not pass them to set, and its page keys are its own
+            # hashes, not kvfabric's chained hashes of tokens that the daemon checks them with
             results = client.reserve_many(self.namespace, chunks)
             for i, (result, page) in enumerate(zip(results, pages)):
                 if isinstance(result, AlreadyExistsError):

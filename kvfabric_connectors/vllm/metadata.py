@@ -24,6 +24,8 @@ class ChunkSlice:
     num_tokens: int  # tokens in the chunk (chunk_tokens; fewer for a prompt's last chunk)
     begin: int = 0
     end: int = -1  # -1: the whole chunk
+    # saves: the chunk's own token ids, int32-LE (the daemon keeps them with it); loads: b""
+    tokens: bytes = b""
 
     @property
     def stop(self) -> int:

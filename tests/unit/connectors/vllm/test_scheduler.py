@@ -14,7 +14,8 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvfabric.client import Client
-from kvfabric.hashing import chunk_hashes
+from kvfabric.errors import TokenMismatchError
+from kvfabric.hashing import chunk_hashes, verify_chunk_tokens
 from kvfabric.spec import KVSpec
 from kvfabric_connectors.vllm.metadata import ChunkSlice
 from kvfabric_connectors.vllm.namespace import Namespaces
@@ -143,6 +144,14 @@ def test_saves_follow_chunked_prefill_and_include_the_partial_last_chunk(daemon)
         (refs[1].key, 16, 16),
         (refs[2].key, 32, 8),
     ]
+    # each save carries its chunk's own token ids: they hash to its key
+    ns = NAMESPACES.get("", "")
+    saved = [*first.saves[0].chunks, *save.chunks]
+    for chunk in saved:
+        assert chunk.tokens == np.array(prompt[chunk.start :][: chunk.num_tokens], "<i4").tobytes()
+        verify_chunk_tokens(ns, chunk.key, chunk.parent, chunk.num_tokens, chunk.tokens)
+    with pytest.raises(TokenMismatchError):  # negative control: another chunk's ids do not
+        verify_chunk_tokens(ns, saved[1].key, saved[1].parent, 16, saved[0].tokens)
     assert sched.build_connector_meta(step(cached=[("save", None, 40, 1)])).saves == ()
     store(daemon.socket, prompt)  # what the worker side does with those saves
     finished, params = sched.request_finished(req)

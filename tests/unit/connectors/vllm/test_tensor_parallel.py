@@ -13,14 +13,16 @@ get their heads.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
 import pytest
 import torch
+from cluster_nodes import tokens_held
 
 from kvfabric.client import Client
-from kvfabric.hashing import chunk_hashes
+from kvfabric.hashing import chunk_hashes, token_bytes
 from kvfabric.spec import AttentionKind, KVSpec, Namespace
 from kvfabric_connectors.vllm.metadata import ChunkSlice, KVFabricMetadata, RequestTransfer
 from kvfabric_connectors.vllm.namespace import Namespaces, RankShare, rank_share
@@ -186,11 +188,19 @@ def group(socket: str, namespaces: Namespaces, tp: int) -> list[Rank]:
     return [Rank(socket, namespaces, rank_share(namespaces.spec, r, tp)) for r in range(tp)]
 
 
+def own_tokens(index: int, num_tokens: int) -> bytes:
+    """Chunk ``index``'s token ids, as the scheduler gives them with a save."""
+    return token_bytes(PROMPT[index * CHUNK : index * CHUNK + num_tokens])
+
+
 def transfer(
     ns: Namespace, req_id: str, *, push_to: str | None = None, background: bool = False
 ) -> RequestTransfer:
+    """The prompt's chunks; each with its token ids, as a save carries them."""
     chunks = tuple(
-        ChunkSlice(ref.key, ref.parent, i * CHUNK, ref.num_tokens)
+        ChunkSlice(
+            ref.key, ref.parent, i * CHUNK, ref.num_tokens, tokens=own_tokens(i, ref.num_tokens)
+        )
         for i, ref in enumerate(chunk_hashes(ns, PROMPT))
     )
     return RequestTransfer(req_id, ns.tenant_salt, "", BLOCK_IDS, chunks, push_to, background)
@@ -298,6 +308,33 @@ def test_loading_another_ranks_heads_would_be_caught(daemon) -> None:
         assert torch.equal(wrong.held()[0], kv[0][:, 2:4])
     finally:
         wrong.close()
+
+
+def test_saves_give_the_daemon_each_chunks_token_ids(start_daemon) -> None:
+    """Every rank's save passes its chunks' token ids; the daemon keeps them (what a peer's
+    ``peer_pin`` reads). Negative control: a chunk whose ids are not its own is refused."""
+    daemon = start_daemon("store.tiers.dram.capacity=64MiB", "tcp.port=0")
+    namespaces = Namespaces("tp-tokens", spec(4))
+    ns = namespaces.get("", "")
+    kv = reference_kv(namespaces.spec, seed=13)
+    good = transfer(ns, "prefill")
+    wrong = dataclasses.replace(good.chunks[1], tokens=good.chunks[0].tokens)
+    bad = dataclasses.replace(good, chunks=(good.chunks[0], wrong, good.chunks[2]))
+    ranks = group(daemon.socket, namespaces, 2)
+    try:
+        for rank in ranks:
+            rank.fill(kv)
+            rank.save(KVFabricMetadata(saves=(bad,)))
+        assert [r.worker.counters.totals().get("save_errors") for r in ranks] == [1, 1]
+    finally:
+        for rank in ranks:
+            rank.close()
+    keys = [c.key for c in good.chunks]
+    with Client(daemon.socket) as client:
+        assert client.contains(ns, keys) == [True, False, True]
+    assert produce(daemon.socket, namespaces, 2, kv) == [1, 1]  # the refused chunk only
+    assert tokens_held(daemon.info["tcp_port"], ns, keys) == [c.tokens for c in good.chunks]
+    consume(daemon.socket, namespaces, 1, kv)
 
 
 # -- across nodes: a TP producer's push, TP consumer ranks pulling at once --------------------
