@@ -1,0 +1,410 @@
+"""Router benchmark: vllm-router's kv_aware on fabric events vs round robin and cache_aware.
+
+Real parts only: vLLM CPU OpenAI servers (``python -m vllm.entrypoints.openai.api_server``,
+what ``vllm serve`` runs) of a random-weight Llama built locally (benchmarks/vllm_ttft.py's
+model: recomputing a long prompt costs a good part of a second here), each with
+KVFabricConnector (``kv_both``) on a node daemon of its own (``kvfabric serve``), and the
+``vllm-router`` binary of its wheel.
+
+**Routing.** ``ENGINES`` engines; each node's daemon publishes its inventory as vLLM KV
+events (``kv_events.endpoint`` on loopback, with replay) and the router subscribes to them
+(``--kv-event-source <engine URL>=<its daemon's stream>``, 16-token blocks). The nodes share
+no global index: what one node's fabric holds only its own engine can load, so where a
+request goes decides whether its prefix is a hit. The workload: ``prefixes`` long shared
+prefixes (``PREFIX_TOKENS`` random tokens) with distinct ``SUFFIX_TOKENS``-token suffixes,
+``repeats`` requests per prefix, in an order shuffled with a fixed seed, sent by
+``CONCURRENCY`` concurrent clients as token-id prompts (greedy, ``OUTPUT_TOKENS`` tokens,
+streamed: the client's TTFT is the time to the first streamed token). Each policy runs
+the same workload shape on prefixes of its own (other random tokens), so none inherits
+another's caches; the router is restarted between policies, the engines and daemons are not.
+
+- ``ttft_p50_kv_aware_vs_round_robin`` / ``..._p99_...``: client TTFT percentiles, kv_aware
+  over round robin (target p50 <= 0.5);
+- ``throughput_kv_aware_vs_round_robin``: completed requests per second over the phase's
+  wall time, kv_aware over round robin (target >= 1.3);
+- ``hit_token_ratio_kv_aware``: prompt tokens the engines did not compute (vLLM's
+  ``vllm:prompt_tokens_cached``: its own prefix cache and the fabric's loads) over prompt
+  tokens (``vllm:prompt_tokens``), summed over the engines during the kv_aware phase
+  (target >= 0.8); the same for the other policies is reported;
+- ``cache_aware_vs_kv_aware_ttft_p50``: the router's approximate tree of its own routing
+  history (``cache_aware``, no events) against fabric events.
+
+**P/D.** Two more daemons sharing a Redis index, a ``kv_producer`` and a ``kv_consumer``
+engine, and the router in its vLLM PD mode (``--vllm-pd-disaggregation``, ``--kv-connector
+nixl``: README "Behind a router"); ``pd_outputs_identical``: the greedy output of every
+P/D request (prompts of ``PD_PROMPT_TOKENS`` tokens) equals the same prompt run on one of
+the routing engines directly, which computes it (a prompt no fabric holds).
+
+Engine start-up is not measured; every timeout derives from the measured start of the
+slowest engine. Run (``--quick``: fewer prefixes and repeats, about ten minutes on a quiet
+2-core machine; without it about twice that)::
+
+    python benchmarks/router_bench.py --quick --json
+"""
+
+from __future__ import annotations
+
+# isort: off
+# _common goes first: it caps the numeric libraries' thread pools before numpy loads.
+from _common import percentile
+from _runner import Benchmark, Outcome, run_benchmark
+from child_process import free_port
+from daemon_process import DaemonProcess
+from engine_jobs import kvfabric_connector, load_model_builder
+from redis_process import RedisServer
+from vllm_served import ROUTER_BIN, Router, ServedEngine
+# isort: on
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+MODEL = {
+    "layers": 8,
+    "hidden": 1024,
+    "heads": 16,
+    "kv_heads": 4,
+    "head_dim": 64,
+    "intermediate": 2816,
+    "vocab": 2048,
+}
+SERVED_NAME = "bench"
+ENGINES = 3
+PREFIX_TOKENS = 2048  # 8 fabric chunks of 256
+SUFFIX_TOKENS = 64
+OUTPUT_TOKENS = 4
+CONCURRENCY = 3
+EVENT_BLOCK_SIZE = 16
+PD_PROMPT_TOKENS = (1024, 2000, 3000)
+ENGINE_START_LIMIT_S = 900.0  # a cold first vLLM import on a loaded 2-core machine
+DAEMON = ["store.tiers.dram.capacity=2GiB", "store.tiers.ssd.capacity=2GiB"]
+POLICIES = ("round_robin", "kv_aware", "cache_aware")
+
+TARGETS: dict[str, tuple[str, float]] = {
+    "ttft_p50_kv_aware_vs_round_robin": ("<=", 0.5),
+    "throughput_kv_aware_vs_round_robin": (">=", 1.3),
+    "hit_token_ratio_kv_aware": (">=", 0.8),
+    "pd_outputs_identical": (">=", 1),
+}
+
+FIGURES: list[tuple[str, str]] = [
+    ("ttft_p50_kv_aware_vs_round_robin", "client TTFT p50, kv_aware / round robin"),
+    ("ttft_p99_kv_aware_vs_round_robin", "client TTFT p99, kv_aware / round robin"),
+    ("throughput_kv_aware_vs_round_robin", "requests per second, kv_aware / round robin"),
+    ("hit_token_ratio_kv_aware", "cached prompt tokens / prompt tokens, kv_aware"),
+    ("hit_token_ratio_round_robin", "the same, round robin"),
+    ("hit_token_ratio_cache_aware", "the same, cache_aware"),
+    ("cache_aware_vs_kv_aware_ttft_p50", "client TTFT p50, cache_aware / kv_aware"),
+    ("pd_outputs_identical", "P/D behind the router equals a monolithic engine"),
+    ("ttft_p50_kv_aware_s", "client TTFT p50, kv_aware, s"),
+    ("ttft_p50_round_robin_s", "client TTFT p50, round robin, s"),
+    ("ttft_p50_cache_aware_s", "client TTFT p50, cache_aware, s"),
+    ("throughput_kv_aware_rps", "requests per second, kv_aware"),
+    ("throughput_round_robin_rps", "requests per second, round robin"),
+    ("requests_per_policy", "requests per policy (prefixes x repeats)"),
+    ("pd_requests", "P/D requests compared"),
+    ("engine_start_s", "slowest engine start, s (timeouts derive from it)"),
+]
+
+
+@dataclass(frozen=True)
+class Settings:
+    prefixes: int
+    repeats: int
+
+
+QUICK = Settings(prefixes=4, repeats=6)
+FULL = Settings(prefixes=8, repeats=8)
+
+
+def random_tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(10, MODEL["vocab"]) for _ in range(count)]
+
+
+def workload(settings: Settings, seed: int) -> list[list[int]]:
+    """``prefixes`` x ``repeats`` prompts (a shared prefix, a distinct suffix), shuffled."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(settings.prefixes):
+        prefix = random_tokens(rng, PREFIX_TOKENS)
+        prompts += [prefix + random_tokens(rng, SUFFIX_TOKENS) for _ in range(settings.repeats)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def complete(url: str, tokens: list[int], timeout: float, stream: bool) -> tuple[float, list[int]]:
+    """(seconds to the first token, the generated token ids) of one greedy completion."""
+    body = {
+        "model": SERVED_NAME,
+        "prompt": tokens,
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+    start = time.monotonic()
+    if not stream:
+        response = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+        response.raise_for_status()
+        return time.monotonic() - start, response.json()["choices"][0]["token_ids"]
+    first = 0.0
+    ids: list[int] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[len("data: ") :]).get("choices") or ():
+                if choice.get("token_ids") and not first:
+                    first = time.monotonic() - start
+                ids += choice.get("token_ids") or ()
+    return first, ids
+
+
+@dataclass
+class Phase:
+    ttfts: list[float]
+    wall_s: float
+    prompt_tokens: float
+    cached_tokens: float
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def rps(self) -> float:
+        return len(self.ttfts) / self.wall_s
+
+
+def engine_tokens(engines: Sequence[ServedEngine]) -> tuple[float, float]:
+    return (
+        sum(e.metric("vllm:prompt_tokens_total") for e in engines),
+        sum(e.metric("vllm:prompt_tokens_cached_total") for e in engines),
+    )
+
+
+def run_phase(
+    router: Router, engines: Sequence[ServedEngine], prompts: list[list[int]], timeout: float
+) -> Phase:
+    before = engine_tokens(engines)
+    ttfts: list[float] = []
+    lock = threading.Lock()
+
+    def one(tokens: list[int]) -> None:
+        ttft, ids = complete(router.url, tokens, timeout, stream=True)
+        assert len(ids) == OUTPUT_TOKENS, f"{len(ids)} tokens back"
+        with lock:
+            ttfts.append(ttft)
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        for future in [pool.submit(one, p) for p in prompts]:
+            future.result()
+    wall = time.monotonic() - start
+    after = engine_tokens(engines)
+    return Phase(ttfts, wall, after[0] - before[0], after[1] - before[1])
+
+
+def start_engines(starts: list[Callable[[], ServedEngine]]) -> tuple[list[ServedEngine], float]:
+    """Start every engine at once; (engines, the slowest start's seconds)."""
+    engines = [start() for start in starts]
+    slowest = max(engine.wait_ready(ENGINE_START_LIMIT_S) for engine in engines)
+    return engines, slowest
+
+
+def routing(
+    root: Path,
+    model: Path,
+    settings: Settings,
+    figures: dict[str, object],
+    children: list,
+) -> None:
+    daemons = []
+    for i in range(ENGINES):
+        daemon = DaemonProcess(
+            root / f"node-{i}",
+            [
+                *DAEMON,
+                f"node_id=node-{i}",
+                "kv_events.endpoint=tcp://127.0.0.1:*",
+                "kv_events.replay_endpoint=tcp://127.0.0.1:*",
+                f"kv_events.block_size={EVENT_BLOCK_SIZE}",
+            ],
+        ).start()
+        children.append(daemon)
+        daemons.append(daemon)
+    served = [ServedEngine(f"engine-{i}", root / "served", free_port()) for i in range(ENGINES)]
+    children += served
+    engines, start_s = start_engines(
+        [
+            lambda e=e, d=d: e.start(model, SERVED_NAME, kvfabric_connector(d.socket))
+            for e, d in zip(served, daemons, strict=True)
+        ]
+    )
+    figures["engine_start_s"] = round(start_s, 1)
+    timeout = 4 * start_s
+    sources = []
+    for engine, daemon in zip(engines, daemons, strict=True):
+        sources += ["--kv-event-source", f"{engine.url}={daemon.info['kv_events_endpoint']}"]
+        sources += [
+            "--kv-event-replay-source",
+            f"{engine.url}={daemon.info['kv_events_replay_endpoint']}",
+        ]
+    phases: dict[str, Phase] = {}
+    for n, policy in enumerate(POLICIES):
+        args = ["--worker-urls", *(e.url for e in engines), "--policy", policy]
+        args += [
+            "--worker-startup-check-interval",
+            "1",
+            "--request-timeout-secs",
+            str(int(timeout)),
+        ]
+        if policy == "kv_aware":
+            args += [
+                "--kv-event-model",
+                SERVED_NAME,
+                "--kv-event-block-size",
+                str(EVENT_BLOCK_SIZE),
+                *sources,
+            ]
+        router = Router(f"router-{policy}", root / "served", free_port(), metrics_port=free_port())
+        children.append(router)
+        router.start(*args).wait_ready(timeout, path="/health")
+        phases[policy] = run_phase(router, engines, workload(settings, seed=100 + n), timeout)
+        router.kill()
+    kv, rr, cache = phases["kv_aware"], phases["round_robin"], phases["cache_aware"]
+    p50 = {name: percentile(p.ttfts, 50) for name, p in phases.items()}
+    figures.update(
+        ttft_p50_kv_aware_vs_round_robin=round(p50["kv_aware"] / p50["round_robin"], 3),
+        ttft_p99_kv_aware_vs_round_robin=round(
+            percentile(kv.ttfts, 99) / percentile(rr.ttfts, 99), 3
+        ),
+        throughput_kv_aware_vs_round_robin=round(kv.rps / rr.rps, 3),
+        hit_token_ratio_kv_aware=round(kv.hit_ratio, 3),
+        hit_token_ratio_round_robin=round(rr.hit_ratio, 3),
+        hit_token_ratio_cache_aware=round(cache.hit_ratio, 3),
+        cache_aware_vs_kv_aware_ttft_p50=round(p50["cache_aware"] / p50["kv_aware"], 3),
+        ttft_p50_kv_aware_s=round(p50["kv_aware"], 3),
+        ttft_p50_round_robin_s=round(p50["round_robin"], 3),
+        ttft_p50_cache_aware_s=round(p50["cache_aware"], 3),
+        throughput_kv_aware_rps=round(kv.rps, 3),
+        throughput_round_robin_rps=round(rr.rps, 3),
+        requests_per_policy=settings.prefixes * settings.repeats,
+    )
+    figures["_reference_engine"] = engines[0]
+
+
+def pd(root: Path, model: Path, reference: ServedEngine, figures: dict, children: list) -> None:
+    redis = RedisServer(root).start()
+    children.append(redis)
+    nodes = []
+    for name in ("prefill-0", "decode-0"):
+        daemon = DaemonProcess(
+            root / name,
+            [
+                *DAEMON,
+                f"node_id={name}",
+                "cluster.index=redis",
+                f"cluster.redis_url={redis.url}",
+                "cluster.heartbeat_s=0.2",
+                "tcp.port=0",
+                "cluster.transport=socket",
+            ],
+        ).start()
+        children.append(daemon)
+        nodes.append(daemon)
+    prefill = ServedEngine("pd-prefill", root / "served", free_port())
+    decode = ServedEngine("pd-decode", root / "served", free_port())
+    children += [prefill, decode]
+    _, start_s = start_engines(
+        [
+            lambda: prefill.start(
+                model, SERVED_NAME, kvfabric_connector(nodes[0].socket, "kv_producer")
+            ),
+            lambda: decode.start(
+                model, SERVED_NAME, kvfabric_connector(nodes[1].socket, "kv_consumer")
+            ),
+        ]
+    )
+    timeout = 4 * start_s
+    router = Router("router-pd", root / "served", free_port(), metrics_port=free_port())
+    children.append(router)
+    router.start(
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        prefill.url,
+        "--decode",
+        decode.url,
+        "--kv-connector",
+        "nixl",
+        "--policy",
+        "round_robin",
+        "--worker-startup-check-interval",
+        "1",
+        "--request-timeout-secs",
+        str(int(timeout)),
+    ).wait_ready(timeout, path="/health")
+    rng = random.Random(7)
+    same = 0
+    for length in PD_PROMPT_TOKENS:
+        tokens = random_tokens(rng, length)
+        _, through_router = complete(router.url, tokens, timeout, stream=False)
+        _, direct = complete(reference.url, tokens, timeout, stream=False)
+        same += through_router == direct
+    figures["pd_outputs_identical"] = same == len(PD_PROMPT_TOKENS)
+    figures["pd_requests"] = len(PD_PROMPT_TOKENS)
+
+
+def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
+    if not ROUTER_BIN.exists():
+        raise SystemExit("vllm-router is not installed: tests/install.sh installs it")
+    settings = QUICK if args.quick else FULL
+    model_dir = args.model_dir or root / "model"
+    model = load_model_builder().build_tiny_llama(model_dir, **MODEL)
+    figures: dict[str, object] = {}
+    children: list = []
+    try:
+        routing(root, model, settings, figures, children)
+        reference = figures.pop("_reference_engine")
+        assert isinstance(reference, ServedEngine)
+        pd(root, model, reference, figures, children)
+    finally:
+        for child in reversed(children):
+            child.kill()
+    return Outcome(figures)
+
+
+def model_dir_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-dir", type=Path, help="build (or reuse) the model here instead of in the temp dir"
+    )
+
+
+BENCH = Benchmark(
+    __doc__,
+    "kvfabric-router-bench-",
+    TARGETS,
+    FIGURES,
+    quick_help=f"{QUICK.prefixes} prefixes x {QUICK.repeats} repeats instead of "
+    f"{FULL.prefixes} x {FULL.repeats}",
+    add_arguments=model_dir_option,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_benchmark(BENCH, measure_all, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
