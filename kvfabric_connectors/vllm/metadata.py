@@ -24,6 +24,9 @@ class ChunkSlice:
     num_tokens: int  # tokens in the chunk (chunk_tokens; fewer for a prompt's last chunk)
     begin: int = 0
     end: int = -1  # -1: the whole chunk
+    # saves: the chunk's token ids (int32-LE); the daemon keeps them, so its KV events
+    # (kvfabric.kvevents) can name the chunk's blocks by their tokens
+    tokens: bytes = b""
 
     @property
     def stop(self) -> int:

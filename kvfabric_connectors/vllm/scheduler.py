@@ -37,7 +37,7 @@ from typing import Any
 
 from kvfabric.client import Client
 from kvfabric.errors import KVFabricError, UnavailableError, UnsupportedError
-from kvfabric.hashing import ChunkRef, chunk_hashes
+from kvfabric.hashing import ChunkRef, chunk_hashes, token_bytes
 from kvfabric.lookup import LookupResult
 from kvfabric.spec import Namespace
 from kvfabric_connectors.link import DaemonLink
@@ -73,6 +73,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0  # first chunk not yet saved or known to be in the fabric
     load_failed: bool = False  # a load of it failed: offer only what this node holds
+    prompt_ids: bytes = b""  # the prompt's token ids (int32-LE): saves carry their chunk's
 
     def forget_hit(self) -> None:
         """A load into this request's blocks failed (chunks lost, a daemon or owner down):
@@ -245,6 +246,7 @@ class SchedulerSide:
             len(prompt),
             handoff,
             expect_tokens=handoff.expect_tokens,
+            prompt_ids=token_bytes(prompt),
         )
         self._requests[request.request_id] = state
         return state
@@ -340,7 +342,8 @@ class SchedulerSide:
             start = index * self.namespaces.spec.chunk_tokens
             if start + ref.num_tokens > done:
                 break
-            chunks.append(ChunkSlice(ref.key, ref.parent, start, ref.num_tokens))
+            ids = state.prompt_ids[4 * start : 4 * (start + ref.num_tokens)]
+            chunks.append(ChunkSlice(ref.key, ref.parent, start, ref.num_tokens, tokens=ids))
             state.next_save += 1
         if chunks:
             saves.append(self._transfer(state, chunks))

@@ -253,7 +253,12 @@ class WorkerSide:
             ns = self.namespaces.get(transfer.tenant_salt, transfer.lora_id)
             refs = [ChunkRef(c.key, c.parent, c.num_tokens) for c in transfer.chunks]
             try:
-                results = self.link.client().reserve_many(ns, refs, heads=self.share.heads)
+                results = self.link.client().reserve_many(
+                    ns,
+                    refs,
+                    heads=self.share.heads,
+                    tokens=[c.tokens or None for c in transfer.chunks],
+                )
             except (KVFabricError, OSError) as exc:
                 self.link.failed(exc)
                 self.counters.add(save_errors=len(refs))

@@ -143,6 +143,10 @@ def test_saves_follow_chunked_prefill_and_include_the_partial_last_chunk(daemon)
         (refs[1].key, 16, 16),
         (refs[2].key, 32, 8),
     ]
+    # each save carries its chunk's token ids: the daemon keeps them for its KV events
+    assert [c.tokens for c in first.saves[0].chunks + save.chunks] == [
+        np.asarray(prompt[i:j], "<i4").tobytes() for i, j in ((0, 16), (16, 32), (32, 40))
+    ]
     assert sched.build_connector_meta(step(cached=[("save", None, 40, 1)])).saves == ()
     store(daemon.socket, prompt)  # what the worker side does with those saves
     finished, params = sched.request_finished(req)
