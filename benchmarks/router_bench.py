@@ -1,8 +1,8 @@
 """Router benchmark: vllm-router's kv_aware on fabric events vs round robin and cache_aware.
 
 Real parts only: vLLM CPU OpenAI servers (``python -m vllm.entrypoints.openai.api_server``,
-what ``vllm serve`` runs) of a random-weight Llama built locally (benchmarks/vllm_ttft.py's
-model: recomputing a long prompt costs a good part of a second here), each with
+what ``vllm serve`` runs) of the tests' random-weight tiny Llama built locally
+(tests/models/build_tiny_llama.py), each with
 KVFabricConnector (``kv_both``) on a node daemon of its own (``kvfabric serve``), and the
 ``vllm-router`` binary of its wheel.
 
@@ -58,6 +58,7 @@ from vllm_served import ROUTER_BIN, Router, ServedEngine
 import argparse
 import json
 import random
+import re
 import sys
 import threading
 import time
@@ -68,15 +69,7 @@ from pathlib import Path
 
 import httpx
 
-MODEL = {
-    "layers": 8,
-    "hidden": 1024,
-    "heads": 16,
-    "kv_heads": 4,
-    "head_dim": 64,
-    "intermediate": 2816,
-    "vocab": 2048,
-}
+MODEL = {"vocab": 2048}  # build_tiny_llama's defaults otherwise: 4 layers, hidden 256
 SERVED_NAME = "bench"
 ENGINES = 3
 PREFIX_TOKENS = 2048  # 8 fabric chunks of 256
@@ -111,6 +104,7 @@ FIGURES: list[tuple[str, str]] = [
     ("throughput_kv_aware_rps", "requests per second, kv_aware"),
     ("throughput_round_robin_rps", "requests per second, round robin"),
     ("requests_per_policy", "requests per policy (prefixes x repeats)"),
+    ("kv_aware_credited_requests", "requests kv_aware credited with a fabric prefix"),
     ("pd_requests", "P/D requests compared"),
     ("engine_start_s", "slowest engine start, s (timeouts derive from it)"),
 ]
@@ -123,7 +117,7 @@ class Settings:
 
 
 QUICK = Settings(prefixes=4, repeats=6)
-FULL = Settings(prefixes=8, repeats=8)
+FULL = Settings(prefixes=8, repeats=6)
 
 
 def random_tokens(rng: random.Random, count: int) -> list[int]:
@@ -208,12 +202,23 @@ def run_phase(
             ttfts.append(ttft)
 
     start = time.monotonic()
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
+    pool = ThreadPoolExecutor(CONCURRENCY)
+    try:
         for future in [pool.submit(one, p) for p in prompts]:
             future.result()
+    finally:  # stopped: the caller kills the engines, which ends the requests in flight
+        pool.shutdown(wait=False, cancel_futures=True)
     wall = time.monotonic() - start
     after = engine_tokens(engines)
     return Phase(ttfts, wall, after[0] - before[0], after[1] - before[1])
+
+
+def credited_requests(log: Path) -> int:
+    """Requests the kv_aware router credited with a cached prefix (its debug decision log;
+    ANSI colours stripped)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace"))
+    found = re.findall(r"KV prefix decision.*?credited_prefix_tokens=(\d+)", text)
+    return sum(int(tokens) > 0 for tokens in found)
 
 
 def start_engines(starts: list[Callable[[], ServedEngine]]) -> tuple[list[ServedEngine], float]:
@@ -272,6 +277,8 @@ def routing(
         ]
         if policy == "kv_aware":
             args += [
+                "--log-level",
+                "debug",  # its decisions: credited_prefix_tokens per request
                 "--kv-event-model",
                 SERVED_NAME,
                 "--kv-event-block-size",
@@ -283,6 +290,8 @@ def routing(
         router.start(*args).wait_ready(timeout, path="/health")
         phases[policy] = run_phase(router, engines, workload(settings, seed=100 + n), timeout)
         router.kill()
+        if policy == "kv_aware":
+            figures["kv_aware_credited_requests"] = credited_requests(router.log_path)
     kv, rr, cache = phases["kv_aware"], phases["round_robin"], phases["cache_aware"]
     p50 = {name: percentile(p.ttfts, 50) for name, p in phases.items()}
     figures.update(
@@ -399,6 +408,7 @@ BENCH = Benchmark(
     quick_help=f"{QUICK.prefixes} prefixes x {QUICK.repeats} repeats instead of "
     f"{FULL.prefixes} x {FULL.repeats}",
     add_arguments=model_dir_option,
+    keep_option=True,
 )
 
 
