@@ -27,6 +27,7 @@ from kvfabric.config_layers import ENV_PREFIX, layered, tiers_as_list
 from kvfabric.config_model import KeyProblems, config_value, parse_config
 from kvfabric.config_types import (
     Flag,
+    OptionalFlag,
     OptionalPath,
     OptionalText,
     PositiveInt,
@@ -240,6 +241,15 @@ class KVEventsConfig:
     (comma-separated; ``*``: every tenant), and a non-loopback endpoint is an exposed plane
     (the bind rule, ``security.allow_insecure``). ``log_changes`` bounds the change log that
     the stream and the engines' connectors (the ``kv_events`` op) read from.
+
+    ``remote`` (null: on with the redis index, off with the embedded one): the stream also
+    announces the chunks other live nodes of the cluster hold, which this node can pull
+    (:mod:`kvfabric.kvevents.remote`): ``BlockStored`` with ``ownership`` =
+    ``kvfabric:<owner node id>`` and ``locality`` ``REMOTE`` (a router credits them as
+    external, e.g. vllm-router at ``--kv-penalty-external``), and ``BlockRemoved`` with the
+    same ownership when the owner drops them or its lease lapses. Only chunks whose owner
+    published their token ids are announced: a node publishes those of the namespaces its own
+    ``tenants`` names, so give every node of a cluster the same ``tenants``.
     """
 
     endpoint: Text = ""
@@ -249,6 +259,7 @@ class KVEventsConfig:
     tenants: Text = ""
     buffer_batches: PositiveInt = 10_000
     log_changes: PositiveInt = 65_536
+    remote: OptionalFlag = None
 
     @model_validator(mode="after")
     def _endpoints(self) -> KVEventsConfig:

@@ -174,6 +174,14 @@ class EmbeddedIndex(BatchingIndex):
                         )
             return IndexSnapshot(st.last_id, tuple(out))
 
+    def first_event_id(self) -> str:
+        st = self._state
+        with st.cond:
+            if not st.events:
+                return "0-0"
+            ms, seq = st.events[0][0]
+            return f"{ms}-{seq}"
+
     def close(self) -> None:
         self._stop_flusher()
 

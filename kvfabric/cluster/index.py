@@ -67,6 +67,7 @@ Inventory = Callable[[], Iterable["ChunkRecord"]]
 
 # Node ids and tier names end up inside Redis field names separated by '|': keep them plain.
 _NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+MAX_LORA_BYTES = 4096  # as Namespace.lora_id
 
 
 def check_name(what: str, value: str) -> str:
@@ -111,7 +112,10 @@ class ChunkRecord:
     """One chunk a node stored in (or removed from) a tier; the unit of :meth:`publish`.
 
     ``parent`` and ``num_tokens`` describe the chain (vLLM's parent hash / token count) and are
-    only meaningful for stored chunks.
+    only meaningful for stored chunks. ``tokens`` are the chunk's own token ids (int32-LE,
+    ``num_tokens * 4`` bytes; None: not published), with what a consumer needs to name them
+    as an engine's blocks: the namespace's ``chunk_tokens`` and ``lora_id``. They travel in
+    the event stream only, never in the index's own entries (see :mod:`kvfabric.cluster.events`).
     """
 
     seed: bytes
@@ -119,6 +123,9 @@ class ChunkRecord:
     tier: str
     parent: bytes = ROOT
     num_tokens: int = 0
+    tokens: bytes | None = None
+    chunk_tokens: int = 0
+    lora_id: str = ""
 
     def __post_init__(self) -> None:
         check_key("namespace seed", self.seed)
@@ -127,6 +134,13 @@ class ChunkRecord:
         check_name("tier", self.tier)
         if not 0 <= self.num_tokens < 1 << 32:
             raise SpecError(f"num_tokens out of range: {self.num_tokens}")
+        if self.tokens is not None and (
+            len(self.tokens) != 4 * self.num_tokens
+            or not 0 < self.num_tokens <= self.chunk_tokens < 1 << 32
+        ):
+            raise SpecError("tokens must be num_tokens int32 values of a chunk of chunk_tokens")
+        if len(self.lora_id.encode()) > MAX_LORA_BYTES:
+            raise SpecError(f"lora_id longer than {MAX_LORA_BYTES} bytes")
 
 
 @dataclass(frozen=True)
@@ -203,6 +217,9 @@ class KVEvent:
 
     ``keys`` is a run of chained chunks (``parent`` is the first one's parent) for ``stored``,
     any set of chunks for ``removed``; ``num_tokens`` is the run's total (0 for removed).
+    ``token_ids`` (stored only, None when the node published none, and always in a
+    :class:`IndexSnapshot`): each chunk's own token ids (int32-LE), in the order of ``keys``,
+    of a namespace with chunks of ``chunk_tokens`` tokens and LoRA ``lora_id``.
     ``stream_id`` orders events; it is empty in a :class:`IndexSnapshot`.
     """
 
@@ -215,6 +232,9 @@ class KVEvent:
     parent: bytes = ROOT
     num_tokens: int = 0
     stream_id: str = ""
+    token_ids: tuple[bytes, ...] | None = None
+    chunk_tokens: int = 0
+    lora_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -320,6 +340,15 @@ class GlobalIndex(abc.ABC):
     def snapshot(self) -> IndexSnapshot:
         """The live state of the whole index and the stream id it is consistent with."""
 
+    @abc.abstractmethod
+    def first_event_id(self) -> str:
+        """The id of the oldest event the stream still holds ("0-0" when it holds none).
+
+        A reader at position ``p`` (the last id it read) lost events when this is past ``p``
+        after a read from ``p``: the stream is trimmed oldest first, so an event after ``p``
+        trimmed before the read means ``p`` was trimmed too. (This also says "lost" when
+        ``p`` alone went after the read: then the reader was a whole stream behind.)"""
+
     @property
     @abc.abstractmethod
     def stale(self) -> bool:
@@ -338,7 +367,8 @@ class GlobalIndex(abc.ABC):
 
 def chain_runs(records: Sequence[ChunkRecord]) -> list[list[ChunkRecord]]:
     """Split stored records into runs of one chain (same namespace and tier, each chunk the
-    parent of the next): one event per run keeps the stream compact, like vLLM's BlockStored."""
+    parent of the next, all with token ids or none): one event per run keeps the stream
+    compact, like vLLM's BlockStored."""
     runs: list[list[ChunkRecord]] = []
     for rec in records:
         last = runs[-1][-1] if runs else None
@@ -347,6 +377,8 @@ def chain_runs(records: Sequence[ChunkRecord]) -> list[list[ChunkRecord]]:
             and last.seed == rec.seed
             and last.tier == rec.tier
             and rec.parent == last.key
+            and (last.tokens is None) == (rec.tokens is None)
+            and (last.chunk_tokens, last.lora_id) == (rec.chunk_tokens, rec.lora_id)
         ):
             runs[-1].append(rec)
         else:

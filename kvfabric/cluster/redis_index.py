@@ -16,7 +16,10 @@ multi-key script touches one slot only)::
     P:{reg}:node:<node>             hash  the NodeInfo fields
     P:{reg}:epoch:<node>            counter of the node's epochs
     P:{reg}:seeds:<node>            set of namespaces the node ever published in
-    P:{events}:stream               stream of KV events (XADD MAXLEN ~ max_events)
+    P:{events}:stream               stream of KV events (XADD MAXLEN ~ max_events); stored runs
+                                          carry their token ids, when the node published
+                                          them (the only place they are kept; their cost:
+                                          :mod:`kvfabric.cluster.events`)
 
 A chain lookup is one short script: one ``HMGET`` of the chain's owner lists (it stops at
 the first chunk nobody holds) plus the namespace's live hash and the server clock, answered as
@@ -500,6 +503,10 @@ class RedisGlobalIndex(BatchingIndex):
 
     def snapshot(self) -> IndexSnapshot:
         return self._call(self._snapshot)
+
+    def first_event_id(self) -> str:
+        first = self._call(lambda: self._r.xrange(self._stream, count=1))
+        return first[0][0].decode() if first else "0-0"
 
     def _snapshot(self) -> IndexSnapshot:
         # The id is taken first: events after it may already show in the scan, and replaying

@@ -22,6 +22,11 @@ at seq 0 with a fresh snapshot; a subscriber sees the sequence go back, which vL
 subscribers read as a publisher restart (they forget this source and apply the new seq 0).
 A router that starts at any time thus replays from 0 and learns the whole inventory.
 
+With a :class:`~kvfabric.kvevents.remote.RemoteInventory` (``remote``) the stream also says
+what other nodes of the cluster hold, with their ownership: its events after this node's own
+changes, its claims in every snapshot after this node's inventory; when it piled up more
+than it keeps for the stream, the stream starts over.
+
 Bounded: at most ``max_events_per_batch`` events per batch, the buffer by count and bytes,
 and ZMQ's send high-water mark drops batches for a subscriber that does not read.
 
@@ -39,6 +44,7 @@ import zmq
 
 from kvfabric.kvevents.announce import Announcer
 from kvfabric.kvevents.log import ChangeLog
+from kvfabric.kvevents.remote import RemoteInventory
 from kvfabric.kvevents.wire import Event, encode_batch, seq_bytes
 from kvfabric.store.protocol import StoredObject
 
@@ -63,8 +69,10 @@ class EventStream:
         buffer_bytes: int = 256 << 20,
         max_events_per_batch: int = 1024,
         hwm: int = 100_000,
+        remote: RemoteInventory | None = None,
     ) -> None:
         self._changes = changes
+        self._remote = remote
         self._announcer = announcer
         self._inventory = inventory
         self._topic = topic.encode()
@@ -128,7 +136,15 @@ class EventStream:
                     log.warning("kv_events: the change log overflowed; starting over")
                     self._start_over()
                     continue
-                self._publish(self._announcer.events(read.changes))
+                events = self._announcer.events(read.changes)
+                if self._remote is not None:
+                    remote = self._remote.take()
+                    if remote is None:
+                        log.warning("kv_events: other nodes' chunks piled up; starting over")
+                        self._start_over()
+                        continue
+                    events += remote
+                self._publish(events)
         except Exception:
             log.exception("kv_events: the publisher thread failed; no more events are published")
 
@@ -141,7 +157,10 @@ class EventStream:
         self._buffer.clear()
         self._buffered_bytes = 0
         self.restarts += 1
-        self._publish(self._announcer.snapshot(self._inventory()), snapshot=True)
+        events = self._announcer.snapshot(self._inventory())
+        if self._remote is not None:
+            events += self._remote.snapshot_events()
+        self._publish(events, snapshot=True)
 
     def _publish(self, events: list[Event], *, snapshot: bool = False) -> None:
         step = self._max_events

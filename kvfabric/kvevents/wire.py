@@ -48,8 +48,21 @@ def block_stored(
     return event
 
 
-def block_removed(hashes: list[int], medium: str) -> Event:
-    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+def block_removed(
+    hashes: list[int],
+    medium: str,
+    *,
+    locality: str | None = None,
+    ownership: str | None = None,
+) -> Event:
+    """A removal of blocks stored with an ``ownership`` names it again (consumers key such
+    claims by ownership and medium)."""
+    event: Event = {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+    if locality is not None:
+        event["locality"] = locality
+    if ownership is not None:
+        event["ownership"] = ownership
+    return event
 
 
 def all_blocks_cleared() -> Event:

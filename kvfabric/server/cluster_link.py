@@ -9,6 +9,11 @@ the first publish; every later change is queued for the index's batching flusher
 the store lock, so the store's hot path never waits on the network. A heartbeat thread renews
 the lease, and registers the node late if the index was unreachable at start.
 
+Stored chunks go to the index with their token ids (the event stream carries them; another
+node's KV event stream announces them from there, :mod:`kvfabric.kvevents.remote`) for the
+namespaces ``publishes_tokens`` names: token ids are prompts, so by default those without a
+tenant salt only (the daemon passes its ``kv_events.tenants`` rule).
+
 Outages: the Redis client republishes the whole inventory by itself once the server is back
 (it is given :meth:`ClusterLink._records` as its ``inventory`` callback). Meanwhile
 :meth:`ClusterLink.lookup` answers from the local store with ``stale=True``: it never raises
@@ -20,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvfabric.cluster import EmbeddedIndex, EmbeddedState
 from kvfabric.cluster.index import (
@@ -66,9 +71,11 @@ class ClusterLink:
         address: str,
         store: Store,
         transports: dict[str, str] | None = None,
+        publishes_tokens: Callable[[Namespace], bool] = lambda ns: not ns.tenant_salt,
     ) -> None:
         """``transports``: backend name -> descriptor (hex) peers pull this node's chunks
-        with; published with the node's registration."""
+        with; published with the node's registration. ``publishes_tokens``: whether a
+        namespace's token ids go to the index (see the module docstring)."""
         try:
             check_name("node_id", node_id)
             self._info = NodeInfo(
@@ -82,6 +89,7 @@ class ClusterLink:
             raise ConfigError(f"cannot join the global index: {exc}") from None
         self._config = config
         self._store = store
+        self._publishes_tokens = publishes_tokens
         self._index = self._build_index()
         self._epoch = 0  # the epoch this link last registered; 0: not registered yet
         self._closed = threading.Event()
@@ -175,10 +183,7 @@ class ClusterLink:
             return
         try:
             self._index.publish(
-                stored=[
-                    ChunkRecord(obj.ns.seed, obj.key, obj.tier, obj.parent, obj.num_tokens)
-                    for obj in stored
-                ],
+                stored=[self._record(obj) for obj in stored],
                 removed=[ChunkRecord(ns.seed, key, tier) for ns, key, tier in removed],
             )
         except UnavailableError:
@@ -187,7 +192,21 @@ class ClusterLink:
     def _records(self) -> Iterator[ChunkRecord]:
         """The whole local inventory as index records (for a republish)."""
         for obj in self._store.inventory():
-            yield ChunkRecord(obj.ns.seed, obj.key, obj.tier, obj.parent, obj.num_tokens)
+            yield self._record(obj)
+
+    def _record(self, obj: StoredObject) -> ChunkRecord:
+        ns = obj.ns
+        tokens = obj.tokens if self._publishes_tokens(ns) else None
+        return ChunkRecord(
+            ns.seed,
+            obj.key,
+            obj.tier,
+            obj.parent,
+            obj.num_tokens,
+            tokens,
+            ns.spec.chunk_tokens,
+            ns.lora_id,
+        )
 
     # -- reads ------------------------------------------------------------------------
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> GlobalLookup:

@@ -55,6 +55,7 @@ from kvfabric.kvevents.announce import MEDIUM_OF_KIND, Announcer
 from kvfabric.kvevents.log import ChangeLog
 from kvfabric.kvevents.node import NamespaceEvents
 from kvfabric.kvevents.publisher import EventStream
+from kvfabric.kvevents.remote import RemoteFollower, RemoteInventory
 from kvfabric.server.cluster_link import ClusterLink
 from kvfabric.server.control import ControlServer
 from kvfabric.server.handlers import Context
@@ -62,6 +63,7 @@ from kvfabric.server.instrumented import InstrumentedPuller, InstrumentedPusher,
 from kvfabric.server.peers import PeerLinks
 from kvfabric.server.puller import Puller
 from kvfabric.server.pusher import Pusher
+from kvfabric.server.remote_chunks import IndexRemoteSource
 from kvfabric.server.tls import ReloadingTLS
 from kvfabric.store import TieredStore
 from kvfabric.transport import SocketTransport, Transport, select_backend
@@ -111,7 +113,12 @@ class Daemon:
                 self.transport = _open_transport(config, host, self._raw_store, self.tls)
                 transports[self.transport.backend] = self.transport.descriptor().hex()
             self.cluster = ClusterLink(
-                config.cluster, self.node_id, address, self._raw_store, transports
+                config.cluster,
+                self.node_id,
+                address,
+                self._raw_store,
+                transports,
+                publishes_tokens=lambda ns: config.kv_events.publishes(ns.tenant_salt),
             )
         except BaseException:
             self._close_transport_and_listener()
@@ -134,7 +141,9 @@ class Daemon:
             if self._links is None
             else InstrumentedPusher(Pusher(self.store, self._links), self.metrics)
         )
-        self.kv_events, self.event_stream = _kv_events(config, self._raw_store)
+        self.kv_events, self.event_stream, self._remote_chunks = _kv_events(
+            config, self._raw_store, self.cluster
+        )
         self._executor = ThreadPoolExecutor(
             config.limits.request_threads, thread_name_prefix="kvfabric-request"
         )
@@ -262,6 +271,8 @@ class Daemon:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._remote_chunks is not None:
+            self._remote_chunks.close()
         if self.event_stream is not None:
             self.event_stream.close()
         if self._links is not None:
@@ -280,10 +291,12 @@ class Daemon:
 
 
 def _kv_events(
-    config: DaemonConfig, store: TieredStore
-) -> tuple[NamespaceEvents, EventStream | None]:
+    config: DaemonConfig, store: TieredStore, cluster: ClusterLink
+) -> tuple[NamespaceEvents, EventStream | None, RemoteFollower | None]:
     """The change log engines' connectors poll (the ``kv_events`` op) and, with
-    ``kv_events.endpoint``, the node's event stream (:mod:`kvfabric.kvevents.publisher`)."""
+    ``kv_events.endpoint``, the node's event stream (:mod:`kvfabric.kvevents.publisher`),
+    with ``kv_events.remote`` also the thread that follows the chunks other nodes hold
+    (:mod:`kvfabric.kvevents.remote`) from the global index."""
     changes = ChangeLog(config.kv_events.log_changes)
     store.add_inventory_listener(changes.on_inventory)
     media = {
@@ -293,7 +306,9 @@ def _kv_events(
     per_namespace = NamespaceEvents(changes, media, store.inventory)
     settings = config.kv_events
     if not settings.endpoint:
-        return per_namespace, None
+        return per_namespace, None, None
+    remote_on = settings.remote if settings.remote is not None else config.cluster.index == "redis"
+    remote = RemoteInventory(config.node_id, settings.block_size, media) if remote_on else None
     stream = EventStream(
         changes,
         Announcer(settings.block_size, media, lambda ns: settings.publishes(ns.tenant_salt)),
@@ -302,15 +317,23 @@ def _kv_events(
         replay_endpoint=settings.replay_endpoint or None,
         topic=settings.topic,
         buffer_batches=settings.buffer_batches,
+        remote=remote,
     )
     stream.start()
+    follower = None
+    if remote is not None:
+        follower = RemoteFollower(
+            IndexRemoteSource(cluster.index), remote, live_every_s=config.cluster.heartbeat_s
+        )
+        follower.start()
     log.info(
-        "kv_events: vLLM KV events on %s (replay %s), block size %d",
+        "kv_events: vLLM KV events on %s (replay %s), block size %d%s",
         stream.endpoint,
         stream.replay_endpoint,
         settings.block_size,
+        ", with other nodes' chunks" if remote is not None else "",
     )
-    return per_namespace, stream
+    return per_namespace, stream, follower
 
 
 def _open_transport(

@@ -8,7 +8,10 @@ frames must be ``(topic, seq 8-byte big-endian, payload)``; a seq beyond the nex
 one; a seq that goes back is a publisher that started over (the router forgets the
 source). Every payload is decoded by ``msgspec.msgpack.Decoder(KVEventBatch)``: a batch
 that vLLM's decoder refuses fails the test. `BlockState` applies the events as a set of
-(hash, medium) residencies, which is what a router ends up believing.
+(hash, medium) residencies, and blocks stored with an ``ownership`` (a shared pool's, which
+vllm-router credits as external) as (hash, medium, ownership) claims apart, removed only by
+a removal with the same ownership and medium and not by ``AllBlocksCleared``: what a router
+ends up believing.
 
 `replay` is one replay request exactly as the router sends it: a DEALER, ``[b"", start]``,
 answered ``[b"", topic, seq, payload]`` per batch and ``[b"", b"", -1, b""]`` at the end.
@@ -76,23 +79,30 @@ class BlockState:
     held: set[tuple[int | bytes, str | None]] = field(default_factory=set)
     tokens: dict[int | bytes, list[int]] = field(default_factory=dict)
     parent: dict[int | bytes, int | bytes | None] = field(default_factory=dict)
+    owned: set[tuple[int | bytes, str | None, str]] = field(default_factory=set)
     clears: int = 0
 
     def apply(self, event: KVCacheEvent) -> None:
         if isinstance(event, AllBlocksCleared):
-            self.held.clear()
+            self.held.clear()  # the worker's own blocks only: pool claims stay
             self.clears += 1
         elif isinstance(event, BlockStored):
             size = event.block_size
             parent = event.parent_block_hash
             for i, block in enumerate(event.block_hashes):
-                self.held.add((block, event.medium))
+                if event.ownership:
+                    self.owned.add((block, event.medium, event.ownership))
+                else:
+                    self.held.add((block, event.medium))
                 self.tokens[block] = list(event.token_ids[i * size : (i + 1) * size])
                 self.parent[block] = parent
                 parent = block
         elif isinstance(event, BlockRemoved):
             for block in event.block_hashes:
-                self.held.discard((block, event.medium))
+                if event.ownership:
+                    self.owned.discard((block, event.medium, event.ownership))
+                else:
+                    self.held.discard((block, event.medium))
 
     def media(self, block: int | bytes) -> set[str | None]:
         return {medium for h, medium in self.held if h == block}

@@ -12,15 +12,18 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zmq
-from event_store import BLOCK, NS, make_store, media, put_prompt
+from event_store import BLOCK, NS, SPEC, make_store, media, put_prompt
 from msgspec.msgpack import Decoder
-from vllm.distributed.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
+from kvfabric.hashing import chunk_hashes
 from kvfabric.kvevents.announce import Announcer
 from kvfabric.kvevents.log import ChangeLog
 from kvfabric.kvevents.publisher import EventStream
+from kvfabric.kvevents.remote import RemoteInventory, RemoteUpdate
 from kvfabric.store import TieredStore
 
 DECODE = Decoder(KVEventBatch)
@@ -33,7 +36,9 @@ def store(tmp_path: Path) -> Iterator[TieredStore]:
     s.close()
 
 
-def start(store: TieredStore, **kwargs: int) -> tuple[EventStream, ChangeLog]:
+def start(
+    store: TieredStore, remote: RemoteInventory | None = None, **kwargs: int
+) -> tuple[EventStream, ChangeLog]:
     log = ChangeLog()
     store.add_inventory_listener(log.on_inventory)
     stream = EventStream(
@@ -43,6 +48,7 @@ def start(store: TieredStore, **kwargs: int) -> tuple[EventStream, ChangeLog]:
         "tcp://127.0.0.1:*",
         replay_endpoint="tcp://127.0.0.1:*",
         max_events_per_batch=2,
+        remote=remote,
         **kwargs,
     )
     stream.start()
@@ -134,5 +140,58 @@ def test_a_malformed_replay_request_is_ignored(store: TieredStore) -> None:
         assert not bad.poll(500)  # no answer to garbage...
         bad.close()
         assert replay(stream.replay_endpoint or "", 0)  # ...and the next subscriber is served
+    finally:
+        stream.close()
+
+
+def test_other_nodes_chunks_follow_the_nodes_own_and_every_snapshot(store: TieredStore) -> None:
+    remote = RemoteInventory("here", BLOCK, media(store))
+    stream, _ = start(store, remote, buffer_batches=6)
+    prompt = list(range(7000, 7000 + SPEC.chunk_tokens))
+    (ref,) = chunk_hashes(NS, prompt)
+    ids = np.array(prompt, "<i4").tobytes()
+    try:
+        put_prompt(store, NS, list(range(64)))  # the node's own
+        remote.apply([RemoteUpdate(True, "a", 1, "dram", NS.seed, ref.key, ref.parent, ids, 32)])
+        wait_for(
+            lambda: any(
+                e.ownership
+                for _, b in replay(stream.replay_endpoint or "", 0)
+                for e in b.events
+                if isinstance(e, BlockStored)
+            )
+        )
+        remote.apply([RemoteUpdate(False, "a", 1, "dram", NS.seed, ref.key)])
+        wait_for(
+            lambda: any(
+                isinstance(e, BlockRemoved)
+                for _, b in replay(stream.replay_endpoint or "", 0)
+                for e in b.events
+            )
+        )
+        events = [e for _, b in replay(stream.replay_endpoint or "", 0) for e in b.events]
+        own = [e for e in events if isinstance(e, BlockStored) and not e.ownership]
+        theirs = [e for e in events if isinstance(e, BlockStored) and e.ownership]
+        (gone,) = [e for e in events if isinstance(e, BlockRemoved)]
+        assert sorted(t for e in own for t in e.token_ids) == list(range(64))
+        assert [(e.ownership, e.locality, e.token_ids) for e in theirs] == [
+            ("kvfabric:a", "REMOTE", prompt)
+        ]
+        assert (gone.ownership, gone.medium, gone.block_hashes) == (
+            "kvfabric:a",
+            "CPU",
+            theirs[0].block_hashes,
+        )
+        # held again, then the stream starts over: its snapshot names it with its ownership
+        remote.apply([RemoteUpdate(True, "a", 1, "ssd", NS.seed, ref.key, ref.parent, ids, 32)])
+        for i in range(6):
+            put_prompt(store, NS, list(range(10_000 * (i + 1), 10_000 * (i + 1) + 64)))
+        wait_for(lambda: stream.restarts >= 2)
+        first = replay(stream.replay_endpoint or "", 0)[0][1].events
+        assert isinstance(first[0], AllBlocksCleared)
+        again = [e for _, b in replay(stream.replay_endpoint or "", 0) for e in b.events]
+        assert [
+            (e.ownership, e.medium) for e in again if isinstance(e, BlockStored) and e.ownership
+        ] == [("kvfabric:a", "STORAGE")]
     finally:
         stream.close()
