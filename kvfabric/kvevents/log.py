@@ -1,7 +1,9 @@
 """The node's inventory changes, numbered, in a bounded log that several readers follow.
 
 :class:`ChangeLog` is a store inventory listener (``store.add_inventory_listener``). Every
-complete object stored, moved or removed becomes a :class:`Change` with a sequence number;
+complete object stored, moved or removed becomes a :class:`Change` with a sequence number
+(registered ``in_flight``, as the daemon does, also an object whose write begins, and one
+whose write is abandoned: lookups count an object from its reservation on);
 the last ``capacity`` changes are kept. Readers (the node's ZMQ event stream, and the
 ``kv_events`` op that engine connectors poll) each keep their own position and call
 :meth:`ChangeLog.read`; a reader that fell further behind than the log holds is told so

@@ -298,7 +298,9 @@ def _kv_events(
     with ``kv_events.remote`` also the thread that follows the chunks other nodes hold
     (:mod:`kvfabric.kvevents.remote`) from the global index."""
     changes = ChangeLog(config.kv_events.log_changes)
-    store.add_inventory_listener(changes.on_inventory)
+    # in flight: lookups count an object from its reservation on, so routers hear of it
+    # then too (a prefix being computed is where its next request should go)
+    store.add_inventory_listener(changes.on_inventory, in_flight=True)
     media = {
         name: MEDIUM_OF_KIND[tier.kind]
         for name, tier in zip(store.tier_names, config.store.tiers, strict=True)

@@ -218,8 +218,10 @@ class InstrumentedStore:
     def add_layer_listener(self, callback: Callable[[], None]) -> None:
         self._store.add_layer_listener(callback)
 
-    def add_inventory_listener(self, callback: InventoryListener, *, replay: bool = False) -> None:
-        self._store.add_inventory_listener(callback, replay=replay)
+    def add_inventory_listener(
+        self, callback: InventoryListener, *, replay: bool = False, in_flight: bool = False
+    ) -> None:
+        self._store.add_inventory_listener(callback, replay=replay, in_flight=in_flight)
 
     def inventory(self) -> Iterator[StoredObject]:
         return self._store.inventory()

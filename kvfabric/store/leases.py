@@ -34,7 +34,7 @@ from kvfabric.errors import LeaseExpiredError, ObjectAbortedError
 from kvfabric.memory.copy import Piece
 from kvfabric.store.config import StoreConfig
 from kvfabric.store.handles import ObjectReader, ObjectWriter, _Lease
-from kvfabric.store.index import ABORTED, READY_ALL, Entry
+from kvfabric.store.index import ABORTED, READY_ALL, REMOVED, Entry
 from kvfabric.store.inventory import InventoryFeed
 from kvfabric.store.placement import Placement
 from kvfabric.store.shards import HeadRange
@@ -133,7 +133,7 @@ class Leases:
                 state.tier_counters[entry.tier].bytes_in += entry.ns.spec.layout(
                     entry.num_tokens
                 ).nbytes
-                self._feed.changed([entry], [])
+                self._feed.completed(entry)
             else:
                 entry.ready = ready
             self._layers_changed()
@@ -175,6 +175,8 @@ class Leases:
         if not entry.flags & ABORTED:  # a delete, then the writer's own abort: one write
             entry.flags |= ABORTED
             self._state.counters.aborted += 1
+        if not entry.complete and not entry.flags & REMOVED:
+            self._feed.abandoned(entry)
         self._placement.drop(entry)
         self._layers_changed()
 

@@ -180,7 +180,9 @@ class TieredStore:
             if heads is not None:
                 entry.shards = HeadShards(ns.spec.num_kv_heads, ns.spec.num_layers)
             self._state.index.add(entry)
-            return self._leases.new_writer(entry, heads)
+            writer = self._leases.new_writer(entry, heads)
+            self._feed.begun(entry)
+            return writer
 
     def _join(
         self,
@@ -287,19 +289,24 @@ class TieredStore:
         for layers without parking a thread per waiter."""
         self._leases.add_layer_listener(callback)
 
-    def add_inventory_listener(self, callback: InventoryListener, *, replay: bool = False) -> None:
+    def add_inventory_listener(
+        self, callback: InventoryListener, *, replay: bool = False, in_flight: bool = False
+    ) -> None:
         """Call ``callback(stored, removed)`` whenever complete objects change: an object
         becomes complete or moves to another tier (``stored``, with its new tier; a move also
         lists the old tier in ``removed``), or is removed — deleted, evicted, aborted, dropped
         as corrupt (``removed``). Objects recovered from SSD at start are not reported: see
         :meth:`inventory`. With ``replay``, the current inventory is first reported as stored,
-        atomically with the registration, so no change is missed or reordered.
+        atomically with the registration, so no change is missed or reordered. With
+        ``in_flight`` the callback also hears of an object as soon as its write begins (as
+        stored: lookups count it from then on, and readers get its layers as they land) and
+        of a write abandoned before completing (as removed); not again at its completion.
 
         The callback runs under the store lock, on whichever thread made the change: it must
         be quick (enqueue and return), must not call the store, and should not raise (an
         exception is logged and ignored so that the store's own work completes)."""
         with self._lock:
-            self._feed.add(callback, replay=replay)
+            self._feed.add(callback, replay=replay, in_flight=in_flight)
 
     def inventory(self) -> Iterator[StoredObject]:
         """Every complete object as a :class:`StoredObject` (its tier's name, and its tokens

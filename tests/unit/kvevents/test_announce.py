@@ -113,3 +113,26 @@ def test_snapshot_clears_then_lists_parents_first(tmp_path: Path) -> None:
     assert [o.key for o in reversed(inventory)] != [
         o.key for o in parents_first(reversed(inventory))
     ]
+
+
+def test_a_write_is_announced_when_it_begins_and_withdrawn_when_abandoned(tmp_path: Path) -> None:
+    """Lookups count an object from its reservation on; so do the events (the daemon's log
+    listens in flight): a router hears of a prefix while it is being computed."""
+    store = make_store(tmp_path)
+    log, complete_only = ChangeLog(), ChangeLog()
+    store.add_inventory_listener(log.on_inventory, in_flight=True)
+    store.add_inventory_listener(complete_only.on_inventory)
+    announcer = Announcer(BLOCK, media(store), lambda ns: True)
+    tokens = list(range(300, 332))
+    (ref,) = chunk_hashes(NS, tokens)
+    writer = store.reserve(NS, ref.key, tokens=tokens)
+    begun = decoded(announcer, log)
+    assert [type(e) for e in begun] == [BlockStored]
+    assert begun[0].token_ids == tokens  # type: ignore[attr-defined]
+    assert decoded(announcer, complete_only) == []  # negative control: not complete yet
+    position = log.next_seq
+    writer.abort()
+    withdrawn = decoded(announcer, log, position)
+    assert [type(e) for e in withdrawn] == [BlockRemoved]
+    assert withdrawn[0].block_hashes == begun[0].block_hashes  # type: ignore[attr-defined]
+    assert decoded(announcer, complete_only) == []  # it never existed for them
