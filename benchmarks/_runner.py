@@ -68,6 +68,13 @@ class Benchmark:
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = field(default=None)
 
 
+def model_dir_option(parser: argparse.ArgumentParser) -> None:
+    """``--model-dir``: for the benchmarks that build a model (``Benchmark.add_arguments``)."""
+    parser.add_argument(
+        "--model-dir", type=Path, help="build (or reuse) the model here instead of in the temp dir"
+    )
+
+
 def parser_for(bench: Benchmark) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=bench.doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=bench.quick_help)

@@ -47,7 +47,7 @@ from __future__ import annotations
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
 from _common import percentile
-from _runner import Benchmark, Outcome, run_benchmark
+from _runner import Benchmark, Outcome, model_dir_option, run_benchmark
 from child_process import free_port
 from daemon_process import DaemonProcess
 from engine_jobs import kvfabric_connector, load_model_builder
@@ -392,12 +392,6 @@ def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
         for child in reversed(children):
             child.kill()
     return Outcome(figures)
-
-
-def model_dir_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model-dir", type=Path, help="build (or reuse) the model here instead of in the temp dir"
-    )
 
 
 BENCH = Benchmark(

@@ -64,7 +64,7 @@ from __future__ import annotations
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
 from _common import median
-from _runner import Benchmark, Outcome, run_benchmark
+from _runner import Benchmark, Outcome, model_dir_option, run_benchmark
 from daemon_process import DaemonProcess
 from engine_jobs import kvfabric_connector, load_model_builder, run_engine_job
 # isort: on
@@ -380,12 +380,6 @@ def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
         },
     }
     return Outcome(figures)
-
-
-def model_dir_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model-dir", type=Path, help="build (or reuse) the model here instead of in the temp dir"
-    )
 
 
 BENCH = Benchmark(

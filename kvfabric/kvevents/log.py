@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 from kvfabric.spec import Namespace
 from kvfabric.store.protocol import RemovedObject, StoredObject
@@ -106,6 +107,7 @@ class ChangeLog:
             oldest = self._next_seq - len(self._changes)
             gap = after < oldest
             start = max(after, oldest) - oldest
-            out = [self._changes[i] for i in range(start, min(len(self._changes), start + limit))]
+            # one walk of the deque (indexing it in a loop walks it once per item)
+            out = list(islice(self._changes, start, start + limit))
             next_seq = out[-1].seq + 1 if out else max(after, oldest)
             return LogRead(out, next_seq, gap)
