@@ -45,6 +45,7 @@ DEFAULT_MAX_TENANTS = 256
 OTHER_TENANT = "__other__"
 # Store operations range from ~10 us (an in-memory lookup) to seconds (an SSD read-back
 # under load, a layer wait); requests add the socket round trip.
+FRACTION_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 1.0)
 LATENCY_BUCKETS = (
     1e-5,
     2.5e-5,
@@ -207,6 +208,26 @@ class Metrics:
                 registry=reg,
             )
         )
+        self._push_landed = _Children(
+            Histogram(
+                f"{PREFIX}push_landed_fraction",
+                "Per push that moved layers: the share of them on the target when the "
+                "last one was committed here (1 - what prefill's end still waits for).",
+                ["target_class"],
+                buckets=FRACTION_BUCKETS,
+                registry=reg,
+            )
+        )
+        self._push_tail = _Children(
+            Histogram(
+                f"{PREFIX}push_tail_seconds",
+                "Per push that moved layers: from the last layer committed here to its "
+                "landing on the target.",
+                ["target_class"],
+                buckets=LATENCY_BUCKETS,
+                registry=reg,
+            )
+        )
         self._pull_chunks = _Children(
             Counter(
                 f"{PREFIX}pull_chunks",
@@ -337,6 +358,14 @@ class Metrics:
         ):
             if chunks:
                 self._push_chunks(label, outcome).inc(chunks)
+
+    def observe_push_timeline(
+        self, target_class: str, landed_fraction: float, tail_s: float
+    ) -> None:
+        """How one push kept up with its producer (:mod:`kvfabric.server.push_timeline`)."""
+        label = self._classes.label(target_class or "unknown")
+        self._push_landed(label).observe(landed_fraction)
+        self._push_tail(label).observe(tail_s)
 
     def count_pull(self, pulled: int, already_local: int, missing: int, pulled_tokens: int) -> None:
         """One prefetch's chunks by outcome, and the tokens it copied here."""

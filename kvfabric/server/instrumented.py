@@ -229,7 +229,9 @@ class InstrumentedStore:
 
 class InstrumentedPusher:
     """Delegates pushes to a :class:`~kvfabric.server.pusher.Pusher`; counts their chunks
-    per outcome and target hardware class (``kvfabric_push_chunks_total``)."""
+    per outcome and target hardware class (``kvfabric_push_chunks_total``) and observes how
+    each kept up with its producer (``kvfabric_push_landed_fraction``,
+    ``kvfabric_push_tail_seconds``)."""
 
     def __init__(self, pusher: Pusher, metrics: Metrics) -> None:
         self._pusher = pusher
@@ -240,6 +242,11 @@ class InstrumentedPusher:
         self._metrics.count_push(
             result.target_class, result.pushed, result.already_there, result.failed
         )
+        if result.timeline is not None:
+            timeline = result.timeline
+            self._metrics.observe_push_timeline(
+                result.target_class, timeline.landed_fraction, timeline.tail_s
+            )
         return result
 
 

@@ -19,6 +19,10 @@ being computed or in flight. One push is:
    transfer and one commit, one being computed as each layer comes;
 4. give the local pins back.
 
+The reply says how far the push kept up with the chunks' producer: the share of layers
+landed on the target when the last one was committed here, and the tail after it
+(:mod:`kvfabric.server.push_timeline`).
+
 The target's reservations are leases of the push's control session. Nothing is written
 after the shortest of them could have expired (the target may have reused the pages): the
 push stops and fails instead. On any failure (target gone or frozen, deadline, a local
@@ -34,8 +38,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvfabric.client.requests import item_results
@@ -43,6 +47,7 @@ from kvfabric.errors import AlreadyExistsError, KVFabricError, ProtocolError, Un
 from kvfabric.memory.arena import SharedArena
 from kvfabric.protocol.messages import Op, encode_namespace
 from kvfabric.server.peers import PeerLink, PeerLinks, Spans, placement_ranges, time_left
+from kvfabric.server.push_timeline import PushTimeline, TimelineRecorder
 from kvfabric.spec import Namespace
 from kvfabric.store.handles import ObjectReader
 from kvfabric.store.protocol import Store
@@ -62,20 +67,25 @@ PIN_MARGIN_S = 5.0
 class PushResult:
     """Outcome of one push, in distinct chunks: fully committed on the target, held (or
     being received) there already, and not pushed (not held here, refused, or failed);
-    ``target_class`` is the target's declared hardware class ("" when it is unknown)."""
+    ``target_class`` is the target's declared hardware class ("" when it is unknown);
+    ``timeline`` how the moved layers kept up with their producer (None: none moved)."""
 
     pushed: int
     already_there: int
     failed: int
     target_class: str = ""
+    timeline: PushTimeline | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        reply: dict[str, Any] = {
             "pushed": self.pushed,
             "already_there": self.already_there,
             "failed": self.failed,
             "target_class": self.target_class,
         }
+        if self.timeline is not None:
+            reply.update(self.timeline.summary())
+        return reply
 
 
 @dataclass
@@ -96,9 +106,12 @@ class Pusher:
     id (:meth:`TieredStore.host_arenas`). Closing ``links`` makes later pushes fail.
     """
 
-    def __init__(self, store: Store, links: PeerLinks) -> None:
+    def __init__(
+        self, store: Store, links: PeerLinks, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._store = store
         self._links = links
+        self._clock = clock  # the timeline's; deadlines keep time.monotonic
         self._arenas: dict[int, SharedArena] = {i: a for i, _, a in store.host_arenas()}
 
     def push(self, ns: Namespace, keys: Sequence[bytes], target: str, timeout: float) -> PushResult:
@@ -124,23 +137,33 @@ class Pusher:
                 except KVFabricError as exc:
                     log.info("push: chunk %s not pushed: %s", key.hex(), exc)
             pushed = already = 0
+            recorder = TimelineRecorder(self._clock)
             if readers:
                 try:
                     if node is None:
                         raise UnavailableError(f"node {target} is not registered")
-                    pushed, already = self._push(ns, readers, target, node.epoch, end)
+                    pushed, already = self._push(ns, readers, target, node.epoch, end, recorder)
                 except KVFabricError as exc:
                     log.warning("pushing %d chunk(s) to %s failed: %s", len(readers), target, exc)
-            return PushResult(pushed, already, len(wanted) - pushed - already, target_class)
+            timeline: PushTimeline | None = recorder.timeline() if pushed else None
+            return PushResult(
+                pushed, already, len(wanted) - pushed - already, target_class, timeline
+            )
         finally:
             for reader in readers.values():
                 reader.release()
 
     def _push(
-        self, ns: Namespace, readers: dict[bytes, ObjectReader], target: str, epoch: int, end: float
+        self,
+        ns: Namespace,
+        readers: dict[bytes, ObjectReader],
+        target: str,
+        epoch: int,
+        end: float,
+        recorder: TimelineRecorder,
     ) -> tuple[int, int]:
         """(pushed, already there); raises KVFabricError when the push failed as a whole
-        (what it reserved is aborted by then)."""
+        (what it reserved is aborted by then). Notes each moved batch in ``recorder``."""
         link = self._links.link(target, epoch, end)
         items = [_reserve_item(key, reader) for key, reader in readers.items()]
         reserved_at = time.monotonic()
@@ -177,14 +200,20 @@ class Pusher:
         try:
             layer = 0
             while layer < ns.spec.num_layers and chunks:
-                chunks, layer = self._push_layers(link, chunks, layer, lease_end, target)
+                chunks, layer = self._push_layers(link, chunks, layer, lease_end, target, recorder)
         except BaseException:
             self._abort(link, target, chunks, end)
             raise
         return len(chunks), already
 
     def _push_layers(
-        self, link: PeerLink, chunks: list[_Chunk], first: int, end: float, target: str
+        self,
+        link: PeerLink,
+        chunks: list[_Chunk],
+        first: int,
+        end: float,
+        target: str,
+        recorder: TimelineRecorder,
     ) -> tuple[list[_Chunk], int]:
         """Wait for layer ``first`` of every chunk, then move and commit it together with
         every later layer that all of them have committed already: one transfer and one
@@ -193,6 +222,7 @@ class Pusher:
         whose commit the target refused, is dropped) and the next layer to push."""
         ready: list[_Chunk] = []
         common = -1
+        waited = not all(chunk.reader.ready_mask >> first & 1 for chunk in chunks)
         for chunk in chunks:
             try:
                 chunk.reader.wait_layer(first, time_left(end, f"layer {first}"))
@@ -204,6 +234,7 @@ class Pusher:
             common &= chunk.reader.ready_mask
         if not ready:
             return ready, first
+        ready_at = recorder.seen(waited)
         num_layers = ready[0].reader.layout.spec.num_layers
         stop = first + 1
         while stop < num_layers and common >> stop & 1:
@@ -231,6 +262,7 @@ class Pusher:
         except KVFabricError:
             self._links.forget(target)  # the commit may or may not have landed: start over
             raise
+        recorder.landed(first, stop, ready_at)
         going = []
         for chunk, reply in zip(ready, replies):
             if isinstance(reply, KVFabricError):  # its lease expired on the target: gone

@@ -46,6 +46,19 @@ def push_chunks_counted(node) -> dict[tuple[str, str], float]:
     }
 
 
+def push_landed_fraction(node) -> dict[str, float]:
+    """``kvfabric_push_landed_fraction``'s count and sum, over its target classes."""
+    text = urllib.request.urlopen(node.http_url + "/metrics", timeout=10).read().decode()
+    found = {"count": 0.0, "sum": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvfabric_push_landed_fraction":
+            for sample in family.samples:
+                for part in found:
+                    if sample.name.endswith("_" + part):
+                        found[part] += sample.value
+    return found
+
+
 def put_chain(socket: str, n_chunks: int) -> tuple[list[bytes], list[bytes]]:
     """A chain of random chunks; returns (keys, payloads)."""
     return put_random_chain(socket, NS, n_chunks)
@@ -104,11 +117,18 @@ def test_push_copies_a_committed_chain_byte_exact_and_releases_the_pins(
     )
     keys, payloads = put_chain(a.socket, 3)
     with Client(a.socket) as producer:
-        assert producer.push(NS, keys, "node-b", timeout=DEADLINE_S) == {
+        result = producer.push(NS, keys, "node-b", timeout=DEADLINE_S)
+        # complete before the push began: every layer in one transfer, all of it a tail
+        tail_ms = result.pop("tail_ms")
+        assert 0 < tail_ms < DEADLINE_S * 1000
+        assert result == {
             "pushed": 3,
             "already_there": 0,
             "failed": 0,
             "target_class": "decode-cpu",
+            "landed_fraction": 0.0,
+            "layers_moved": SPEC.num_layers,
+            "batches": 1,
         }
         with Client(b.socket) as decode:
             hit = decode.lookup(NS, keys=keys)
@@ -161,12 +181,26 @@ def test_the_target_reads_layer_0_while_later_layers_are_not_computed_yet(
                     arrived = time.monotonic()
                     assert not reader.complete
             pusher.join(DEADLINE_S + 5)
-            assert results == [
-                {"pushed": 1, "already_there": 0, "failed": 0, "target_class": "generic"}
-            ]
+            (result,) = results
+            tail_ms = result.pop("tail_ms")
+            assert result == {
+                "pushed": 1,
+                "already_there": 0,
+                "failed": 0,
+                "target_class": "generic",
+                # one layer per transfer, each landed before the next was committed: all but
+                # the last were on B when A committed the last one
+                "landed_fraction": 0.75,
+                "layers_moved": 4,
+                "batches": 4,
+            }
+            assert 0 < tail_ms < LAYER_GAP_S * 1000
             reader.wait_complete(DEADLINE_S)
             assert committed[0] <= arrived < committed[1]  # streamed, not sent at the end
             assert reader.to_bytes() == b"".join(layers)
+    # the node's metrics saw the same push
+    histogram = push_landed_fraction(a)
+    assert (histogram["count"], histogram["sum"]) == (1.0, 0.75)
 
 
 def test_a_target_killed_mid_push_costs_only_the_deadline(redis_server, start_daemon) -> None:
