@@ -210,3 +210,18 @@ def touched(nbytes: int) -> np.ndarray:
     buf = np.empty(nbytes, dtype=np.uint8)
     buf.fill(0)
     return buf
+
+
+def host_cpu() -> str:
+    """The host's CPU model and whether it has AMX (vLLM CPU's kernels, and so its
+    numerics and speed, differ with it): figures name the host they came from."""
+    model, amx = "unknown", False
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "unknown":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                amx = amx or "amx_tile" in line.split()
+    except OSError:
+        pass
+    return f"{model} (AMX: {'yes' if amx else 'no'})"

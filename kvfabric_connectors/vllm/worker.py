@@ -273,8 +273,9 @@ class WorkerSide:
                 elif not isinstance(result, AlreadyExistsError):
                     self.counters.add(save_errors=1)
                     log.warning("kvfabric: cannot save a chunk of %s: %s", transfer.req_id, result)
-            if transfer.push_to and self.share.pushes:
-                self._pushes.submit(self._push, transfer)
+        if self.share.pushes:
+            for (tenant_salt, lora_id, target), keys in _push_groups(transfers).items():
+                self._pushes.submit(self._push, tenant_salt, lora_id, target, keys)
         return items
 
     def _abandon_saves(self, exc: BaseException) -> None:
@@ -290,22 +291,16 @@ class WorkerSide:
                     pass  # the daemon reclaims the lease by its deadline anyway
                 item.handle = None
 
-    def _push(self, transfer: RequestTransfer) -> None:
-        ns = self.namespaces.get(transfer.tenant_salt, transfer.lora_id)
-        keys = [c.key for c in transfer.chunks]
+    def _push(self, tenant_salt: str, lora_id: str, target: str, keys: list[bytes]) -> None:
+        ns = self.namespaces.get(tenant_salt, lora_id)
         try:
             result = self._push_link.client().push(
-                ns,
-                keys,
-                transfer.push_to,  # type: ignore[arg-type]
-                timeout=self.settings.save_timeout_s,
+                ns, keys, target, timeout=self.settings.save_timeout_s
             )
         except (KVFabricError, OSError) as exc:
             self._push_link.failed(exc)
             self.counters.add(push_errors=len(keys))
-            log.warning(
-                "kvfabric: push of %s to %s failed: %s", transfer.req_id, transfer.push_to, exc
-            )
+            log.warning("kvfabric: push of %d chunks to %s failed: %s", len(keys), target, exc)
             return
         self.counters.add(
             pushed_chunks=int(result.get("pushed", 0)) + int(result.get("already_there", 0)),
@@ -505,3 +500,17 @@ def _cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:
     except ImportError:
         return None
     return str(_get_attn_isa(dtype, block_size, head_dim))
+
+
+def _push_groups(transfers: tuple[RequestTransfer, ...]) -> dict[tuple[str, str, str], list[bytes]]:
+    """The step's chunks to push, one push per (tenant, LoRA, target): the requests of a
+    step compute their layers together, so one push moves each layer of all of them as it
+    is committed; a push per request would wait for the one before it (one push thread)."""
+    groups: dict[tuple[str, str, str], list[bytes]] = {}
+    for transfer in transfers:
+        if transfer.push_to:
+            group = groups.setdefault(
+                (transfer.tenant_salt, transfer.lora_id, transfer.push_to), []
+            )
+            group.extend(c.key for c in transfer.chunks)
+    return groups

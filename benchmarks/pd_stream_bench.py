@@ -1,0 +1,293 @@
+"""Prefill -> decode streaming: how much of a prompt's KV the decode node holds when prefill ends.
+
+Real parts only: a vLLM CPU engine (the runner of tests/e2e/vllm, in a subprocess) of a
+random-weight Llama built locally (tests/models/build_tiny_llama.py, ``MODEL``: 32 layers,
+so layer-wise streaming has something to overlap), with KVFabricConnector as a
+``kv_producer`` on node ``prefill-a``; three more node daemons on one real redis-server
+(``kvfabric serve``, separate processes, the socket transport on loopback).
+
+Each measured prompt (``PROMPT_TOKENS`` random tokens, one engine step: the whole prompt is
+one batch) asks for a push to node ``decode-b`` (``kv_transfer_params: {"kvfabric":
+{"push_to": "decode-b"}}``): the producer's connector reserves the step's chunks on its
+daemon after the first layer and has it push them, each layer as soon as it is committed.
+
+Measured from outside, on one monotonic clock (this process): two observer threads pin the
+prompt's last chunk on ``prefill-a`` and on ``decode-b`` as soon as it exists there and wait
+on its layers one by one; each layer's wake-up time is when it was committed by the
+producer, resp. readable on the decode node. Every chunk of a step is committed and pushed
+layer by layer together, so the last chunk stands for them all.
+
+- ``landed_fraction_at_prefill_end``: the share of layers readable on ``decode-b`` when the
+  producer committed the last one (prefill's end), worst prompt (target >= 0.95, the seed's
+  bar; at most ``(layers - 1) / layers``: the last layer leaves once computed);
+- ``transfer_tail_ms_after_prefill``: from prefill's end to the last layer readable on
+  ``decode-b``, median;
+- ``send_after_prefill_ms``: the baseline, in the same run: once the prompt is done, the
+  same chunks pushed as one transfer to ``decode-c`` (the ``push`` op's wall, pin and
+  reservation included: what a hand-off that starts after prefill costs), median;
+- ``tail_vs_send_after_prefill``: the two medians' ratio (target <= 0.1);
+- ``pull_after_prefill_ms``: the pull mode for comparison: ``decode-d`` prefetches the
+  chunks from ``prefill-a`` once the prompt is done (the ``prefetch`` op's wall), median;
+- ``pusher_landed_fraction``: what the producer's daemon itself reports
+  (``kvfabric_push_landed_fraction``, mean over its pushes), a check on the observers.
+
+Run (``--quick``: 2 measured prompts, about three minutes on a quiet 2-core machine, most
+of it the engine's start; without it 5)::
+
+    python benchmarks/pd_stream_bench.py --quick --json
+"""
+
+from __future__ import annotations
+
+# isort: off
+# _common goes first: it caps the numeric libraries' thread pools before numpy loads.
+from _common import host_cpu, median
+from _runner import Benchmark, Outcome, model_dir_option, run_benchmark
+from cluster_nodes import cluster_node
+from daemon_process import DaemonProcess
+from engine_jobs import kvfabric_connector, load_model_builder, run_engine_job
+from redis_process import RedisServer
+# isort: on
+
+import argparse
+import random
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvfabric.client import Client
+from kvfabric.errors import NotFoundError
+from kvfabric.hashing import chunk_keys
+from kvfabric.spec import KVSpec, Namespace
+
+MODEL = {
+    "layers": 32,
+    "hidden": 512,
+    "heads": 8,
+    "kv_heads": 4,
+    "head_dim": 64,
+    "intermediate": 1024,
+    "vocab": 2048,
+}
+PROMPT_TOKENS = 4096  # 16 chunks of 256
+MODEL_ID = "pd-stream"  # the connector's namespace model id, so this process can name chunks
+NS = Namespace(
+    MODEL_ID,
+    KVSpec(
+        num_layers=MODEL["layers"],
+        num_kv_heads=MODEL["kv_heads"],
+        head_dim=MODEL["head_dim"],
+        dtype="bfloat16",
+        chunk_tokens=256,
+    ),
+)
+NODES = ("prefill-a", "decode-b", "decode-c", "decode-d")
+DAEMON_TIERS = ("store.tiers.dram.capacity=1GiB", "store.tiers.ssd.capacity=1GiB")
+JOB_TIMEOUT_S = 900.0  # a cold first vLLM import on a loaded 2-core machine
+LAYER_WAIT_S = 300.0  # one layer of a prompt the engine has begun: far below a start-up
+POLL_S = 0.002  # how often an observer looks for a chunk not reserved yet
+
+TARGETS: dict[str, tuple[str, float]] = {
+    "landed_fraction_at_prefill_end": (">=", 0.95),
+    "tail_vs_send_after_prefill": ("<=", 0.1),
+}
+
+FIGURES: list[tuple[str, str]] = [
+    ("landed_fraction_at_prefill_end", "layers on the decode node at prefill's end, worst prompt"),
+    ("transfer_tail_ms_after_prefill", "prefill's end -> last layer on the decode node, ms"),
+    ("send_after_prefill_ms", "baseline: the chunks pushed once the prompt is done, ms"),
+    ("tail_vs_send_after_prefill", "streamed tail / send after prefill"),
+    ("pull_after_prefill_ms", "pull mode: the decode node prefetches once done, ms"),
+    ("pusher_landed_fraction", "the producer daemon's own figure, mean over its pushes"),
+    ("prefill_layers_ms", "first -> last layer committed by the producer, median, ms"),
+    ("prompts", "measured prompts (plus one warm-up)"),
+    ("layers", "model layers"),
+    ("kv_mib_per_prompt", "KV of one prompt, MiB"),
+    ("host_cpu", "host CPU (AMX: whether it has it)"),
+]
+
+
+@dataclass(frozen=True)
+class Settings:
+    prompts: int
+
+
+QUICK = Settings(prompts=2)
+FULL = Settings(prompts=5)
+
+
+@dataclass
+class LayerTimes:
+    """When each layer of one chunk became readable on one node (this process's clock)."""
+
+    at: list[float] = field(default_factory=list)
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, MODEL["vocab"]) for _ in range(PROMPT_TOKENS)]
+
+
+def observe(socket: str, keys: list[bytes], out: list[LayerTimes], errors: list[str]) -> None:
+    """For each key in turn: pin it once it exists on the node, note each layer's arrival."""
+    try:
+        with Client(socket) as client:
+            for key in keys:
+                while True:
+                    try:
+                        reader = client.get(NS, key)
+                        break
+                    except NotFoundError:
+                        time.sleep(POLL_S)
+                times = LayerTimes()
+                with reader:
+                    for layer in range(NS.spec.num_layers):
+                        reader.wait_layer(layer, LAYER_WAIT_S)
+                        times.at.append(time.monotonic())
+                out.append(times)
+    except Exception as exc:  # reported by the main thread, which owns the outcome
+        errors.append(f"observer on {socket}: {exc!r}")
+
+
+def metric_mean(url: str, name: str) -> float:
+    """A histogram's sum / count over its label sets."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            for sample in family.samples:
+                if sample.name == name + "_sum":
+                    total += sample.value
+                elif sample.name == name + "_count":
+                    count += sample.value
+    return total / count if count else float("nan")
+
+
+def run_producer(root: Path, model: Path, socket: str, prompts: list[list[int]]) -> None:
+    job = {
+        "model": str(model),
+        "scratch_dir": str(root / "job" / "scratch"),
+        "engines": [
+            {
+                "name": "prefill",
+                "kv_transfer_config": kvfabric_connector(socket, "kv_producer", model_id=MODEL_ID),
+                "prompts": prompts,
+                "max_tokens": 1,
+                "max_model_len": PROMPT_TOKENS + 256,
+                "max_num_batched_tokens": PROMPT_TOKENS,  # one step: one push per prompt
+                "kv_transfer_params": [{"kvfabric": {"push_to": "decode-b"}}] * len(prompts),
+            }
+        ],
+    }
+    run = run_engine_job(root / "job", job, stall_s=JOB_TIMEOUT_S, deadline_s=JOB_TIMEOUT_S)
+    failure = run.failure()
+    if failure is not None:
+        raise RuntimeError(failure)
+
+
+def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
+    settings = QUICK if args.quick else FULL
+    model = load_model_builder().build_tiny_llama(args.model_dir or root / "model", **MODEL)
+    redis = RedisServer(root).start()
+    daemons: dict[str, DaemonProcess] = {}
+    try:
+        for name in NODES:
+            settings_of = cluster_node(
+                redis.url, name, transport="socket", tiers=DAEMON_TIERS, lease_ttl_s=None
+            )
+            daemons[name] = DaemonProcess(root / name, settings_of).start()
+        return measure(settings, root, model, daemons)
+    finally:
+        for daemon in daemons.values():
+            daemon.kill()
+        redis.kill()
+
+
+def measure(
+    settings: Settings, root: Path, model: Path, daemons: dict[str, DaemonProcess]
+) -> Outcome:
+    prompts = [prompt(seed) for seed in range(settings.prompts + 1)]  # [0]: the warm-up
+    keys = [chunk_keys(NS, p, include_partial=False) for p in prompts]
+    last_keys = [k[-1] for k in keys]
+    produced: list[LayerTimes] = []
+    landed: list[LayerTimes] = []
+    errors: list[str] = []
+    observers = [
+        threading.Thread(
+            target=observe, args=(daemons[name].socket, last_keys, out, errors), daemon=True
+        )
+        for name, out in (("prefill-a", produced), ("decode-b", landed))
+    ]
+    for thread in observers:
+        thread.start()
+    run_producer(root, model, daemons["prefill-a"].socket, prompts)
+    for thread in observers:
+        thread.join(LAYER_WAIT_S)
+    if errors or len(produced) != len(prompts) or len(landed) != len(prompts):
+        raise RuntimeError(f"the observers saw {len(produced)}/{len(landed)} prompts: {errors}")
+
+    fractions, tails, spans, sends, pulls = [], [], [], [], []
+    with (
+        Client(daemons["prefill-a"].socket) as producer,
+        Client(daemons["decode-d"].socket) as puller,
+        Client(daemons["decode-b"].socket) as decode,
+    ):
+        for i in range(1, len(prompts)):  # the warm-up is not measured
+            if not all(decode.contains(NS, keys[i])):
+                raise RuntimeError(f"prompt {i}: decode-b does not hold every chunk")
+            end = produced[i].at[-1]
+            fractions.append(sum(t <= end for t in landed[i].at) / NS.spec.num_layers)
+            tails.append(landed[i].at[-1] - end)
+            spans.append(end - produced[i].at[0])
+            started = time.monotonic()
+            result = producer.push(NS, keys[i], "decode-c", timeout=60.0)
+            sends.append(time.monotonic() - started)
+            if result["pushed"] != len(keys[i]):
+                raise RuntimeError(f"prompt {i}: the baseline push moved {result}")
+            started = time.monotonic()
+            result = puller.prefetch(NS, keys=keys[i], timeout=60.0)
+            pulls.append(time.monotonic() - started)
+            if result["pulled"] != len(keys[i]):
+                raise RuntimeError(f"prompt {i}: the pull moved {result}")
+    kv_bytes = NS.spec.chunk_bytes * len(keys[0])
+    figures = {
+        "landed_fraction_at_prefill_end": round(min(fractions), 4),
+        "transfer_tail_ms_after_prefill": round(median(tails) * 1000, 2),
+        "send_after_prefill_ms": round(median(sends) * 1000, 2),
+        "tail_vs_send_after_prefill": round(median(tails) / median(sends), 4),
+        "pull_after_prefill_ms": round(median(pulls) * 1000, 2),
+        "pusher_landed_fraction": round(
+            metric_mean(daemons["prefill-a"].http_url, "kvfabric_push_landed_fraction"), 4
+        ),
+        "prefill_layers_ms": round(median(spans) * 1000, 1),
+        "prompts": settings.prompts,
+        "layers": NS.spec.num_layers,
+        "kv_mib_per_prompt": round(kv_bytes / 2**20, 1),
+        "host_cpu": host_cpu(),
+        "landed_fraction_per_prompt": [round(f, 4) for f in fractions],
+    }
+    return Outcome(figures)
+
+
+BENCH = Benchmark(
+    __doc__,
+    "kvfabric-pd-stream-",
+    TARGETS,
+    FIGURES,
+    quick_help=f"{QUICK.prompts} measured prompts instead of {FULL.prompts}",
+    add_arguments=model_dir_option,
+    keep_option=True,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_benchmark(BENCH, measure_all, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
