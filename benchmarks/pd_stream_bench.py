@@ -22,14 +22,19 @@ layer by layer together, so the last chunk stands for them all.
   bar; at most ``(layers - 1) / layers``: the last layer leaves once computed);
 - ``transfer_tail_ms_after_prefill``: from prefill's end to the last layer readable on
   ``decode-b``, median;
-- ``send_after_prefill_ms``: the baseline, in the same run: once the prompt is done, the
-  same chunks pushed as one transfer to ``decode-c`` (the ``push`` op's wall, pin and
-  reservation included: what a hand-off that starts after prefill costs), median;
+- ``send_after_prefill_ms``: the baseline, in the same run: the moment the producer
+  committed a prompt's last layer, the same chunks pushed as one transfer to ``decode-c``
+  (the ``push`` op's wall, pin and reservation included: what a hand-off that starts after
+  prefill costs, under the same load: the engine goes on running), median;
 - ``tail_vs_send_after_prefill``: the two medians' ratio (target <= 0.1);
 - ``pull_after_prefill_ms``: the pull mode for comparison: ``decode-d`` prefetches the
-  chunks from ``prefill-a`` once the prompt is done (the ``prefetch`` op's wall), median;
+  chunks from ``prefill-a`` after the engine's job ended (the ``prefetch`` op's wall, on a
+  machine no engine loads), median;
+- ``layer_lag_ms``: from a layer committed by the producer to readable on ``decode-b``,
+  median over the layers before the last (the streaming's per-layer cost under load);
 - ``pusher_landed_fraction``: what the producer's daemon itself reports
-  (``kvfabric_push_landed_fraction``, mean over its pushes), a check on the observers.
+  (``kvfabric_push_landed_fraction`` of its pushes to ``decode-b``'s hardware class, mean,
+  the warm-up's included), a check on the observers.
 
 Run (``--quick``: 2 measured prompts, about three minutes on a quiet 2-core machine, most
 of it the engine's start; without it 5)::
@@ -55,6 +60,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +93,7 @@ NS = Namespace(
     ),
 )
 NODES = ("prefill-a", "decode-b", "decode-c", "decode-d")
+STREAMED_CLASS = "decode-stream"  # decode-b's hardware class; decode-c's is "baseline"
 DAEMON_TIERS = ("store.tiers.dram.capacity=1GiB", "store.tiers.ssd.capacity=1GiB")
 JOB_TIMEOUT_S = 900.0  # a cold first vLLM import on a loaded 2-core machine
 LAYER_WAIT_S = 300.0  # one layer of a prompt the engine has begun: far below a start-up
@@ -103,7 +110,9 @@ FIGURES: list[tuple[str, str]] = [
     ("send_after_prefill_ms", "baseline: the chunks pushed once the prompt is done, ms"),
     ("tail_vs_send_after_prefill", "streamed tail / send after prefill"),
     ("pull_after_prefill_ms", "pull mode: the decode node prefetches once done, ms"),
+    ("layer_lag_ms", "a layer committed by the producer -> on the decode node, median, ms"),
     ("pusher_landed_fraction", "the producer daemon's own figure, mean over its pushes"),
+    ("pusher_pushes", "its streamed pushes (one per prompt, the warm-up's included)"),
     ("prefill_layers_ms", "first -> last layer committed by the producer, median, ms"),
     ("prompts", "measured prompts (plus one warm-up)"),
     ("layers", "model layers"),
@@ -133,11 +142,18 @@ def prompt(seed: int) -> list[int]:
     return [rng.randrange(10, MODEL["vocab"]) for _ in range(PROMPT_TOKENS)]
 
 
-def observe(socket: str, keys: list[bytes], out: list[LayerTimes], errors: list[str]) -> None:
-    """For each key in turn: pin it once it exists on the node, note each layer's arrival."""
+def observe(
+    socket: str,
+    keys: list[bytes],
+    out: list[LayerTimes],
+    errors: list[str],
+    at_end: Callable[[int], None] | None = None,
+) -> None:
+    """For each key in turn: pin it once it exists on the node, note each layer's arrival;
+    ``at_end(i)`` runs (in a thread of its own) as soon as the i-th key is complete."""
     try:
         with Client(socket) as client:
-            for key in keys:
+            for i, key in enumerate(keys):
                 while True:
                     try:
                         reader = client.get(NS, key)
@@ -149,23 +165,56 @@ def observe(socket: str, keys: list[bytes], out: list[LayerTimes], errors: list[
                     for layer in range(NS.spec.num_layers):
                         reader.wait_layer(layer, LAYER_WAIT_S)
                         times.at.append(time.monotonic())
+                if at_end is not None:
+                    threading.Thread(target=at_end, args=(i,), daemon=True).start()
                 out.append(times)
     except Exception as exc:  # reported by the main thread, which owns the outcome
         errors.append(f"observer on {socket}: {exc!r}")
 
 
-def metric_mean(url: str, name: str) -> float:
-    """A histogram's sum / count over its label sets."""
+class Baseline:
+    """The same chunks sent as one transfer the moment prefill ended (so under the same
+    load as the streamed tail: the engine goes on running): a push to ``decode-c``."""
+
+    def __init__(self, socket: str, keys: list[list[bytes]], errors: list[str]) -> None:
+        self._socket = socket
+        self._keys = keys
+        self._errors = errors
+        self.seconds: dict[int, float] = {}
+
+    def send(self, i: int) -> None:
+        try:
+            with Client(self._socket) as client:
+                started = time.monotonic()
+                result = client.push(NS, self._keys[i], "decode-c", timeout=60.0)
+                self.seconds[i] = time.monotonic() - started
+            if result["pushed"] != len(self._keys[i]):
+                self._errors.append(f"prompt {i}: the baseline push moved {result}")
+        except Exception as exc:
+            self._errors.append(f"baseline push of prompt {i}: {exc!r}")
+
+
+def histogram(url: str, name: str, target_class: str) -> tuple[float, float]:
+    """A push histogram's (sum, count) for one target class."""
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     total = count = 0.0
     for family in text_string_to_metric_families(text):
         if family.name == name:
             for sample in family.samples:
+                if sample.labels.get("target_class") != target_class:
+                    continue
                 if sample.name == name + "_sum":
                     total += sample.value
                 elif sample.name == name + "_count":
                     count += sample.value
-    return total / count if count else float("nan")
+    return total, count
+
+
+def streamed_pushes(url: str) -> tuple[float, int]:
+    """The producer daemon's own landed fraction (mean) over its pushes to ``decode-b``
+    (the baselines go to another hardware class), and how many there were."""
+    total, count = histogram(url, "kvfabric_push_landed_fraction", STREAMED_CLASS)
+    return (total / count if count else float("nan")), int(count)
 
 
 def run_producer(root: Path, model: Path, socket: str, prompts: list[list[int]]) -> None:
@@ -197,8 +246,14 @@ def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
     daemons: dict[str, DaemonProcess] = {}
     try:
         for name in NODES:
+            kind = {"decode-b": STREAMED_CLASS, "decode-c": "baseline"}.get(name, "generic")
             settings_of = cluster_node(
-                redis.url, name, transport="socket", tiers=DAEMON_TIERS, lease_ttl_s=None
+                redis.url,
+                name,
+                f"cluster.hardware_class={kind}",
+                transport="socket",
+                tiers=DAEMON_TIERS,
+                lease_ttl_s=None,
             )
             daemons[name] = DaemonProcess(root / name, settings_of).start()
         return measure(settings, root, model, daemons)
@@ -217,23 +272,32 @@ def measure(
     produced: list[LayerTimes] = []
     landed: list[LayerTimes] = []
     errors: list[str] = []
+    baseline = Baseline(daemons["prefill-a"].socket, keys, errors)
     observers = [
         threading.Thread(
-            target=observe, args=(daemons[name].socket, last_keys, out, errors), daemon=True
-        )
-        for name, out in (("prefill-a", produced), ("decode-b", landed))
+            target=observe,
+            args=(daemons["prefill-a"].socket, last_keys, produced, errors, baseline.send),
+            daemon=True,
+        ),
+        threading.Thread(
+            target=observe,
+            args=(daemons["decode-b"].socket, last_keys, landed, errors),
+            daemon=True,
+        ),
     ]
     for thread in observers:
         thread.start()
     run_producer(root, model, daemons["prefill-a"].socket, prompts)
     for thread in observers:
         thread.join(LAYER_WAIT_S)
+    deadline = time.monotonic() + 120.0
+    while len(baseline.seconds) < len(prompts) and not errors and time.monotonic() < deadline:
+        time.sleep(0.1)
     if errors or len(produced) != len(prompts) or len(landed) != len(prompts):
         raise RuntimeError(f"the observers saw {len(produced)}/{len(landed)} prompts: {errors}")
 
-    fractions, tails, spans, sends, pulls = [], [], [], [], []
+    fractions, tails, lags, spans, pulls = [], [], [], [], []
     with (
-        Client(daemons["prefill-a"].socket) as producer,
         Client(daemons["decode-d"].socket) as puller,
         Client(daemons["decode-b"].socket) as decode,
     ):
@@ -243,17 +307,15 @@ def measure(
             end = produced[i].at[-1]
             fractions.append(sum(t <= end for t in landed[i].at) / NS.spec.num_layers)
             tails.append(landed[i].at[-1] - end)
+            lags += [d - p for p, d in zip(produced[i].at[:-1], landed[i].at[:-1])]
             spans.append(end - produced[i].at[0])
-            started = time.monotonic()
-            result = producer.push(NS, keys[i], "decode-c", timeout=60.0)
-            sends.append(time.monotonic() - started)
-            if result["pushed"] != len(keys[i]):
-                raise RuntimeError(f"prompt {i}: the baseline push moved {result}")
             started = time.monotonic()
             result = puller.prefetch(NS, keys=keys[i], timeout=60.0)
             pulls.append(time.monotonic() - started)
             if result["pulled"] != len(keys[i]):
                 raise RuntimeError(f"prompt {i}: the pull moved {result}")
+    sends = [baseline.seconds[i] for i in range(1, len(prompts))]
+    pusher = streamed_pushes(daemons["prefill-a"].http_url)
     kv_bytes = NS.spec.chunk_bytes * len(keys[0])
     figures = {
         "landed_fraction_at_prefill_end": round(min(fractions), 4),
@@ -261,9 +323,9 @@ def measure(
         "send_after_prefill_ms": round(median(sends) * 1000, 2),
         "tail_vs_send_after_prefill": round(median(tails) / median(sends), 4),
         "pull_after_prefill_ms": round(median(pulls) * 1000, 2),
-        "pusher_landed_fraction": round(
-            metric_mean(daemons["prefill-a"].http_url, "kvfabric_push_landed_fraction"), 4
-        ),
+        "layer_lag_ms": round(median(lags) * 1000, 2),
+        "pusher_landed_fraction": round(pusher[0], 4),
+        "pusher_pushes": pusher[1],
         "prefill_layers_ms": round(median(spans) * 1000, 1),
         "prompts": settings.prompts,
         "layers": NS.spec.num_layers,

@@ -41,6 +41,13 @@ the full prefill; it should stay at or near 0).
   largest difference of a generated token's logprob between an engine and the plain engine
   run on the same prompts without (0: bit-identical), ``outputs_differing_no_load`` the
   requests whose tokens differ: every saving engine's prompts are also run by a plain one.
+* job 4, what saving costs a cold engine serving shared-prefix prompts (issue 15): engines
+  plain, saving, saving, plain (same two-process setup), each a warm-up and then prompts of
+  its own: ``shared`` prefixes of SHARED_PREFIX_TOKENS tokens with distinct suffixes of
+  SHARED_SUFFIX_TOKENS, shuffled, SHARED_MAX_TOKENS output tokens, one request at a time.
+  ``save_overhead_vs_no_connector``: the saving engines' median generate() wall (summed over
+  their prompts) over the plain engines' (target <= 1.10); ``save_overhead_plain_vs_plain``
+  the second plain engine's over the first's (the noise floor).
 
 TTFT is the runner's per-request ``engine_ttft_s``: vLLM's engine-core interval from the
 request being queued to its first token (monotonic clock). It includes the connector's
@@ -96,6 +103,10 @@ JOB_TIMEOUT_S = 900.0
 COST_PROMPT_TOKENS = 1024
 COST_MAX_TOKENS = 16
 COST_ORDER = "PSSPPSSP"  # P: no connector, S: the connector saving (ABBA: drift cancels)
+SHARED_ORDER = "PSSP"  # job 4
+SHARED_PREFIX_TOKENS = 1024
+SHARED_SUFFIX_TOKENS = 128
+SHARED_MAX_TOKENS = 16
 
 TARGETS: dict[str, tuple[str, float]] = {
     "ttft_hit_dram_vs_recompute": ("<=", 0.2),
@@ -103,6 +114,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "ttft_hit_dram_vs_local_prefix_cache": ("<=", 1.5),
     "load_share_of_hit_ttft": ("<=", 0.1),
     "step_time_with_connector_vs_without": ("<=", 1.03),
+    "save_overhead_vs_no_connector": ("<=", 1.10),
     "logprob_max_abs_diff_no_load": ("<=", 0.0),
     "outputs_differing_no_load": ("<=", 0),
 }
@@ -118,6 +130,11 @@ FIGURES: list[tuple[str, str]] = [
         "engine time per request, connector saving, nothing loaded / no connector",
     ),
     ("step_time_plain_vs_plain", "the same, plain engines against plain (noise floor)"),
+    (
+        "save_overhead_vs_no_connector",
+        "cold engine, shared-prefix prompts: generate wall, connector / none",
+    ),
+    ("save_overhead_plain_vs_plain", "the same, plain against plain (noise floor)"),
     ("logprob_max_abs_diff_no_load", "largest |logprob difference|, connector vs none"),
     ("outputs_differing_no_load", "requests whose tokens differ, connector vs none"),
     ("ttft_recompute_s", "median engine TTFT, no connector, prompt not cached"),
@@ -140,10 +157,11 @@ FIGURES: list[tuple[str, str]] = [
 class Settings:
     prompts: int  # measured prompts per case, each its own random sequence
     cost_prompts: int  # job 3: measured prompts per engine (plus a warm-up)
+    shared: tuple[int, int]  # job 4: (prefixes, suffixes per prefix) per engine
 
 
-QUICK = Settings(prompts=2, cost_prompts=4)
-FULL = Settings(prompts=5, cost_prompts=8)
+QUICK = Settings(prompts=2, cost_prompts=4, shared=(3, 4))
+FULL = Settings(prompts=5, cost_prompts=8, shared=(5, 6))
 
 
 def build_model(model_dir: Path) -> Path:
@@ -286,6 +304,57 @@ def connector_cost(root: Path, model: Path, kv: dict, n: int) -> dict[str, Any]:
     }
 
 
+def shared_prefix_prompts(seed: int, prefixes: int, suffixes: int) -> list[list[int]]:
+    """``prefixes`` x ``suffixes`` prompts (a shared prefix, a distinct suffix), shuffled."""
+    rng = random.Random(seed)
+    heads = [prompt(seed * 1000 + p, SHARED_PREFIX_TOKENS) for p in range(prefixes)]
+    prompts = [
+        head + [rng.randrange(10, MODEL["vocab"]) for _ in range(SHARED_SUFFIX_TOKENS)]
+        for head in heads
+        for _ in range(suffixes)
+    ]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def save_overhead(root: Path, model: Path, kv: dict, shared: tuple[int, int]) -> dict[str, Any]:
+    """Job 4: what saving costs a cold engine that serves shared-prefix prompts (the first
+    prompt of a prefix computes and saves it, the later ones hit vLLM's own prefix cache
+    and save their suffix's chunks), against no connector, engines in SHARED_ORDER. Every
+    engine runs prompts of its own (nothing is loaded: the fabric is cold for each saving
+    engine); a warm-up prompt first. The figure is the generate() walls' sum."""
+    engines, runs = [], []
+    for i, kind in enumerate(SHARED_ORDER):
+        k = SHARED_ORDER[:i].count(kind)
+        seed = 40 + 10 * i
+        name = f"{'saving' if kind == 'S' else 'plain'}-{k}"
+        runs.append(name)
+        engines.append(
+            {
+                "name": name,
+                "prompts": [prompt(seed + 5, 256), *shared_prefix_prompts(seed, *shared)],
+                "max_tokens": SHARED_MAX_TOKENS,
+                "kv_transfer_config": kv if kind == "S" else None,
+            }
+        )
+    job = run_job(
+        root / "job4",
+        model,
+        engines,
+        multiprocessing=True,
+        env={"VLLM_CPU_NUM_OF_RESERVED_CPU": None},
+    )
+    walls = {n: sum(float(o["generate_s"]) for o in job[n]["outputs"][1:]) for n in runs}
+    plain = [walls[n] for n in runs if n.startswith("plain")]
+    saving = [walls[n] for n in runs if n.startswith("saving")]
+    return {
+        "save_overhead_vs_no_connector": median(saving) / median(plain),
+        "save_overhead_plain_vs_plain": plain[1] / plain[0],
+        "save_overhead_walls_s": {"plain": plain, "saving": saving},
+        "save_overhead_connector_totals": [job[n]["connector_totals"] for n in runs],
+    }
+
+
 def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
     cfg = QUICK if args.quick else FULL
     model = build_model(args.model_dir or root / "model")
@@ -315,6 +384,7 @@ def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
         job2 = run_job(root / "job2", model, [engine("hit-ssd", hit_prompts, kv)])
         after = tier_hit_tokens(daemon)
         cost = connector_cost(root, model, kv, cfg.cost_prompts)
+        cost.update(save_overhead(root, model, kv, cfg.shared))
     finally:
         daemon.kill()
 
