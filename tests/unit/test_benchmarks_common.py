@@ -94,3 +94,18 @@ def test_the_process_helpers_shared_with_the_tests_import_from_a_benchmark() -> 
     )
     done = _python(code)
     assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_figures_name_the_host_cpu_and_whether_it_has_amx() -> None:
+    flags = next(
+        (
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ),
+        "",
+    )
+    done = _python("import sys; sys.path.insert(0, '.'); import _common; print(_common.host_cpu())")
+    described = done.stdout.strip()
+    assert described.endswith("(AMX: yes)" if "amx_tile" in flags.split() else "(AMX: no)")
+    assert described and not described.startswith("unknown"), done.stderr
