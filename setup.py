@@ -12,5 +12,12 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         ),
+        # optional too: without it kvfabric.hashing converts token lists with numpy
+        Extension(
+            "kvfabric._tokens",
+            ["kvfabric/_tokens.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ],
 )

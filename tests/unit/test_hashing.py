@@ -12,6 +12,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvfabric import hashing
 from kvfabric.errors import SpecError
 from kvfabric.hashing import ROOT, as_token_array, chunk_hashes, chunk_keys
 from kvfabric.spec import KVSpec, Namespace
@@ -125,3 +126,41 @@ def test_bad_tokens_are_rejected() -> None:
         as_token_array(np.zeros(3, dtype=np.float32))
     with pytest.raises(SpecError, match="parent"):
         chunk_keys(NS, [1, 2], parent=b"short")
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def list_path(request, monkeypatch):
+    """Python lists go through the compiled packer where it was built, else numpy: both
+    paths must give the same keys and refuse the same inputs."""
+    if request.param == "compiled":
+        if hashing.pack_int32 is None:
+            pytest.skip("the install built no kvfabric._tokens (no C compiler)")
+    else:
+        monkeypatch.setattr(hashing, "pack_int32", None)
+    return request.param
+
+
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=80))
+@settings(max_examples=60, deadline=None)
+def test_a_list_a_tuple_and_an_int32_array_hash_alike(values: list[int]) -> None:
+    array = np.array(values, dtype=np.int32)
+    expected = chunk_keys(NS, array)
+    assert chunk_keys(NS, values) == expected
+    assert chunk_keys(NS, tuple(values)) == expected
+    assert hashing.token_bytes(values) == array.astype("<i4").tobytes()
+
+
+def test_both_list_paths_give_the_golden_keys(list_path: str) -> None:
+    assert [k.hex() for k in chunk_keys(NS, list(range(40)))] == GOLDEN_0_40
+    assert chunk_keys(NS, [np.int64(7), np.uint16(9), -(2**31)]) == chunk_keys(
+        NS, np.array([7, 9, -(2**31)], dtype=np.int32)
+    )
+    assert as_token_array([]).size == 0
+
+
+@pytest.mark.parametrize(
+    "bad", [[2**31], [-(2**31) - 1], [2**70], [1.5], ["7"], [None], [True], [1, 2.0]]
+)
+def test_both_list_paths_refuse_what_is_not_an_int32(list_path: str, bad: list) -> None:
+    with pytest.raises(SpecError, match="int32|integer"):
+        chunk_keys(NS, bad)
