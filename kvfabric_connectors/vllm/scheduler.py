@@ -37,7 +37,7 @@ from typing import Any
 
 from kvfabric.client import Client
 from kvfabric.errors import KVFabricError, UnavailableError, UnsupportedError
-from kvfabric.hashing import ChunkRef, chunk_hashes, token_bytes
+from kvfabric.hashing import ChunkRef, as_token_array, chunk_hashes
 from kvfabric.lookup import LookupResult
 from kvfabric.spec import Namespace
 from kvfabric_connectors.link import DaemonLink
@@ -227,7 +227,8 @@ class SchedulerSide:
             return state
         salt = request.cache_salt or ""
         lora = lora_id_of(request)
-        prompt = list(request.prompt_token_ids or ())
+        # converted once (the compiled packer where built): hashed here, sent with saves
+        prompt = as_token_array(request.prompt_token_ids or [])
         handoff = read_params(
             request.kv_transfer_params,
             request.request_id,
@@ -246,7 +247,7 @@ class SchedulerSide:
             len(prompt),
             handoff,
             expect_tokens=handoff.expect_tokens,
-            prompt_ids=token_bytes(prompt) if self.saves else b"",
+            prompt_ids=prompt.tobytes() if self.saves else b"",
         )
         self._requests[request.request_id] = state
         return state
