@@ -2,11 +2,14 @@
 
 A KV cache is an optimisation: when the daemon is missing, restarting or broken, the engine
 must keep serving by recomputing. :class:`DaemonLink` connects lazily, and after a
-connection-level failure stays away for ``retry_after_s`` so an absent daemon costs each
-request nothing but its hit. A daemon that refuses the engine's token (none given, or a
-wrong one) is treated the same way, with a log line that says so: it will not take the
-token on the next request either. ``engine`` names the engine in the daemon's traffic
-metrics.
+connection-level failure (a call past its deadline included: a frozen daemon) stays away
+for ``retry_after_s``, doubled for each failure that follows the retry at once (up to
+``MAX_RETRY_AFTER_S``), so an absent or frozen daemon costs each request nothing but its hit
+and the retries become rare. While it stays away, :meth:`DaemonLink.client` raises
+:class:`LinkDownError` at once; reporting that one through :meth:`failed` changes nothing.
+A daemon that refuses the engine's token (none given, or a wrong one) is treated the same
+way, with a log line that says so: it will not take the token on the next request either.
+``engine`` names the engine in the daemon's traffic metrics.
 
 Threads: a :class:`~kvfabric.client.Client` serialises requests on one connection. By
 default every thread shares the link's one client (the vLLM connector gives each blocking
@@ -29,6 +32,12 @@ from kvfabric.client import Client
 from kvfabric.errors import AuthError, UnavailableError
 
 log = logging.getLogger(__name__)
+
+MAX_RETRY_AFTER_S = 60.0
+
+
+class LinkDownError(UnavailableError):
+    """The link stays away from its daemon for now (no connection was attempted)."""
 
 
 class DaemonLink:
@@ -60,6 +69,8 @@ class DaemonLink:
         self._generation = 0  # bumped by close(): clients of older ones are not used again
         self._down_until = 0.0
         self._down = False
+        self._streak = 0  # failures in a row, each soon after the retry of the one before
+        self._streak_until = 0.0
 
     def client(self) -> Client:
         """The caller's connected client; UnavailableError at once while the daemon is
@@ -71,7 +82,7 @@ class DaemonLink:
             with self._lock:
                 generation = self._generation
                 if time.monotonic() < self._down_until:
-                    raise UnavailableError(f"kvfabric daemon at {self.socket_path} is unavailable")
+                    raise LinkDownError(f"kvfabric daemon at {self.socket_path} is unavailable")
             try:
                 # reconnect within the call's own deadline only: the engine must not stall
                 client = Client(
@@ -100,7 +111,7 @@ class DaemonLink:
 
     def failed(self, exc: BaseException) -> None:
         """Report a failed call: a connection-level failure drops the caller's client."""
-        if not isinstance(exc, (OSError, UnavailableError)):
+        if not isinstance(exc, (OSError, UnavailableError)) or isinstance(exc, LinkDownError):
             return
         client = self._mine()
         self._slot.client = None
@@ -117,10 +128,19 @@ class DaemonLink:
             return None
         return mine[1]
 
+    @property
+    def down(self) -> bool:
+        """Whether the link stays away from its daemon now."""
+        return time.monotonic() < self._down_until
+
     def _mark_down(self, exc: BaseException) -> None:
         """Under the lock."""
         self.failures += 1
-        self._down_until = time.monotonic() + self._retry_after_s
+        now = time.monotonic()
+        self._streak = self._streak + 1 if now <= self._streak_until else 0
+        window = min(self._retry_after_s * 2**self._streak, MAX_RETRY_AFTER_S)
+        self._down_until = now + window
+        self._streak_until = self._down_until + max(window, 1.0)
         if not self._down:
             if isinstance(exc, AuthError):
                 log.warning(

@@ -14,7 +14,12 @@ chunk_tokens        tokens per kvfabric chunk (independent of  256
                     the engine block size)
 load_timeout_s      deadline of one request's load (pull or    10
                     wait for a push included)
-save_timeout_s      deadline of one step's saves               10
+save_timeout_s      deadline of one push of a step's chunks    10
+save_rpc_timeout_s  longest one save round trip (reserve,      1
+                    commit) may hold the engine's forward
+                    pass; past it the step's saves are dropped
+                    and the connector leaves the daemon alone
+                    for 2 s, doubling while it keeps failing
 push_to             node id every prefill pushes to            none (per request:
                                                                ``kv_transfer_params``)
 push_targets        decode engine ``host:port`` -> node id:    none (no push unless asked)
@@ -82,6 +87,7 @@ class ConnectorSettings:
     chunk_tokens: PositiveInt = DEFAULT_CHUNK_TOKENS
     load_timeout_s: Seconds = 10.0
     save_timeout_s: Seconds = 10.0
+    save_rpc_timeout_s: Seconds = 1.0
     push_to: OptionalText = None
     push_targets: Annotated[Mapping[str, str] | None, PlainValidator(optional(_push_targets))] = (
         None

@@ -23,6 +23,7 @@ COUNTERS = (
     "saved_tokens",
     "saved_chunks",
     "save_errors",
+    "save_skipped_chunks",
     "save_seconds",
     "pushed_chunks",
     "push_errors",

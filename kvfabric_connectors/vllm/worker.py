@@ -13,7 +13,10 @@ Runs in each model worker. Per step, with the metadata the scheduler side built:
   readers (and a push to another node) can start on it while later layers compute;
 * ``finish_step`` joins the loads and completes the saves; failures never reach the
   engine: the blocks of a failed load are reported (vLLM recomputes them) and a failed save
-  is dropped (a future miss).
+  is dropped (a future miss). The saves' round trips run inside the forward pass, so they
+  have a deadline of their own (``save_rpc_timeout_s``): a frozen daemon costs one step that
+  much, then the connector stops saving for a while (``DaemonLink``'s back-off) and counts
+  what it skipped (``save_skipped_chunks``) instead of waiting.
 
 Conversion between the engine's block layout and kvfabric's canonical one happens here, at
 the edge (:mod:`.layout`).
@@ -87,6 +90,13 @@ class WorkerSide:
         self._engine_dtype = engine_dtype  # as the engine's cache holds it
         self.link = DaemonLink(
             settings.socket_path, settings.token, timeout=settings.load_timeout_s, engine="vllm"
+        )
+        # the forward pass waits for the saves' round trips: a short deadline of their own
+        self._save_link = DaemonLink(
+            settings.socket_path,
+            settings.token,
+            timeout=settings.save_rpc_timeout_s,
+            engine="vllm",
         )
         # a push holds its connection until the target has every layer: its own link
         self._push_link = DaemonLink(
@@ -221,7 +231,7 @@ class WorkerSide:
                 )
                 if target is None:  # converted, or quantized for fp8, on the way
                     write_layer(item.handle, layer, canonical)  # type: ignore[arg-type]
-            self.link.client().commit_layer_many([i.handle for i in live], layer)  # type: ignore[misc]
+            self._save_link.client().commit_layer_many([i.handle for i in live], layer)  # type: ignore[misc]
         except (KVFabricError, OSError, ValueError) as exc:
             self._abandon_saves(exc)
 
@@ -236,7 +246,7 @@ class WorkerSide:
         writers = [i.handle for i in saving if i.handle is not None and not i.handle.closed]
         try:
             if writers:  # layers save_kv_layer did not see (none, normally)
-                self.link.client().commit_many(writers)  # type: ignore[arg-type]
+                self._save_link.client().commit_many(writers)  # type: ignore[arg-type]
         except (KVFabricError, OSError) as exc:
             self._saving = saving
             self._abandon_saves(exc)
@@ -249,18 +259,21 @@ class WorkerSide:
 
     def _reserve(self, transfers: tuple[RequestTransfer, ...]) -> list[_Item]:
         items: list[_Item] = []
+        if self._save_link.down:  # it said so once; the step goes on without saving
+            self.counters.add(save_skipped_chunks=sum(len(t.chunks) for t in transfers))
+            return items
         for transfer in transfers:
             ns = self.namespaces.get(transfer.tenant_salt, transfer.lora_id)
             refs = [ChunkRef(c.key, c.parent, c.num_tokens) for c in transfer.chunks]
             try:
-                results = self.link.client().reserve_many(
+                results = self._save_link.client().reserve_many(
                     ns,
                     refs,
                     heads=self.share.heads,
                     tokens=[c.tokens or None for c in transfer.chunks],  # b"": none given
                 )
             except (KVFabricError, OSError) as exc:
-                self.link.failed(exc)
+                self._save_link.failed(exc)
                 self.counters.add(save_errors=len(refs))
                 log.warning(
                     "kvfabric: cannot save %d chunks of %s: %s", len(refs), transfer.req_id, exc
@@ -279,7 +292,7 @@ class WorkerSide:
         return items
 
     def _abandon_saves(self, exc: BaseException) -> None:
-        self.link.failed(exc)
+        self._save_link.failed(exc)
         saving, self._saving = self._saving or [], []
         log.warning("kvfabric: dropping this step's saves (%d chunks): %s", len(saving), exc)
         self.counters.add(save_errors=len(saving))
@@ -315,7 +328,7 @@ class WorkerSide:
         for load in background:
             load.thread.join()
         self._pushes.shutdown(wait=True)
-        for link in (self.link, self._push_link, self._background_link):
+        for link in (self.link, self._save_link, self._push_link, self._background_link):
             link.close()
 
 

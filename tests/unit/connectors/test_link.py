@@ -11,7 +11,7 @@ import pytest
 
 import kvfabric_connectors.link as link_module
 from kvfabric.errors import AuthError, NotFoundError, UnavailableError
-from kvfabric_connectors.link import DaemonLink, held_prefix
+from kvfabric_connectors.link import DaemonLink, LinkDownError, held_prefix
 
 
 class FakeClient:
@@ -109,3 +109,46 @@ def test_a_daemon_that_comes_back_is_used_again() -> None:
 def test_held_prefix_counts_leading_hits_only() -> None:
     assert held_prefix([True, True, False, True]) == 2
     assert held_prefix([]) == 0
+
+
+def test_asking_while_down_does_not_push_the_retry_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a step that found the link down reported that refusal as a failure,
+    which moved the retry forward, so under steady traffic the link never retried."""
+    now = [100.0]
+    monkeypatch.setattr(link_module.time, "monotonic", lambda: now[0])
+    link = new_link(retry_after_s=2.0)
+    link.client()
+    link.failed(TimeoutError("past its deadline: a frozen daemon"))
+    assert link.down
+    for _step in range(10):  # an engine's steps, every 0.1 s
+        now[0] += 0.1
+        with pytest.raises(LinkDownError) as refused:
+            link.client()
+        link.failed(refused.value)
+    now[0] = 102.0
+    assert not link.down and link.failures == 1
+    assert link.client() is FakeClient.opened[-1]  # tried again on time
+
+
+def test_a_daemon_that_keeps_failing_is_retried_less_and_less(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(link_module.time, "monotonic", lambda: now[0])
+    link = new_link(retry_after_s=2.0)
+    windows = []
+    for _ in range(8):
+        link.client()
+        link.failed(TimeoutError("frozen"))
+        start = now[0]
+        while link.down:
+            now[0] += 0.5
+        windows.append(now[0] - start)
+    assert windows == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
+    now[0] += 300.0  # healthy for a long while: the next failure starts over
+    link.client()
+    link.failed(TimeoutError("frozen again"))
+    start = now[0]
+    while link.down:
+        now[0] += 0.5
+    assert now[0] - start == 2.0
