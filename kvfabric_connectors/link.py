@@ -3,9 +3,10 @@
 A KV cache is an optimisation: when the daemon is missing, restarting or broken, the engine
 must keep serving by recomputing. :class:`DaemonLink` connects lazily, and after a
 connection-level failure (a call past its deadline included: a frozen daemon) stays away
-for ``retry_after_s``, doubled for each failure that follows the retry at once (up to
-``MAX_RETRY_AFTER_S``), so an absent or frozen daemon costs each request nothing but its hit
-and the retries become rare. While it stays away, :meth:`DaemonLink.client` raises
+for ``retry_after_s``, so an absent daemon costs each request nothing but its hit. A call
+that ran into its deadline cost its caller that long, so after one the wait doubles for
+each that follows the retry at once (up to ``MAX_RETRY_AFTER_S``): a frozen daemon's
+retries become rare. While it stays away, :meth:`DaemonLink.client` raises
 :class:`LinkDownError` at once; reporting that one through :meth:`failed` changes nothing.
 A daemon that refuses the engine's token (none given, or a wrong one) is treated the same
 way, with a log line that says so: it will not take the token on the next request either.
@@ -137,7 +138,10 @@ class DaemonLink:
         """Under the lock."""
         self.failures += 1
         now = time.monotonic()
-        self._streak = self._streak + 1 if now <= self._streak_until else 0
+        # only a call that ran into its deadline (a frozen daemon) cost the caller time: an
+        # absent daemon refuses at once, so it is retried as often as ever
+        waited = isinstance(exc, TimeoutError)
+        self._streak = self._streak + 1 if waited and now <= self._streak_until else 0
         window = min(self._retry_after_s * 2**self._streak, MAX_RETRY_AFTER_S)
         self._down_until = now + window
         self._streak_until = self._down_until + max(window, 1.0)

@@ -152,3 +152,19 @@ def test_a_daemon_that_keeps_failing_is_retried_less_and_less(
     while link.down:
         now[0] += 0.5
     assert now[0] - start == 2.0
+
+
+def test_an_absent_daemon_is_retried_as_often_as_ever(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused connection costs nothing: no back-off growth (a restarted daemon is found
+    again within ``retry_after_s``)."""
+    now = [100.0]
+    monkeypatch.setattr(link_module.time, "monotonic", lambda: now[0])
+    link = new_link(retry_after_s=2.0)
+    FakeClient.refuse = UnavailableError("no socket")
+    for _ in range(6):
+        with pytest.raises(UnavailableError):
+            link.client()
+        start = now[0]
+        while link.down:
+            now[0] += 0.5
+        assert now[0] - start == 2.0
