@@ -89,8 +89,9 @@ class SchedulerSide:
         self.namespaces = namespaces
         self.loads = loads
         self.saves = saves
+        # lookups run while the engine schedules: a short deadline (a frozen daemon is a miss)
         self.link = DaemonLink(
-            settings.socket_path, settings.token, timeout=settings.load_timeout_s, engine="vllm"
+            settings.socket_path, settings.token, timeout=settings.rpc_timeout_s, engine="vllm"
         )
         self._requests: dict[str, _Request] = {}
         self._cluster_scope = True  # until the daemon says it has no global index

@@ -15,11 +15,13 @@ chunk_tokens        tokens per kvfabric chunk (independent of  256
 load_timeout_s      deadline of one request's load (pull or    10
                     wait for a push included)
 save_timeout_s      deadline of one push of a step's chunks    10
-save_rpc_timeout_s  longest one save round trip (reserve,      1
-                    commit) may hold the engine's forward
-                    pass; past it the step's saves are dropped
-                    and the connector leaves the daemon alone
-                    for 2 s, doubling while it keeps failing
+rpc_timeout_s       longest one round trip on the engine's     2
+                    path may take: a lookup while scheduling,
+                    a save's reserve or commit in the forward
+                    pass; past it the request is a miss or the
+                    step's saves are dropped, and the
+                    connector leaves the daemon alone for 2 s,
+                    doubling while it keeps timing out
 push_to             node id every prefill pushes to            none (per request:
                                                                ``kv_transfer_params``)
 push_targets        decode engine ``host:port`` -> node id:    none (no push unless asked)
@@ -87,7 +89,7 @@ class ConnectorSettings:
     chunk_tokens: PositiveInt = DEFAULT_CHUNK_TOKENS
     load_timeout_s: Seconds = 10.0
     save_timeout_s: Seconds = 10.0
-    save_rpc_timeout_s: Seconds = 1.0
+    rpc_timeout_s: Seconds = 2.0
     push_to: OptionalText = None
     push_targets: Annotated[Mapping[str, str] | None, PlainValidator(optional(_push_targets))] = (
         None

@@ -14,7 +14,7 @@ Runs in each model worker. Per step, with the metadata the scheduler side built:
 * ``finish_step`` joins the loads and completes the saves; failures never reach the
   engine: the blocks of a failed load are reported (vLLM recomputes them) and a failed save
   is dropped (a future miss). The saves' round trips run inside the forward pass, so they
-  have a deadline of their own (``save_rpc_timeout_s``): a frozen daemon costs one step that
+  have a deadline of their own (``rpc_timeout_s``): a frozen daemon costs one step that
   much, then the connector stops saving for a while (``DaemonLink``'s back-off) and counts
   what it skipped (``save_skipped_chunks``) instead of waiting.
 
@@ -95,7 +95,7 @@ class WorkerSide:
         self._save_link = DaemonLink(
             settings.socket_path,
             settings.token,
-            timeout=settings.save_rpc_timeout_s,
+            timeout=settings.rpc_timeout_s,
             engine="vllm",
         )
         # a push holds its connection until the target has every layer: its own link

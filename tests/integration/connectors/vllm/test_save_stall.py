@@ -3,7 +3,7 @@
 The worker's real save path (:class:`WorkerSide`, one rank, a paged CPU cache in vLLM's
 block layout) against a real daemon that the test freezes with SIGSTOP, as a node under
 memory pressure or a debugger would: the step that meets the frozen daemon costs at most
-the saves' round-trip deadline (``save_rpc_timeout_s``), its saves are dropped and counted,
+the saves' round-trip deadline (``rpc_timeout_s``), its saves are dropped and counted,
 later steps skip saving at once (counted as skipped) instead of waiting, and once the daemon
 runs again the saves resume by themselves."""
 
@@ -56,7 +56,7 @@ class Engine:
 
     def __init__(self, socket: str, namespaces: Namespaces) -> None:
         settings = ConnectorSettings.from_extra_config(
-            {"socket_path": socket, "save_rpc_timeout_s": RPC_TIMEOUT_S}
+            {"socket_path": socket, "rpc_timeout_s": RPC_TIMEOUT_S}
         )
         self.namespaces = namespaces
         self.worker = WorkerSide(
