@@ -250,6 +250,10 @@ class KVEventsConfig:
     same ownership when the owner drops them or its lease lapses. Only chunks whose owner
     published their token ids are announced: a node publishes those of the namespaces its own
     ``tenants`` names, so give every node of a cluster the same ``tenants``.
+
+    ``intent_ttl_s``: an engine's connector announces the chunks of a prompt its engine
+    admitted (the ``intend`` op) before it computes them; such an announcement is withdrawn
+    after this long unless the chunk was written meanwhile (:mod:`kvfabric.kvevents.intents`).
     """
 
     endpoint: Text = ""
@@ -260,6 +264,7 @@ class KVEventsConfig:
     buffer_batches: PositiveInt = 10_000
     log_changes: PositiveInt = 65_536
     remote: OptionalFlag = None
+    intent_ttl_s: Seconds = 30.0
 
     @model_validator(mode="after")
     def _endpoints(self) -> KVEventsConfig:

@@ -317,6 +317,18 @@ class Client:
     def delete(self, ns: Namespace, key: bytes) -> bool:
         return bool(self._call(Op.DELETE, requests.key_args(ns, key)))
 
+    def intend(self, ns: Namespace, chunks: Sequence[tuple[ChunkRef, bytes]]) -> int:
+        """Announce chunks this engine is about to compute, each a (ref, its own token ids
+        as int32-LE) pair, so that routers hear of them before they are reserved; returns
+        how many the node announced (see the ``intend`` op). UnsupportedError when the node
+        publishes no KV events."""
+        items = [
+            {"key": ref.key, "parent": ref.parent, "num_tokens": ref.num_tokens, "tokens": ids}
+            for ref, ids in chunks
+        ]
+        reply = self._call(Op.INTEND, {"ns": encode_namespace(ns), "items": items})
+        return int(reply["announced"])
+
     def stats(self) -> dict[str, Any]:
         return dict(self._call(Op.STATS, {}))
 

@@ -7,6 +7,9 @@ fell further behind than the change log holds, starts with a snapshot: ``AllBloc
 and every announceable object of the namespace. The session's namespace check (a tenant
 reads only its own) is the caller's; this module sees one namespace at a time.
 
+``intents`` (:mod:`kvfabric.kvevents.intents`) takes the ``intend`` op's announcements of
+writes about to happen; None: the op is refused.
+
 Thread-safe: the log is; the inventory is read through the store's snapshot.
 """
 
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.kvevents.announce import Announcer
+from kvfabric.kvevents.intents import Intents
 from kvfabric.kvevents.log import ChangeLog
 from kvfabric.spec import Namespace
 from kvfabric.store.protocol import StoredObject
@@ -31,6 +35,7 @@ class NamespaceEvents:
     changes: ChangeLog
     medium_of_tier: Mapping[str, str]
     inventory: Callable[[], Iterable[StoredObject]]
+    intents: Intents | None = None
 
     def poll(self, ns: Namespace, after: int, block_size: int, limit: int) -> dict[str, Any]:
         """``{"next": position for the next poll, "events": [...], "snapshot": bool}``;

@@ -72,6 +72,7 @@ class Op(str, enum.Enum):
     PEER_ABORT = "peer_abort"
     PUSH = "push"  # push chunks to a peer, layer by layer as they are committed
     KV_EVENTS = "kv_events"  # a namespace's inventory changes as vLLM KV events
+    INTEND = "intend"  # announce chunks an engine is about to compute (KV events)
 
 
 def request(request_id: int, op: Op, args: dict[str, Any]) -> dict[str, Any]:

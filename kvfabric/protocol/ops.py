@@ -292,6 +292,34 @@ OPS: tuple[OpSpec, ...] = (
         "poll that fell behind the change log), `truncated` (a snapshot cut at `max`)",
     ),
     OpSpec(
+        Op.INTEND,
+        "Announce chunks the caller's engine is about to compute, on the node's KV event "
+        "stream, before they are reserved (withdrawn after `kv_events.intent_ttl_s` unless "
+        "written meanwhile).",
+        (
+            NS,
+            Field(
+                "items",
+                f"map[] (1 to {MAX_BATCH})",
+                "one entry per chunk",
+                items=(
+                    KEY,
+                    _RESERVE_FIELDS[1],
+                    _RESERVE_FIELDS[2],
+                    Field(
+                        "tokens",
+                        "bin (int32-LE, num_tokens ids)",
+                        "the chunk's own token ids; they must hash to `key` with `parent` and "
+                        "the namespace, else `bad_request` and nothing is announced",
+                    ),
+                ),
+            ),
+        ),
+        "`announced` (chunks neither held here nor announced already)",
+        access=Access.WRITER,
+        errors=("unsupported",),
+    ),
+    OpSpec(
         Op.PREFETCH,
         "Pull the chunks this node lacks from the nodes that hold them (cluster nodes).",
         (
@@ -313,7 +341,11 @@ OPS: tuple[OpSpec, ...] = (
             Field("target", f"str (≤ {MAX_STRING})", "the target's node id"),
             Field("timeout", _TIMEOUT, "absent or 0: 10 s", required=False),
         ),
-        "`pushed`, `already_there`, `failed` (distinct chunks), `target_class`",
+        "`pushed`, `already_there`, `failed` (distinct chunks), `target_class`; when it moved "
+        "layers, also how it kept up with the chunks' producer: `landed_fraction` (the share "
+        "of layers on the target when the last one was committed here), `tail_ms` (from then "
+        "to the last layer's commit on the target), `layers_moved` and `batches` (transfers: "
+        "one per layer while the pusher keeps up, several layers in one when it fell behind)",
         local=True,
         errors=("unsupported",),
     ),

@@ -52,6 +52,7 @@ from kvfabric.api.metrics import Metrics
 from kvfabric.config import DaemonConfig, check_binds
 from kvfabric.errors import ConfigError
 from kvfabric.kvevents.announce import MEDIUM_OF_KIND, Announcer
+from kvfabric.kvevents.intents import Intents
 from kvfabric.kvevents.log import ChangeLog
 from kvfabric.kvevents.node import NamespaceEvents
 from kvfabric.kvevents.publisher import EventStream
@@ -275,6 +276,8 @@ class Daemon:
             self._remote_chunks.close()
         if self.event_stream is not None:
             self.event_stream.close()
+        if self.kv_events.intents is not None:
+            self.kv_events.intents.close()
         if self._links is not None:
             self._links.close()  # peers give back the pins and reservations taken for us
         # before the store: no peer may read the arenas once they are unmapped
@@ -305,10 +308,14 @@ def _kv_events(
         name: MEDIUM_OF_KIND[tier.kind]
         for name, tier in zip(store.tier_names, config.store.tiers, strict=True)
     }
-    per_namespace = NamespaceEvents(changes, media, store.inventory)
     settings = config.kv_events
     if not settings.endpoint:
-        return per_namespace, None, None
+        return NamespaceEvents(changes, media, store.inventory), None, None
+    # engines announce a prompt's chunks when they admit it (the ``intend`` op): routers
+    # reading the node's stream hear of them before the first layer is computed
+    intents = Intents(changes, store.contains, store.tier_names[0], ttl_s=settings.intent_ttl_s)
+    intents.start()
+    per_namespace = NamespaceEvents(changes, media, store.inventory, intents)
     remote_on = settings.remote if settings.remote is not None else config.cluster.index == "redis"
     remote = RemoteInventory(config.node_id, settings.block_size, media) if remote_on else None
     stream = EventStream(

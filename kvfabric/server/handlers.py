@@ -34,6 +34,7 @@ from kvfabric.errors import (
 )
 from kvfabric.hashing import ROOT, chunk_keys
 from kvfabric.kvevents.blocks import blocks_per_chunk
+from kvfabric.kvevents.intents import IntendedChunk
 from kvfabric.kvevents.node import MAX_EVENTS_PER_POLL, NamespaceEvents
 from kvfabric.protocol.messages import (
     MAX_KEYS,
@@ -368,6 +369,31 @@ def kv_events(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str,
     return ctx.kv_events.poll(ns, after, block_size, limit)
 
 
+def intend(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    """Announce chunks the caller's engine is about to compute, so that routers hear of them
+    before their reservation (:mod:`kvfabric.kvevents.intents`). ``items``: ``key``,
+    ``parent``?, ``num_tokens``?, ``tokens`` (their own token ids, which must hash to the key:
+    otherwise ``bad_request``, nothing announced). Returns ``announced`` (chunks not held
+    here nor announced already)."""
+    _require_writer(session)
+    if ctx.kv_events is None or ctx.kv_events.intents is None:
+        raise UnsupportedError("this daemon announces no writes ahead (kv_events is off)")
+    ns = session.namespace(args.get("ns"))
+    chunks = [_intended(ns, item) for item in arg_list(args, "items")]
+    return {"announced": ctx.kv_events.intents.announce(ns, chunks)}
+
+
+def _intended(ns: Any, item: Any) -> IntendedChunk:
+    if not isinstance(item, dict):
+        raise ProtocolError("an intend item must be a map")
+    return IntendedChunk(
+        arg_key(item, "key"),
+        arg_key(item, "parent") if "parent" in item else ROOT,
+        arg_int(item, "num_tokens", low=1, high=ns.spec.chunk_tokens, default=ns.spec.chunk_tokens),
+        arg_tokens(item),
+    )
+
+
 def stats(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     if session.tenant is not None:
         raise ForbiddenError("node statistics need the admin token")
@@ -590,6 +616,7 @@ HANDLERS: dict[Op, Handler] = {
     Op.PING: Handler(ping),
     # blocking: a first poll reads the whole inventory (a snapshot)
     Op.KV_EVENTS: Handler(kv_events, blocking=True),
+    Op.INTEND: Handler(intend),
     # node to node, over TCP: batch so it never runs on the loop (it may read SSD, wait)
     Op.PEER_PIN: Handler(peer_pin, blocking=True, batch=True),
     Op.PEER_RELEASE: Handler(peer_release),

@@ -95,6 +95,7 @@ class SchedulerSide:
         )
         self._requests: dict[str, _Request] = {}
         self._cluster_scope = True  # until the daemon says it has no global index
+        self._intends = True  # until the daemon says it publishes no KV events
         self.events: EventRelay | None = None  # the fabric's blocks in the engine's KV events
 
     def publish_events(self, block_size: int) -> None:
@@ -270,9 +271,33 @@ class SchedulerSide:
         if not state.load_failed:  # another node's chunks, pulled in the background
             chunks = max(chunks, result.cluster_chunks or 0)
         state.remote = chunks > result.matched_chunks
+        first = state.lookup is None
         state.lookup = result
         state.hit_tokens = sum(ref.num_tokens for ref in state.refs[:chunks])
         state.next_save = max(state.next_save, chunks)
+        if first and self.saves and self._intends:
+            self._intend(client, ns, state, chunks)
+
+    def _intend(self, client: Client, ns: Namespace, state: _Request, first: int) -> None:
+        """Announce the chunks this engine will compute (past the fabric's hit) so routers
+        reading the node's KV events hear of them now, not only once the step that computes
+        them reserves them: a repeat of the prompt can then follow it here."""
+        size = self.namespaces.spec.chunk_tokens
+        chunks = [
+            (ref, state.prompt_ids[i * size * 4 : (i * size + ref.num_tokens) * 4])
+            for i, ref in enumerate(state.refs)
+            if i >= first
+        ]
+        if not chunks:
+            return
+        try:
+            client.intend(ns, chunks)
+        except UnsupportedError:
+            self._intends = False  # the daemon publishes no events: never ask again
+        except (KVFabricError, OSError) as exc:
+            self.link.failed(exc)
+            if not isinstance(exc, UnavailableError):
+                log.warning("kvfabric: announcing %s's chunks failed: %s", state.req_id, exc)
 
     def _ask(
         self, client: Client, ns: Namespace, keys: list[bytes], num_tokens: int

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -33,7 +34,7 @@ from kv_event_stream import BlockState, EventFollower, replay
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from kvfabric.client import Client
-from kvfabric.errors import ForbiddenError, ProtocolError
+from kvfabric.errors import ForbiddenError, ProtocolError, UnsupportedError
 from kvfabric.hashing import ChunkRef, chunk_hashes
 from kvfabric.spec import KVSpec, Namespace
 
@@ -303,6 +304,59 @@ def serve(tmp_path: Path, *settings: str) -> subprocess.Popen:
     for item in settings:
         args += ["--set", item]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def intended(ns: Namespace, tokens: list[int]) -> list[tuple[ChunkRef, bytes]]:
+    refs, start, out = chunk_hashes(ns, tokens), 0, []
+    for ref in refs:
+        out.append((ref, np.asarray(tokens[start : start + ref.num_tokens], "<i4").tobytes()))
+        start += ref.num_tokens
+    return out
+
+
+def live(sub: EventFollower, client: Client) -> None:
+    """Until the subscription is live (ZMQ drops what a PUB sends before a SUB joined, and
+    the follower, like the router, replays only once a live batch shows a gap): a marker
+    chunk now and then until one is seen."""
+    deadline = time.monotonic() + SEEN_S
+    for first in range(70_000, 80_000, SPEC.chunk_tokens):
+        marker = blocks_of(put_prompt(client, NS, prompt(first, 1)))
+        if sub.pump(0.2) and held_in(sub.state, marker, "CPU"):
+            return
+        assert time.monotonic() < deadline, "the stream never went live"
+
+
+def test_an_admitted_prompt_is_announced_before_it_is_written(start_daemon) -> None:
+    """An engine's scheduler announces the chunks it will compute (``intend``): a router
+    hears of them before the step that computes them reserves them; those never written are
+    withdrawn after ``kv_events.intent_ttl_s``, a written one stays."""
+    daemon = start_daemon(*SETTINGS, "kv_events.intent_ttl_s=3")
+    tokens = prompt(40_000, 3)
+    chunks = intended(NS, tokens)
+    blocks = blocks_of([ref for ref, _ in chunks])
+    with follow(daemon) as sub, Client(daemon.socket, token=ADMIN) as client:
+        live(sub, client)
+        assert client.intend(NS, chunks) == 3
+        assert client.intend(NS, chunks) == 0  # already announced
+        state = sub.wait_until(lambda s: held_in(s, blocks, "CPU"), SEEN_S)
+        assert [state.tokens[b] for b in blocks] == [
+            tokens[i : i + BLOCK] for i in range(0, len(tokens), BLOCK)
+        ]
+        assert client.lookup(NS, keys=[r.key for r, _ in chunks]).matched_chunks == 0  # no data
+        put_prompt(client, NS, tokens[: SPEC.chunk_tokens])  # the engine wrote chunk 0 only
+        written, never = blocks[:2], blocks[2:]
+        state = sub.wait_until(lambda s: not any(s.media(b) for b in never), SEEN_S)
+        assert held_in(state, written, "CPU")
+        # negative control: token ids that are not the chunk's own are refused, none announced
+        (ref, _), (_, other) = intended(NS, prompt(50_000, 1))[0], chunks[1]
+        with pytest.raises(ProtocolError, match="do not hash"):
+            client.intend(NS, [(ref, other)])
+
+
+def test_intend_is_refused_where_no_events_are_published(start_daemon) -> None:
+    daemon = start_daemon("store.tiers.dram.capacity=1MiB")
+    with Client(daemon.socket) as client, pytest.raises(UnsupportedError):
+        client.intend(NS, intended(NS, prompt(0, 1)))
 
 
 @pytest.mark.parametrize("auth", [(), (f"auth.token={ADMIN}",)], ids=["no-auth", "auth"])

@@ -312,3 +312,30 @@ def test_hit_sources_split_a_hit_by_the_tier_that_held_it(daemon) -> None:
     assert sched.hit_sources(req, 39) == {"host": 39}  # the daemon's DRAM tier
     assert sched.hit_sources(req, 0) == {}
     sched.close()
+
+
+def test_an_admitted_prompt_s_chunks_are_announced_to_the_node_s_kv_events(
+    start_daemon,
+) -> None:
+    """A saving engine's scheduler announces the chunks past the fabric's hit when it looks
+    a prompt up, so a router reading the node's stream can send the prompt's repeats here
+    before they are computed. Control: a daemon without a stream refuses ``intend`` once
+    and is not asked again."""
+    daemon = start_daemon("store.tiers.dram.capacity=64MiB", "kv_events.endpoint=tcp://127.0.0.1:*")
+    ns = NAMESPACES.get("", "")
+    prompt = [t + 7 for t in PROMPT]
+    store(daemon.socket, prompt, chunks=1)  # the fabric holds chunk 0
+    sched = side(daemon.socket)
+    sched.get_num_new_matched_tokens(request("intend", prompt), 0)
+    with Client(daemon.socket) as client:
+        keys = [r.key for r in chunk_hashes(ns, prompt)]
+        again = [
+            (r, np.asarray(prompt[16 * i : 16 * i + r.num_tokens], "<i4").tobytes())
+            for i, r in enumerate(chunk_hashes(ns, prompt))
+        ]
+        assert client.intend(ns, again[1:]) == 0  # chunks 1 and 2: announced already
+        assert client.intend(ns, again[:1]) == 0  # chunk 0: held, never announced
+        assert client.lookup(ns, keys=keys).matched_chunks == 1  # an intent holds no data
+    plain = side(start_daemon("store.tiers.dram.capacity=64MiB").socket)
+    plain.get_num_new_matched_tokens(request("no-events", prompt), 0)
+    assert plain._intends is False
