@@ -46,8 +46,9 @@ def module_file(name: str) -> Path | None:
 
 def resolves(name: str) -> bool:
     """A module of the tree, or a name defined at the top of one (found without importing:
-    some connectors import engines that are not installed everywhere)."""
-    if module_file(name) is not None:
+    some connectors import engines that are not installed everywhere); a compiled module by
+    its C source (setup.py builds it)."""
+    if module_file(name) is not None or ROOT.joinpath(*name.split(".")).with_suffix(".c").is_file():
         return True
     module, _, attr = name.rpartition(".")
     source = module_file(module)

@@ -17,6 +17,8 @@ node's own chunks are not named as remote; with ``kv_events.remote=false`` none 
 
 from __future__ import annotations
 
+import time
+
 import xxhash
 from cluster_nodes import cluster_node, put_random_chain
 from kv_event_stream import EventFollower
@@ -49,6 +51,22 @@ def follow(daemon) -> EventFollower:  # type: ignore[no-untyped-def]
     )
 
 
+def live(follower: EventFollower, daemon) -> None:  # type: ignore[no-untyped-def]
+    """Until the subscription is live: ZMQ drops what a PUB sends before a SUB joined, and
+    the follower (like the router) replays only once a live batch shows a gap, so a node
+    whose only batches went out before that would never be heard. A marker chunk of the
+    node's own now and then until one is seen."""
+    deadline = time.monotonic() + SEEN_S
+    first = 900_000
+    while True:
+        keys, _ = put_random_chain(daemon.socket, NS, 1, first_token=first)
+        marker = {(h, "CPU") for h in hashes_of(keys[0])}
+        if follower.pump(0.2) and marker <= follower.state.held:
+            return
+        assert time.monotonic() < deadline, "the stream never went live"
+        first += SPEC.chunk_tokens
+
+
 def test_other_nodes_chunks_are_announced_with_their_ownership_and_removed_alike(
     redis_server, start_daemon
 ) -> None:
@@ -58,6 +76,7 @@ def test_other_nodes_chunks_are_announced_with_their_ownership_and_removed_alike
         *cluster_node(redis_server.url, "node-q", *STREAM, "kv_events.remote=false")
     )
     with follow(b) as on_b, follow(quiet) as on_quiet:
+        live(on_b, b)
         keys, _ = put_random_chain(a.socket, NS, 3)
         mine, _ = put_random_chain(b.socket, NS, 1, first_token=10_000)
         theirs = {(h, "CPU", "kvfabric:node-a") for key in keys for h in hashes_of(key)}
