@@ -81,6 +81,7 @@ import json
 import random
 import sys
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,35 +266,50 @@ def logprob_diff(a: dict, b: dict) -> tuple[float, int]:
     return worst, differing
 
 
-def connector_cost(root: Path, model: Path, kv: dict, n: int) -> dict[str, Any]:
-    """Job 3: the connector saving and loading nothing against no connector, engines in
-    COST_ORDER. The k-th saving engine runs the k-th plain engine's prompts (its logprobs
-    must be the same), which no other saving engine runs (so nothing is loaded)."""
-    engines, runs = [], []
-    for i, kind in enumerate(COST_ORDER):
-        k = COST_ORDER[:i].count(kind)
-        prompts = [prompt(3000 + 100 * k + j, COST_PROMPT_TOKENS) for j in range(n + 1)]
-        name = f"{'saving' if kind == 'S' else 'plain'}-{k}"
-        runs.append(name)
+def abba_job(
+    root: Path, name: str, model: Path, kv: dict, order: str, spec: Callable[[int, int], dict]
+) -> tuple[dict, list[str], list[str]]:
+    """Two-process engines in ``order`` (P: no connector, S: the connector, ``kv``), with
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU`` unset (the user's default); ``spec(i, k)``: the i-th
+    engine's prompts and options (k: how many of its kind came before it). Returns the job's
+    records by name and the plain and the saving engines' names, in order."""
+    engines, plain, saving = [], [], []
+    for i, kind in enumerate(order):
+        k = order[:i].count(kind)
+        engine_name = f"{'saving' if kind == 'S' else 'plain'}-{k}"
+        (saving if kind == "S" else plain).append(engine_name)
         engines.append(
-            {
-                "name": name,
-                "prompts": prompts,
-                "max_tokens": COST_MAX_TOKENS,
-                "logprobs": 1,
-                "kv_transfer_config": kv if kind == "S" else None,
-            }
+            {"name": engine_name, **spec(i, k), "kv_transfer_config": kv if kind == "S" else None}
         )
     job = run_job(
-        root / "job3",
+        root / name,
         model,
         engines,
         multiprocessing=True,
         env={"VLLM_CPU_NUM_OF_RESERVED_CPU": None},
     )
-    per_engine = {name: median(engine_seconds(job[name])[1:]) for name in runs}  # [0]: warm-up
-    plain = [per_engine[n] for n in runs if n.startswith("plain")]
-    saving = [per_engine[n] for n in runs if n.startswith("saving")]
+    return job, plain, saving
+
+
+def connector_cost(root: Path, model: Path, kv: dict, n: int) -> dict[str, Any]:
+    """Job 3: the connector saving and loading nothing against no connector, engines in
+    COST_ORDER. The k-th saving engine runs the k-th plain engine's prompts (its logprobs
+    must be the same), which no other saving engine runs (so nothing is loaded)."""
+    job, plain_runs, saving_runs = abba_job(
+        root,
+        "job3",
+        model,
+        kv,
+        COST_ORDER,
+        lambda _, k: {
+            "prompts": [prompt(3000 + 100 * k + j, COST_PROMPT_TOKENS) for j in range(n + 1)],
+            "max_tokens": COST_MAX_TOKENS,
+            "logprobs": 1,
+        },
+    )
+    # [0]: the warm-up
+    plain = [median(engine_seconds(job[name])[1:]) for name in plain_runs]
+    saving = [median(engine_seconds(job[name])[1:]) for name in saving_runs]
     diffs = [logprob_diff(job[f"plain-{k}"], job[f"saving-{k}"]) for k in range(len(saving))]
     return {
         "step_time_with_connector_vs_without": median(saving) / median(plain),
@@ -323,35 +339,32 @@ def save_overhead(root: Path, model: Path, kv: dict, shared: tuple[int, int]) ->
     and save their suffix's chunks), against no connector, engines in SHARED_ORDER. Every
     engine runs prompts of its own (nothing is loaded: the fabric is cold for each saving
     engine); a warm-up prompt first. The figure is the generate() walls' sum."""
-    engines, runs = [], []
-    for i, kind in enumerate(SHARED_ORDER):
-        k = SHARED_ORDER[:i].count(kind)
-        seed = 40 + 10 * i
-        name = f"{'saving' if kind == 'S' else 'plain'}-{k}"
-        runs.append(name)
-        engines.append(
-            {
-                "name": name,
-                "prompts": [prompt(seed + 5, 256), *shared_prefix_prompts(seed, *shared)],
-                "max_tokens": SHARED_MAX_TOKENS,
-                "kv_transfer_config": kv if kind == "S" else None,
-            }
-        )
-    job = run_job(
-        root / "job4",
+    job, plain_runs, saving_runs = abba_job(
+        root,
+        "job4",
         model,
-        engines,
-        multiprocessing=True,
-        env={"VLLM_CPU_NUM_OF_RESERVED_CPU": None},
+        kv,
+        SHARED_ORDER,
+        lambda i, _: {
+            "prompts": [
+                prompt(40 + 10 * i + 5, 256),
+                *shared_prefix_prompts(40 + 10 * i, *shared),
+            ],
+            "max_tokens": SHARED_MAX_TOKENS,
+        },
     )
-    walls = {n: sum(float(o["generate_s"]) for o in job[n]["outputs"][1:]) for n in runs}
-    plain = [walls[n] for n in runs if n.startswith("plain")]
-    saving = [walls[n] for n in runs if n.startswith("saving")]
+
+    def wall(name: str) -> float:
+        return sum(float(o["generate_s"]) for o in job[name]["outputs"][1:])  # [0]: warm-up
+
+    plain, saving = [wall(n) for n in plain_runs], [wall(n) for n in saving_runs]
     return {
         "save_overhead_vs_no_connector": median(saving) / median(plain),
         "save_overhead_plain_vs_plain": plain[1] / plain[0],
         "save_overhead_walls_s": {"plain": plain, "saving": saving},
-        "save_overhead_connector_totals": [job[n]["connector_totals"] for n in runs],
+        "save_overhead_connector_totals": [
+            job[n]["connector_totals"] for n in plain_runs + saving_runs
+        ],
     }
 
 

@@ -285,8 +285,7 @@ class SchedulerSide:
         size = self.namespaces.spec.chunk_tokens
         chunks = [
             (ref, state.prompt_ids[i * size * 4 : (i * size + ref.num_tokens) * 4])
-            for i, ref in enumerate(state.refs)
-            if i >= first
+            for i, ref in enumerate(state.refs[first:], start=first)
         ]
         if not chunks:
             return
