@@ -29,12 +29,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvfabric.client import requests
+from kvfabric.client import pipelined_put, requests
 from kvfabric.client.connection import Address, Connection
 from kvfabric.client.objects import RemoteReader, RemoteWriter
 from kvfabric.client.retry import Backoff, ExponentialBackoff
 from kvfabric.client.tls import TLSOption
-from kvfabric.errors import AlreadyExistsError, KVFabricError, NotFoundError, UnavailableError
+from kvfabric.errors import KVFabricError, NotFoundError, UnavailableError
 from kvfabric.hashing import ROOT, ChunkRef, ChunkTokens
 from kvfabric.lookup import LookupResult
 from kvfabric.payload import HeadRange, put_whole
@@ -244,26 +244,15 @@ class Client:
         *,
         tokens: Sequence[ChunkTokens | None] | None = None,
     ) -> list[bool]:
-        """Store many chunks (e.g. a prompt's :func:`~kvfabric.hashing.chunk_hashes`) with
-        two round trips in all; ``False`` where the node already held the chunk.
-        ``tokens``: as for :meth:`reserve_many`."""
+        """Store many chunks (e.g. a prompt's :func:`~kvfabric.hashing.chunk_hashes`), the
+        daemon reserving and committing some while this copies others
+        (:mod:`kvfabric.client.pipelined_put`); ``False`` where the node already held the
+        chunk. ``tokens``: as for :meth:`reserve_many`."""
         if len(chunks) != len(payloads):
             raise ValueError("one payload per chunk")
-        results = self.reserve_many(ns, chunks, tokens=tokens)
-        writers = [r for r in results if isinstance(r, RemoteWriter)]
-        try:
-            requests.raise_first(
-                [r for r in results if not isinstance(r, (RemoteWriter, AlreadyExistsError))]
-            )
-            for result, data in zip(results, payloads):
-                if isinstance(result, RemoteWriter):
-                    result.write(data)
-        except BaseException:
-            for writer in writers:
-                writer.abort()
-            raise
-        self.commit_many(writers)
-        return [isinstance(r, RemoteWriter) for r in results]
+        if not chunks:
+            return []
+        return pipelined_put.put_many(self._session(), ns, chunks, payloads, tokens)
 
     def get_many(
         self,
@@ -291,10 +280,14 @@ class Client:
         return readers
 
     def release_many(self, readers: Sequence[RemoteReader | None]) -> None:
-        """Give many pins back in one round trip; raises the first failure."""
+        """Give many pins back in one request, without waiting for the answer: the daemon
+        runs a session's requests in order, so whatever this session asks next finds them
+        released (another session may still see them pinned for a moment). A failure (a pin
+        that ran out already) is logged, not raised."""
         live = [r for r in readers if r is not None and not r.closed]
         if live:
-            requests.raise_first(_batch(live, Op.RELEASE_BATCH))
+            session = requests.lease_session(live)
+            session.send(Op.RELEASE_BATCH, requests.leases_args(live)).discard()
 
     def get(
         self,

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import select
 import socket
 import ssl
 import threading
 import time
 from array import array
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NoReturn
 
 from kvfabric.client import tls as client_tls
 from kvfabric.client.arenas import ArenaSet
@@ -41,6 +43,8 @@ from kvfabric.errors import (
 )
 from kvfabric.protocol.frames import FrameDecoder, encode_frame
 from kvfabric.protocol.messages import Op, request
+
+log = logging.getLogger(__name__)
 
 MAX_FDS = 253  # SCM_RIGHTS limit: an admin session gets every tenant's arenas
 CLIENT_NAME = "kvfabric-python"
@@ -185,8 +189,29 @@ def map_arenas(hello: dict[str, Any], fds: list[int]) -> ArenaSet:
         raise UnavailableError(f"cannot map the daemon's shared memory: {exc}") from None
 
 
+class PendingReply:
+    """A request sent on a :class:`Connection` whose reply has not been asked for yet."""
+
+    def __init__(self, connection: Connection, request_id: int, op: Op, deadline: float) -> None:
+        self._connection, self.request_id, self.op, self.deadline = (
+            connection,
+            request_id,
+            op,
+            deadline,
+        )
+
+    def result(self) -> Any:
+        """The request's result (or its error), waiting until the reply's deadline."""
+        return result_of(self._connection._reply_for(self))
+
+    def discard(self) -> None:
+        """Nobody will ask for this reply: it is dropped when read (a failure is logged)."""
+        self._connection._discard(self)
+
+
 class Connection:
-    """One authenticated session; thread-safe (requests are serialised)."""
+    """One authenticated session; thread-safe (requests are written whole, one at a time,
+    and each reply reaches whoever waits on it)."""
 
     def __init__(
         self,
@@ -213,6 +238,10 @@ class Connection:
             self._sock.close()
             raise
         self._closed = False
+        # replies read while waiting for another one, for requests still waited on
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._waited: set[int] = set()
+        self._unread = 0  # requests sent whose reply has not been read yet
         self._poll = select.poll()  # tells a session the daemon ended while it was idle
         self._poll.register(self._sock, select.POLLIN)
 
@@ -228,37 +257,95 @@ class Connection:
         if not self._lock.acquire(blocking=False):
             return False  # a request is in flight: it reports its own errors
         try:
-            if not self._closed and self._poll.poll(0) and client_tls.hung_up(self._sock):
-                self._close_locked()
+            if not self._closed and self._poll.poll(0):
+                if self._unread:
+                    self._read_ready()  # replies of requests nobody waited on yet
+                elif client_tls.hung_up(self._sock):
+                    self._close_locked()
             return self._closed
         finally:
             self._lock.release()
 
     def call(self, op: Op, args: dict[str, Any], timeout: float | None = None) -> Any:
+        return self.send(op, args, timeout).result()
+
+    def send(self, op: Op, args: dict[str, Any], timeout: float | None = None) -> PendingReply:
+        """Write one request without waiting for its reply; ``timeout`` bounds the send and
+        the wait for the reply (default: the connection's)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             if self._closed:
                 raise UnavailableError("connection is closed")
             request_id = next(self._ids)
             frame = encode_frame(request(request_id, op, args))  # too big: nothing sent
+            self._waited.add(request_id)
             try:
                 self._sock.settimeout(_remaining(deadline, op.value))
                 self._sock.sendall(frame)
-                reply = self._await_reply(request_id, deadline, op.value)
             except (OSError, ProtocolError) as exc:
-                self._close_locked()  # the stream is out of sync or gone
-                if isinstance(exc, KVFabricError):
-                    raise
-                raise UnavailableError(f"lost the daemon during {op.value}: {exc}") from None
-        return result_of(reply)
+                self._waited.discard(request_id)
+                self._fail(exc, op.value)
+            self._unread += 1
+        return PendingReply(self, request_id, op, deadline)
 
-    def _await_reply(self, request_id: int, deadline: float, what: str) -> dict[str, Any]:
-        while True:
-            for message in self._read(deadline, what):
-                if message.get("id") == request_id or (
-                    message.get("id") == 0 and message.get("ok") is False
-                ):
-                    return message  # id 0: the daemon is rejecting the whole stream
+    def _reply_for(self, pending: PendingReply) -> dict[str, Any]:
+        with self._lock:
+            try:
+                while (reply := self._replies.pop(pending.request_id, None)) is None:
+                    if self._closed:
+                        raise UnavailableError("connection is closed")
+                    self._read_replies(pending.deadline, pending.op.value)
+                return reply
+            except (OSError, ProtocolError) as exc:
+                self._fail(exc, pending.op.value)
+            finally:
+                self._waited.discard(pending.request_id)
+
+    def _discard(self, pending: PendingReply) -> None:
+        with self._lock:
+            self._waited.discard(pending.request_id)
+            reply = self._replies.pop(pending.request_id, None)
+        if reply is not None:
+            _log_dropped(reply, pending.op.value)
+
+    def _read_ready(self) -> None:
+        """Read, without waiting, what the daemon has sent (the lock held)."""
+        try:
+            self._sock.settimeout(0)
+            data = self._sock.recv(1 << 16)
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return
+        except OSError:
+            self._close_locked()
+            return
+        if not data:
+            self._close_locked()
+            return
+        try:
+            self._take(self._decoder.feed(data), "a poll")
+        except KVFabricError:
+            self._close_locked()
+
+    def _read_replies(self, deadline: float, what: str) -> None:
+        """Read what the daemon sent: keep the replies someone waits for."""
+        self._take(self._read(deadline, what), what)
+
+    def _take(self, messages: Iterable[dict[str, Any]], what: str) -> None:
+        for message in messages:
+            self._unread = max(0, self._unread - 1)
+            request_id = message.get("id")
+            if request_id == 0 and message.get("ok") is False:
+                result_of(message)  # the daemon is rejecting the whole stream: raises
+            if request_id in self._waited:
+                self._replies[request_id] = message
+            else:
+                _log_dropped(message, what)
+
+    def _fail(self, exc: BaseException, what: str) -> NoReturn:
+        self._close_locked()  # the stream is out of sync or gone
+        if isinstance(exc, KVFabricError):
+            raise exc
+        raise UnavailableError(f"lost the daemon during {what}: {exc}") from None
 
     def _read(self, deadline: float, what: str) -> list[dict[str, Any]]:
         self._sock.settimeout(_remaining(deadline, what))
@@ -288,6 +375,11 @@ def result_of(message: dict[str, Any]) -> Any:
     if not isinstance(error, dict):
         raise ProtocolError("malformed reply from the daemon")
     raise error_for_kind(str(error.get("kind")), str(error.get("message")))
+
+
+def _log_dropped(message: dict[str, Any], what: str) -> None:
+    if message.get("ok") is False:
+        log.debug("a discarded request failed (read during %s): %s", what, message.get("error"))
 
 
 def _remaining(deadline: float, what: str) -> float:
