@@ -26,6 +26,7 @@ from pydantic import PlainValidator, model_validator
 from kvfabric.config_layers import ENV_PREFIX, layered, tiers_as_list
 from kvfabric.config_model import KeyProblems, config_value, parse_config
 from kvfabric.config_types import (
+    ByteSizeOrZero,
     Flag,
     OptionalFlag,
     OptionalPath,
@@ -306,6 +307,13 @@ class ClusterConfig:
     ``secret_file`` holds the cluster secret: with it, transport descriptors are HMAC-signed
     and the socket transport's handshake is a challenge-response, so only nodes holding the
     same secret can move chunks between each other.
+    ``fp8_wire_to`` names the peers (node ids or hardware classes, comma-separated; ``*``
+    every peer) this node's pushes of bf16 / fp16 / fp32 chunks travel to as fp8 (e4m3 with
+    per-(layer, k|v, head) scales: half the bytes, within the error bound of
+    :mod:`kvfabric.convert.fp8`; they land in the namespace's dtype); a push may also ask
+    for it. ``wire_staging_bytes`` is the registered memory chunks are encoded and decoded
+    through, sending and receiving (0: this node neither sends nor takes fp8; a chunk that
+    finds no room goes native).
     """
 
     index: Annotated[Literal["embedded", "redis"], PlainValidator(one_of(*INDEX_BACKENDS))] = (
@@ -320,6 +328,8 @@ class ClusterConfig:
         "auto"
     )
     secret_file: OptionalText = None
+    fp8_wire_to: Text = ""
+    wire_staging_bytes: ByteSizeOrZero = 64 << 20
 
     def secret(self) -> bytes | None:
         """The cluster secret's bytes (None: no secret configured)."""

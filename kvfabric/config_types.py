@@ -47,7 +47,7 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 T = TypeVar("T")
 
 
-def size_bytes(value: object) -> int:
+def size_bytes(value: object, *, zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ConfigError(f"expected a size, got {value!r}")
     if isinstance(value, (int, float)):
@@ -57,8 +57,8 @@ def size_bytes(value: object) -> int:
         if not match or match.group(2).lower() not in _UNITS:
             raise ConfigError(f"cannot parse size {value!r} (e.g. 4GiB, 512MiB)")
         size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if size <= 0:
-        raise ConfigError(f"must be positive, got {value!r}")
+    if size < 0 or (size == 0 and not zero):
+        raise ConfigError(f"must be {'non-negative' if zero else 'positive'}, got {value!r}")
     return size
 
 
@@ -164,6 +164,7 @@ def optional(check: Callable[[Any], T]) -> Callable[[Any], T | None]:
 
 
 ByteSize = Annotated[int, PlainValidator(size_bytes)]
+ByteSizeOrZero = Annotated[int, PlainValidator(partial(size_bytes, zero=True))]
 PositiveInt = Annotated[int, PlainValidator(int_in(1))]
 NonNegativeInt = Annotated[int, PlainValidator(int_in(0))]
 Seconds = Annotated[float, PlainValidator(partial(_seconds, zero=False))]

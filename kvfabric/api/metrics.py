@@ -208,6 +208,16 @@ class Metrics:
                 registry=reg,
             )
         )
+        self._push_bytes = _Children(
+            Counter(
+                f"{PREFIX}push_bytes",
+                "Bytes this node's pushes moved, by the target's hardware class and form: "
+                "wire (what the transport carried) and native (what that was in the "
+                "namespace's dtype; more than wire where chunks went as fp8).",
+                ["target_class", "form"],
+                registry=reg,
+            )
+        )
         self._push_landed = _Children(
             Histogram(
                 f"{PREFIX}push_landed_fraction",
@@ -358,6 +368,12 @@ class Metrics:
         ):
             if chunks:
                 self._push_chunks(label, outcome).inc(chunks)
+
+    def count_push_bytes(self, target_class: str, wire: int, native: int) -> None:
+        label = self._classes.label(target_class or "unknown")
+        for form, nbytes in (("wire", wire), ("native", native)):
+            if nbytes:
+                self._push_bytes(label, form).inc(nbytes)
 
     def observe_push_timeline(
         self, target_class: str, landed_fraction: float, tail_s: float

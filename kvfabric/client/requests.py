@@ -59,8 +59,13 @@ def packs_keys(hello: dict[str, Any]) -> bool:
     return "packed_keys" in (hello.get("features") or ())
 
 
-def push_args(ns: Namespace, keys: Sequence[bytes], target: str, timeout: float) -> dict[str, Any]:
-    return {**keys_args(ns, keys), "target": target, "timeout": timeout}
+def push_args(
+    ns: Namespace, keys: Sequence[bytes], target: str, timeout: float, wire: str | None = None
+) -> dict[str, Any]:
+    args = {**keys_args(ns, keys), "target": target, "timeout": timeout}
+    if wire is not None:
+        args["wire"] = wire
+    return args
 
 
 def lookup_result(result: dict[str, Any]) -> LookupResult:

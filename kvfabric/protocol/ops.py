@@ -118,6 +118,21 @@ _RESERVE_FIELDS = (
     ),
 )
 ITEMS = Field("items", f"map[] (1 to {MAX_BATCH})", "one entry per chunk", items=_RESERVE_FIELDS)
+PEER_ITEMS = Field(
+    "items",
+    f"map[] (1 to {MAX_BATCH})",
+    "one entry per chunk",
+    items=(
+        *_RESERVE_FIELDS,
+        Field(
+            "wire",
+            '"fp8" or "native"',
+            "how the chunk's layers will travel; `fp8`: staged encoded, and the reply names "
+            "the staging room (`staging`) when this node takes fp8 for it; absent: native",
+            required=False,
+        ),
+    ),
+)
 _PLACEMENT = (
     "`lease`, `tier` (index), `arena` (absent: not an arena a client maps), `pages` (bin of "
     "uint32-LE page ids), `nbytes`, `num_tokens`, `lease_s` (seconds left on the lease)"
@@ -340,8 +355,17 @@ OPS: tuple[OpSpec, ...] = (
             KEYS,
             Field("target", f"str (≤ {MAX_STRING})", "the target's node id"),
             Field("timeout", _TIMEOUT, "absent or 0: 10 s", required=False),
+            Field(
+                "wire",
+                '"fp8" or "native"',
+                "how the layers travel (fp8: e4m3 with per-(layer, k|v, head) scales, landing "
+                "in the namespace's dtype on the target); absent: as `cluster.fp8_wire_to` says",
+                required=False,
+            ),
         ),
-        "`pushed`, `already_there`, `failed` (distinct chunks), `target_class`; when it moved "
+        "`pushed`, `already_there`, `failed` (distinct chunks), `target_class`, `wire_bytes` "
+        "(bytes the transport moved) and `native_bytes` (what they were in the namespace's "
+        "dtype); when it moved "
         "layers, also how it kept up with the chunks' producer: `landed_fraction` (the share "
         "of layers on the target when the last one was committed here), `tail_ms` (from then "
         "to the last layer's commit on the target), `layers_moved` and `batches` (transfers: "
@@ -370,8 +394,10 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec(
         Op.PEER_RESERVE,
         "Node to node (TCP): reserve chunks a peer will push.",
-        (NS, ITEMS),
-        f"per item: {_PLACEMENT}, `page_size`",
+        (NS, PEER_ITEMS),
+        f"per item: {_PLACEMENT}, `page_size`; for an item asked with `wire: fp8` that this "
+        "node takes as fp8, `staging`: where to write its encoded layers (`arena` = the "
+        "staging region, `pages`, `page_size`, `nbytes`); without it the chunk goes native",
         access=Access.ADMIN,
         batch=True,
         errors=_WRITE_ERRORS,
@@ -379,7 +405,18 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec(
         Op.PEER_COMMIT,
         "Node to node: commit layers of reservations taken by `peer_reserve`.",
-        (LEASES, Field("layers", "int ≥ 1", "bit mask of the layers to commit")),
+        (
+            LEASES,
+            Field("layers", "int ≥ 1", "bit mask of the layers to commit"),
+            Field(
+                "checksums",
+                "(uint64 | null)[]",
+                "per lease: the xxh3-64 of the committed layers' encoded bytes in staging, for "
+                "a chunk travelling as fp8 (decoded into the reservation once it matches; a "
+                "mismatch refuses the commit and aborts the reservation); null or absent: native",
+                required=False,
+            ),
+        ),
         "per lease: `done`",
         access=Access.ADMIN,
         batch=True,

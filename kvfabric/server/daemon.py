@@ -66,6 +66,7 @@ from kvfabric.server.puller import Puller
 from kvfabric.server.pusher import Pusher
 from kvfabric.server.remote_chunks import IndexRemoteSource
 from kvfabric.server.tls import ReloadingTLS
+from kvfabric.server.wire_fp8 import STAGING_REGION, Fp8Targets, Inbound, WireStaging
 from kvfabric.store import TieredStore
 from kvfabric.transport import SocketTransport, Transport, select_backend
 from kvfabric.transport.acceptor import AcceptLimits
@@ -102,6 +103,7 @@ class Daemon:
         self.store = InstrumentedStore(self._raw_store, self.metrics)
         self._tcp: socket.socket | None = None
         self.transport: Transport | None = None
+        self._staging: WireStaging | None = None
         try:
             if config.tcp.port is not None:
                 self._tcp = _tcp_listener(config.tcp.host, config.tcp.port)
@@ -112,6 +114,8 @@ class Daemon:
                 host = _reachable_host(config.tcp.host)
                 address = config.cluster.advertise or _host_port(host, self._tcp.getsockname()[1])
                 self.transport = _open_transport(config, host, self._raw_store, self.tls)
+                # registered before the descriptor is taken: peers learn regions from it
+                self._staging = _wire_staging(config, self.transport)
                 transports[self.transport.backend] = self.transport.descriptor().hex()
             self.cluster = ClusterLink(
                 config.cluster,
@@ -140,7 +144,15 @@ class Daemon:
         self.pusher = (
             None
             if self._links is None
-            else InstrumentedPusher(Pusher(self.store, self._links), self.metrics)
+            else InstrumentedPusher(
+                Pusher(
+                    self.store,
+                    self._links,
+                    staging=self._staging,
+                    fp8_to=Fp8Targets.parse(config.cluster.fp8_wire_to),
+                ),
+                self.metrics,
+            )
         )
         self.kv_events, self.event_stream, self._remote_chunks = _kv_events(
             config, self._raw_store, self.cluster
@@ -158,6 +170,7 @@ class Daemon:
                 self.puller,
                 self.pusher,
                 self.kv_events,
+                None if self._staging is None else Inbound(self._staging),
             ),
             self._executor,
             self.metrics,
@@ -289,6 +302,8 @@ class Daemon:
     def _close_transport_and_listener(self) -> None:
         if self.transport is not None:
             self.transport.close()
+        if self._staging is not None:
+            self._staging.close()
         if self._tcp is not None:
             self._tcp.close()  # asyncio closed it already if the server ran; closing twice is fine
 
@@ -383,6 +398,20 @@ def _open_transport(
         transport.close()
         raise
     return transport
+
+
+def _wire_staging(config: DaemonConfig, transport: Transport) -> WireStaging | None:
+    """The fp8 staging arena (``cluster.wire_staging_bytes``; 0: none), registered with the
+    transport (:mod:`kvfabric.server.wire_fp8`)."""
+    if not config.cluster.wire_staging_bytes:
+        return None
+    staging = WireStaging(config.cluster.wire_staging_bytes)
+    try:
+        transport.register(STAGING_REGION, staging.arena.array)
+    except BaseException:
+        staging.close()
+        raise
+    return staging
 
 
 def _reachable_host(host: str) -> str:

@@ -59,6 +59,7 @@ from kvfabric.server.instrumented import InstrumentedPuller, InstrumentedPusher
 from kvfabric.server.puller import Puller
 from kvfabric.server.pusher import Pusher
 from kvfabric.server.session import Session
+from kvfabric.server.wire_fp8 import FP8, NATIVE, Inbound
 from kvfabric.store.handles import ObjectReader, ObjectWriter
 from kvfabric.store.protocol import Store
 
@@ -85,6 +86,7 @@ class Context:
     puller: Puller | InstrumentedPuller | None = None
     pusher: Pusher | InstrumentedPusher | None = None  # None: push is refused (no transport)
     kv_events: NamespaceEvents | None = None  # None: the kv_events op is unsupported
+    inbound: Inbound | None = None  # None: pushed chunks are taken native only
 
 
 @dataclass(frozen=True)
@@ -474,6 +476,9 @@ def _peer_reserve_one(
     ctx: Context, session: Session, ns: Any, item: tuple[Any, dict[int, int]]
 ) -> dict[str, Any]:
     raw, page_sizes = item
+    wire = raw.get("wire", NATIVE) if isinstance(raw, dict) else NATIVE
+    if wire not in (FP8, NATIVE):
+        raise ProtocolError(f'wire must be "{FP8}" or "{NATIVE}", got {wire!r}')
     result = _reserve_one(ctx, session, ns, raw)
     arena = result.get("arena")
     page_size = None if arena is None else page_sizes.get(arena)
@@ -481,6 +486,10 @@ def _peer_reserve_one(
         _abort_one(ctx, session, None, result["lease"])
         raise UnavailableError("the chunk was placed in a tier peers cannot write to")
     result["page_size"] = page_size
+    if wire == FP8 and ctx.inbound is not None:
+        staging = ctx.inbound.take(session.writer(result["lease"]))
+        if staging is not None:
+            result["staging"] = staging
     return result
 
 
@@ -490,17 +499,36 @@ def peer_commit(ctx: Context, session: Session, args: dict[str, Any]) -> list[di
     ``{"done"}`` (True once the chunk is complete, which ends the lease) or its error."""
     _require_admin(session, "peer_commit")
     layers = arg_int(args, "layers", low=1)
+    leases = arg_list(args, "leases")
+    checksums = args.get("checksums") or [None] * len(leases)
+    if not isinstance(checksums, list) or len(checksums) != len(leases):
+        raise ProtocolError("checksums: one entry (or null) per lease")
     return [
-        _item(_peer_commit_one, ctx, session, None, (lease, layers))
-        for lease in arg_list(args, "leases")
+        _item(_peer_commit_one, ctx, session, None, (lease, layers, checksum))
+        for lease, checksum in zip(leases, checksums)
     ]
 
 
 def _peer_commit_one(
-    ctx: Context, session: Session, _: Any, item: tuple[Any, int]
+    ctx: Context, session: Session, _: Any, item: tuple[Any, int, Any]
 ) -> dict[str, bool]:
-    raw_id, layers = item
-    return {"done": _commit_one(session, arg_int({"lease": raw_id}, "lease"), layers)}
+    raw_id, layers, checksum = item
+    lease_id = arg_int({"lease": raw_id}, "lease")
+    inbound = ctx.inbound
+    writer = session.writer(lease_id)
+    if inbound is None or not inbound.receives(writer):
+        return {"done": _commit_one(session, lease_id, layers)}
+    if ctx.store.in_nonblocking_mode:  # decoding takes a while: not on the event loop
+        raise WouldBlockError("fp8 layers are decoded on a worker thread")
+    try:
+        inbound.land(writer, layers, checksum)
+        done = _commit_one(session, lease_id, layers)
+    except BaseException:
+        _abort_one(ctx, session, None, lease_id)  # a damaged chunk is never readable
+        raise
+    if done:
+        inbound.done(writer)
+    return {"done": done}
 
 
 def peer_abort(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -515,6 +543,8 @@ def _abort_one(ctx: Context, session: Session, _: Any, raw_id: Any) -> None:
     writer = session.writer(lease_id)  # a pin is not this op's to drop
     session.forget(lease_id)
     writer.abort()
+    if ctx.inbound is not None:
+        ctx.inbound.done(writer)
 
 
 def push(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
@@ -531,7 +561,10 @@ def push(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]
     keys = arg_keys(args)
     target = arg_str(args, "target")
     timeout = arg_float(args, "timeout") or DEFAULT_PUSH_S
-    return ctx.pusher.push(ns, keys, target, timeout).to_dict()
+    wire = args.get("wire")
+    if wire not in (None, FP8, NATIVE):
+        raise ProtocolError(f'wire must be "{FP8}" or "{NATIVE}", got {wire!r}')
+    return ctx.pusher.push(ns, keys, target, timeout, wire=wire).to_dict()
 
 
 def prefetch(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:
@@ -624,7 +657,8 @@ HANDLERS: dict[Op, Handler] = {
     Op.PREFETCH: Handler(prefetch, blocking=True, local=True, batch=True),
     # a reservation may wait for room; commits and aborts only take the store lock
     Op.PEER_RESERVE: Handler(peer_reserve, blocking=True, batch=True),
-    Op.PEER_COMMIT: Handler(peer_commit),
+    # batch: an fp8 chunk's commit decodes it, on a worker thread (tried on the loop first)
+    Op.PEER_COMMIT: Handler(peer_commit, blocking=True, batch=True, items="leases"),
     Op.PEER_ABORT: Handler(peer_abort),
     # local, batch: as prefetch (it also waits for this node's layers)
     Op.PUSH: Handler(push, blocking=True, local=True, batch=True),

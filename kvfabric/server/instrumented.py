@@ -229,7 +229,8 @@ class InstrumentedStore:
 
 class InstrumentedPusher:
     """Delegates pushes to a :class:`~kvfabric.server.pusher.Pusher`; counts their chunks
-    per outcome and target hardware class (``kvfabric_push_chunks_total``) and observes how
+    per outcome and target hardware class (``kvfabric_push_chunks_total``), the bytes they
+    moved (``kvfabric_push_bytes_total``), and observes how
     each kept up with its producer (``kvfabric_push_landed_fraction``,
     ``kvfabric_push_tail_seconds``)."""
 
@@ -237,11 +238,20 @@ class InstrumentedPusher:
         self._pusher = pusher
         self._metrics = metrics
 
-    def push(self, ns: Namespace, keys: Sequence[bytes], target: str, timeout: float) -> PushResult:
-        result = self._pusher.push(ns, keys, target, timeout)
+    def push(
+        self,
+        ns: Namespace,
+        keys: Sequence[bytes],
+        target: str,
+        timeout: float,
+        *,
+        wire: str | None = None,
+    ) -> PushResult:
+        result = self._pusher.push(ns, keys, target, timeout, wire=wire)
         self._metrics.count_push(
             result.target_class, result.pushed, result.already_there, result.failed
         )
+        self._metrics.count_push_bytes(result.target_class, result.wire_bytes, result.native_bytes)
         if result.timeline is not None:
             timeline = result.timeline
             self._metrics.observe_push_timeline(

@@ -202,7 +202,8 @@ def placement_ranges(
     (the nodes disagree on the layout)."""
     try:
         # the arena the pages lie in (older daemons: the tier index, their only arena)
-        region, page_size = int(item.get("arena", item["tier"])), int(item["page_size"])
+        region = int(item["arena"] if "arena" in item else item["tier"])
+        page_size = int(item["page_size"])
         if int(item["nbytes"]) != nbytes or page_size <= 0:
             raise ValueError(
                 f"{item['nbytes']} bytes in pages of {page_size}, this node expects {nbytes}"

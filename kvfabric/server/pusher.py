@@ -21,7 +21,15 @@ being computed or in flight. One push is:
 
 The reply says how far the push kept up with the chunks' producer: the share of layers
 landed on the target when the last one was committed here, and the tail after it
-(:mod:`kvfabric.server.push_timeline`).
+(:mod:`kvfabric.server.push_timeline`); and the bytes moved against what they are in the
+namespace's dtype.
+
+fp8 on the wire (:mod:`kvfabric.server.wire_fp8`): when the push asks for it (or
+``cluster.fp8_wire_to`` names the target or its hardware class), a chunk of a float
+namespace goes encoded: staged here, reserved with ``wire: fp8``, each layer batch encoded
+into this node's staging and written into the target's, committed with its checksum; the
+target decodes it into the reservation. A chunk either side has no staging room for goes
+native.
 
 The target's reservations are leases of the push's control session. Nothing is written
 after the shortest of them could have expired (the target may have reused the pages): the
@@ -48,6 +56,17 @@ from kvfabric.memory.arena import SharedArena
 from kvfabric.protocol.messages import Op, encode_namespace
 from kvfabric.server.peers import PeerLink, PeerLinks, Spans, placement_ranges, time_left
 from kvfabric.server.push_timeline import PushTimeline, TimelineRecorder
+from kvfabric.server.wire_fp8 import (
+    FP8,
+    NO_FP8,
+    STAGING_REGION,
+    Fp8Targets,
+    Staged,
+    WireStaging,
+    encode_layers,
+    encoded_nbytes,
+    wire_applies,
+)
 from kvfabric.spec import Namespace
 from kvfabric.store.handles import ObjectReader
 from kvfabric.store.protocol import Store
@@ -68,13 +87,17 @@ class PushResult:
     """Outcome of one push, in distinct chunks: fully committed on the target, held (or
     being received) there already, and not pushed (not held here, refused, or failed);
     ``target_class`` is the target's declared hardware class ("" when it is unknown);
-    ``timeline`` how the moved layers kept up with their producer (None: none moved)."""
+    ``timeline`` how the moved layers kept up with their producer (None: none moved);
+    ``wire_bytes`` what the transport moved, ``native_bytes`` what that was in the
+    namespace's dtype (equal unless chunks went as fp8)."""
 
     pushed: int
     already_there: int
     failed: int
     target_class: str = ""
     timeline: PushTimeline | None = field(default=None, compare=False)
+    wire_bytes: int = 0
+    native_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         reply: dict[str, Any] = {
@@ -82,6 +105,8 @@ class PushResult:
             "already_there": self.already_there,
             "failed": self.failed,
             "target_class": self.target_class,
+            "wire_bytes": self.wire_bytes,
+            "native_bytes": self.native_bytes,
         }
         if self.timeline is not None:
             reply.update(self.timeline.summary())
@@ -97,6 +122,9 @@ class _Chunk:
     lease: int
     region: int
     placement: dict[str, Any]
+    # travelling as fp8: this node's staging room and the target's (its ``staging`` reply)
+    staged: Staged | None = None
+    target_staging: dict[str, Any] | None = None
 
 
 class Pusher:
@@ -107,16 +135,37 @@ class Pusher:
     """
 
     def __init__(
-        self, store: Store, links: PeerLinks, clock: Callable[[], float] = time.monotonic
+        self,
+        store: Store,
+        links: PeerLinks,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        staging: WireStaging | None = None,
+        fp8_to: Fp8Targets = NO_FP8,
     ) -> None:
+        """``staging``: this node's fp8 staging arena, registered with ``links.transport``
+        as :data:`~kvfabric.server.wire_fp8.STAGING_REGION` (None: every push is native);
+        ``fp8_to``: the targets pushes go to as fp8 unless a push says otherwise."""
         self._store = store
         self._links = links
         self._clock = clock  # the timeline's; deadlines keep time.monotonic
         self._arenas: dict[int, SharedArena] = {i: a for i, _, a in store.host_arenas()}
+        self._staging = staging
+        self._fp8_to = fp8_to
+        if staging is not None:
+            self._arenas[STAGING_REGION] = staging.arena
 
-    def push(self, ns: Namespace, keys: Sequence[bytes], target: str, timeout: float) -> PushResult:
+    def push(
+        self,
+        ns: Namespace,
+        keys: Sequence[bytes],
+        target: str,
+        timeout: float,
+        *,
+        wire: str | None = None,
+    ) -> PushResult:
         """Push ``keys`` to node ``target`` within ``timeout`` seconds, each layer as soon as
-        it is committed here.
+        it is committed here; ``wire`` ("fp8" or "native"; None: as configured) is how.
 
         ProtocolError if ``target`` is this node. Never raises for the target's failure, a
         missing local chunk or the deadline: such chunks count as failed.
@@ -126,6 +175,9 @@ class Pusher:
         end = time.monotonic() + timeout
         node = next((n for n in self._links.nodes() if n.node_id == target), None)
         target_class = "" if node is None else node.hardware_class
+        if wire is None:
+            wire = self._fp8_to.wire_for(target, target_class)
+        fp8 = wire == FP8 and self._staging is not None and wire_applies(ns.spec)
         wanted = list(dict.fromkeys(keys))  # a key twice would be reserved twice
         readers: dict[bytes, ObjectReader] = {}
         try:
@@ -138,16 +190,25 @@ class Pusher:
                     log.info("push: chunk %s not pushed: %s", key.hex(), exc)
             pushed = already = 0
             recorder = TimelineRecorder(self._clock)
+            moved = _Moved()
             if readers:
                 try:
                     if node is None:
                         raise UnavailableError(f"node {target} is not registered")
-                    pushed, already = self._push(ns, readers, target, node.epoch, end, recorder)
+                    pushed, already = self._push(
+                        ns, readers, target, node.epoch, end, recorder, moved, fp8
+                    )
                 except KVFabricError as exc:
                     log.warning("pushing %d chunk(s) to %s failed: %s", len(readers), target, exc)
             timeline: PushTimeline | None = recorder.timeline() if pushed else None
             return PushResult(
-                pushed, already, len(wanted) - pushed - already, target_class, timeline
+                pushed,
+                already,
+                len(wanted) - pushed - already,
+                target_class,
+                timeline,
+                moved.wire,
+                moved.native,
             )
         finally:
             for reader in readers.values():
@@ -161,11 +222,43 @@ class Pusher:
         epoch: int,
         end: float,
         recorder: TimelineRecorder,
+        moved: _Moved,
+        fp8: bool,
     ) -> tuple[int, int]:
         """(pushed, already there); raises KVFabricError when the push failed as a whole
         (what it reserved is aborted by then). Notes each moved batch in ``recorder``."""
         link = self._links.link(target, epoch, end)
-        items = [_reserve_item(key, reader) for key, reader in readers.items()]
+        staged: dict[bytes, Staged] = {}
+        try:
+            if fp8:
+                staged = self._stage(readers)
+            return self._reserve_and_move(ns, readers, target, link, end, recorder, moved, staged)
+        finally:
+            for room in staged.values():
+                self._staging.give(room)  # type: ignore[union-attr]
+
+    def _stage(self, readers: dict[bytes, ObjectReader]) -> dict[bytes, Staged]:
+        """Staging room here for every chunk it fits (the others go native)."""
+        assert self._staging is not None
+        staged = {}
+        for key, reader in readers.items():
+            room = self._staging.take(encoded_nbytes(reader.layout.spec, reader.num_tokens))
+            if room is not None:
+                staged[key] = room
+        return staged
+
+    def _reserve_and_move(
+        self,
+        ns: Namespace,
+        readers: dict[bytes, ObjectReader],
+        target: str,
+        link: PeerLink,
+        end: float,
+        recorder: TimelineRecorder,
+        moved: _Moved,
+        staged: dict[bytes, Staged],
+    ) -> tuple[int, int]:
+        items = [_reserve_item(key, reader, key in staged) for key, reader in readers.items()]
         reserved_at = time.monotonic()
         try:
             replies = item_results(
@@ -187,6 +280,7 @@ class Pusher:
             elif isinstance(reply, KVFabricError):
                 log.info("push: %s refused %s: %s", target, key.hex(), reply)
             else:
+                target_staging = reply.get("staging") if key in staged else None
                 chunks.append(
                     _Chunk(
                         key,
@@ -194,13 +288,17 @@ class Pusher:
                         int(reply["lease"]),
                         int(reply.get("arena", reply["tier"])),
                         reply,
+                        staged.get(key) if target_staging is not None else None,
+                        target_staging,
                     )
                 )
                 lease_end = min(lease_end, reserved_at + float(reply["lease_s"]) * LEASE_SAFETY)
         try:
             layer = 0
             while layer < ns.spec.num_layers and chunks:
-                chunks, layer = self._push_layers(link, chunks, layer, lease_end, target, recorder)
+                chunks, layer = self._push_layers(
+                    link, chunks, layer, lease_end, target, recorder, moved
+                )
         except BaseException:
             self._abort(link, target, chunks, end)
             raise
@@ -214,6 +312,7 @@ class Pusher:
         end: float,
         target: str,
         recorder: TimelineRecorder,
+        moved: _Moved,
     ) -> tuple[list[_Chunk], int]:
         """Wait for layer ``first`` of every chunk, then move and commit it together with
         every later layer that all of them have committed already: one transfer and one
@@ -240,24 +339,42 @@ class Pusher:
         while stop < num_layers and common >> stop & 1:
             stop += 1
         spans = Spans(self._arenas)
+        checksums: list[int | None] = []
         for chunk in ready:
             layout = chunk.reader.layout
             offset = layout.layer_range(first)[0]
             last_offset, last_length = layout.layer_range(stop - 1)
             length = last_offset + last_length - offset  # layers lie one after the other
-            region, remote = placement_ranges(
-                chunk.placement, chunk.reader.nbytes, offset, length, "peer_reserve"
+            moved.native += length
+            if chunk.staged is None or chunk.target_staging is None:
+                region, remote = placement_ranges(
+                    chunk.placement, chunk.reader.nbytes, offset, length, "peer_reserve"
+                )
+                spans.add(region, remote, chunk.reader.arena_id, chunk.reader.pages, offset, length)
+                checksums.append(None)
+                moved.wire += length
+                continue
+            assert self._staging is not None
+            offset, length, checksum = encode_layers(
+                self._staging, chunk.staged, chunk.reader, first, stop
             )
-            spans.add(region, remote, chunk.reader.arena_id, chunk.reader.pages, offset, length)
+            region, remote = placement_ranges(
+                chunk.target_staging, chunk.staged.nbytes, offset, length, "peer_reserve staging"
+            )
+            spans.add(region, remote, STAGING_REGION, chunk.staged.pages, offset, length)
+            checksums.append(checksum)
+            moved.wire += length
         layers = f"layers {first}-{stop - 1}"
         self._links.transport.write(link.peer, spans.writes(), time_left(end, f"write of {layers}"))
+        commit: dict[str, Any] = {
+            "leases": [c.lease for c in ready],
+            "layers": (1 << stop) - (1 << first),
+        }
+        if any(c is not None for c in checksums):
+            commit["checksums"] = checksums
         try:
             replies = item_results(
-                link.connection.call(
-                    Op.PEER_COMMIT,
-                    {"leases": [c.lease for c in ready], "layers": (1 << stop) - (1 << first)},
-                    timeout=time_left(end, "peer_commit"),
-                )
+                link.connection.call(Op.PEER_COMMIT, commit, timeout=time_left(end, "peer_commit"))
             )
         except KVFabricError:
             self._links.forget(target)  # the commit may or may not have landed: start over
@@ -286,9 +403,19 @@ class Pusher:
             self._links.forget(target)
 
 
-def _reserve_item(key: bytes, reader: ObjectReader) -> dict[str, Any]:
+def _reserve_item(key: bytes, reader: ObjectReader, fp8: bool) -> dict[str, Any]:
     """A ``peer_reserve`` item for a chunk pinned here: the target's copy keeps its tokens."""
     item: dict[str, Any] = {"key": key, "parent": reader.parent, "num_tokens": reader.num_tokens}
     if reader.tokens is not None:
         item["tokens"] = reader.tokens
+    if fp8:
+        item["wire"] = FP8
     return item
+
+
+@dataclass
+class _Moved:
+    """Bytes a push moved, and what they are in the namespace's dtype."""
+
+    wire: int = 0
+    native: int = 0
