@@ -34,7 +34,13 @@ layer by layer together, so the last chunk stands for them all.
   median over the layers before the last (the streaming's per-layer cost under load);
 - ``pusher_landed_fraction``: what the producer's daemon itself reports
   (``kvfabric_push_landed_fraction`` of its pushes to ``decode-b``'s hardware class, mean,
-  the warm-up's included), a check on the observers.
+  the warm-up's included), a check on the observers;
+- ``fp8_wire_bytes_ratio``: after the engine's job, each measured prompt pushed again to
+  ``decode-e``, whose hardware class ``prefill-a``'s ``cluster.fp8_wire_peers`` names: the
+  bytes the transport moved over what they are in bf16 (target <= 0.51), with
+  ``fp8_push_ms`` (that push's wall, median) and ``fp8_error_vs_bound`` (the worst
+  element's error on ``decode-e`` against ``prefill-a``'s copy, over the bound
+  :func:`kvfabric.convert.fp8.error_bound` documents: above 1 fails the run).
 
 Run (``--quick``: 2 measured prompts, about three minutes on a quiet 2-core machine, most
 of it the engine's start; without it 5)::
@@ -92,8 +98,11 @@ NS = Namespace(
         chunk_tokens=256,
     ),
 )
-NODES = ("prefill-a", "decode-b", "decode-c", "decode-d")
+NODES = ("prefill-a", "decode-b", "decode-c", "decode-d", "decode-e")
 STREAMED_CLASS = "decode-stream"  # decode-b's hardware class; decode-c's is "baseline"
+FP8_CLASS = "decode-fp8"  # decode-e's: prefill-a pushes to it as fp8
+# staging on both ends holds a whole push's encoded chunks (half of a prompt's 128 MiB)
+WIRE_STAGING = "cluster.wire_staging_bytes=256MiB"
 DAEMON_TIERS = ("store.tiers.dram.capacity=1GiB", "store.tiers.ssd.capacity=1GiB")
 JOB_TIMEOUT_S = 900.0  # a cold first vLLM import on a loaded 2-core machine
 LAYER_WAIT_S = 300.0  # one layer of a prompt the engine has begun: far below a start-up
@@ -102,6 +111,8 @@ POLL_S = 0.002  # how often an observer looks for a chunk not reserved yet
 TARGETS: dict[str, tuple[str, float]] = {
     "landed_fraction_at_prefill_end": (">=", 0.95),
     "tail_vs_send_after_prefill": ("<=", 0.1),
+    "fp8_wire_bytes_ratio": ("<=", 0.51),
+    "fp8_error_vs_bound": ("<=", 1.0),
 }
 
 FIGURES: list[tuple[str, str]] = [
@@ -113,6 +124,9 @@ FIGURES: list[tuple[str, str]] = [
     ("layer_lag_ms", "a layer committed by the producer -> on the decode node, median, ms"),
     ("pusher_landed_fraction", "the producer daemon's own figure, mean over its pushes"),
     ("pusher_pushes", "its streamed pushes (one per prompt, the warm-up's included)"),
+    ("fp8_wire_bytes_ratio", "a prompt pushed as fp8: bytes moved / its bf16 bytes"),
+    ("fp8_push_ms", "that push (to decode-e, after the job), median, ms"),
+    ("fp8_error_vs_bound", "worst element's error there / the documented fp8 bound"),
     ("prefill_layers_ms", "first -> last layer committed by the producer, median, ms"),
     ("prompts", "measured prompts (plus one warm-up)"),
     ("layers", "model layers"),
@@ -246,11 +260,13 @@ def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
     daemons: dict[str, DaemonProcess] = {}
     try:
         for name in NODES:
-            kind = {"decode-b": STREAMED_CLASS, "decode-c": "baseline"}.get(name, "generic")
+            kind = {"decode-b": STREAMED_CLASS, "decode-c": "baseline", "decode-e": FP8_CLASS}
             settings_of = cluster_node(
                 redis.url,
                 name,
-                f"cluster.hardware_class={kind}",
+                f"cluster.hardware_class={kind.get(name, 'generic')}",
+                f"cluster.fp8_wire_peers={FP8_CLASS}",
+                WIRE_STAGING,
                 transport="socket",
                 tiers=DAEMON_TIERS,
                 lease_ttl_s=None,
@@ -314,6 +330,7 @@ def measure(
             pulls.append(time.monotonic() - started)
             if result["pulled"] != len(keys[i]):
                 raise RuntimeError(f"prompt {i}: the pull moved {result}")
+    fp8 = fp8_pushes(daemons["prefill-a"].socket, daemons["decode-e"].socket, keys[1:])
     sends = [baseline.seconds[i] for i in range(1, len(prompts))]
     pusher = streamed_pushes(daemons["prefill-a"].http_url)
     kv_bytes = NS.spec.chunk_bytes * len(keys[0])
@@ -326,6 +343,7 @@ def measure(
         "layer_lag_ms": round(median(lags) * 1000, 2),
         "pusher_landed_fraction": round(pusher[0], 4),
         "pusher_pushes": pusher[1],
+        **fp8,
         "prefill_layers_ms": round(median(spans) * 1000, 1),
         "prompts": settings.prompts,
         "layers": NS.spec.num_layers,
@@ -334,6 +352,37 @@ def measure(
         "landed_fraction_per_prompt": [round(f, 4) for f in fractions],
     }
     return Outcome(figures)
+
+
+def fp8_pushes(source: str, target: str, prompts: list[list[bytes]]) -> dict[str, float]:
+    """Each prompt's chunks pushed from ``source`` to ``target`` as fp8 (the source's
+    configuration names the target's class); the bytes moved, the wall, and the worst
+    element's error on the target against the documented bound."""
+    import torch
+
+    from kvfabric.convert import fp8, read_layer
+
+    ratios, walls, worst = [], [], 0.0
+    with Client(source) as producer, Client(target) as consumer:
+        for keys in prompts:
+            started = time.monotonic()
+            result = producer.push(NS, keys, "decode-e", timeout=60.0)
+            walls.append(time.monotonic() - started)
+            if result["pushed"] != len(keys):
+                raise RuntimeError(f"the fp8 push moved {result}")
+            ratios.append(result["wire_bytes"] / result["native_bytes"])
+            for key in (keys[0], keys[-1]):
+                with producer.get(NS, key) as sent, consumer.get(NS, key) as landed:
+                    for layer in range(NS.spec.num_layers):
+                        x = read_layer(sent, layer)
+                        bound = fp8.error_bound(x, fp8.compute_scales(x), torch.bfloat16)
+                        error = (read_layer(landed, layer).float() - x.float()).abs()
+                        worst = max(worst, float((error / bound.clamp_min(1e-30)).max()))
+    return {
+        "fp8_wire_bytes_ratio": round(max(ratios), 4),
+        "fp8_push_ms": round(median(walls) * 1000, 2),
+        "fp8_error_vs_bound": round(worst, 4),
+    }
 
 
 BENCH = Benchmark(

@@ -307,13 +307,13 @@ class ClusterConfig:
     ``secret_file`` holds the cluster secret: with it, transport descriptors are HMAC-signed
     and the socket transport's handshake is a challenge-response, so only nodes holding the
     same secret can move chunks between each other.
-    ``fp8_wire_to`` names the peers (node ids or hardware classes, comma-separated; ``*``
-    every peer) this node's pushes of bf16 / fp16 / fp32 chunks travel to as fp8 (e4m3 with
-    per-(layer, k|v, head) scales: half the bytes, within the error bound of
-    :mod:`kvfabric.convert.fp8`; they land in the namespace's dtype); a push may also ask
-    for it. ``wire_staging_bytes`` is the registered memory chunks are encoded and decoded
-    through, sending and receiving (0: this node neither sends nor takes fp8; a chunk that
-    finds no room goes native).
+    ``fp8_wire_peers`` names the peers (node ids or hardware classes, comma-separated; ``*``
+    every peer) whose links carry bf16 / fp16 / fp32 chunks as fp8 (e4m3 with per-(layer,
+    k|v, head) scales: half the bytes, within the error bound of :mod:`kvfabric.convert.fp8`;
+    they land in the namespace's dtype): this node's pushes to them and pulls from them; a
+    push may also ask for it. ``wire_staging_bytes`` is the registered memory chunks are
+    encoded and decoded through, sending and receiving, a whole transfer's chunks at a time
+    (0: this node neither sends nor takes fp8; a chunk that finds no room goes native).
     """
 
     index: Annotated[Literal["embedded", "redis"], PlainValidator(one_of(*INDEX_BACKENDS))] = (
@@ -328,7 +328,7 @@ class ClusterConfig:
         "auto"
     )
     secret_file: OptionalText = None
-    fp8_wire_to: Text = ""
+    fp8_wire_peers: Text = ""
     wire_staging_bytes: ByteSizeOrZero = 64 << 20
 
     def secret(self) -> bytes | None:

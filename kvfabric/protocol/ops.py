@@ -359,7 +359,7 @@ OPS: tuple[OpSpec, ...] = (
                 "wire",
                 '"fp8" or "native"',
                 "how the layers travel (fp8: e4m3 with per-(layer, k|v, head) scales, landing "
-                "in the namespace's dtype on the target); absent: as `cluster.fp8_wire_to` says",
+                "in the namespace's dtype on the target); absent: as `cluster.fp8_wire_peers` says",
                 required=False,
             ),
         ),
@@ -376,8 +376,20 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec(
         Op.PEER_PIN,
         "Node to node (TCP): pin chunks a peer is about to read over its transport.",
-        (NS, KEYS, Field("timeout", _TIMEOUT, "bound on waiting for each chunk", False)),
-        f"per key: {_PLACEMENT}, `page_size`, `parent`, `tokens` (when the chunk has them)",
+        (
+            NS,
+            KEYS,
+            Field("timeout", _TIMEOUT, "bound on waiting for each chunk", False),
+            Field(
+                "wire",
+                '"fp8" or "native"',
+                "`fp8`: also stage each chunk this node can encode as fp8; absent: native",
+                required=False,
+            ),
+        ),
+        f"per key: {_PLACEMENT}, `page_size`, `parent`, `tokens` (when the chunk has them); "
+        "asked with `wire: fp8`, `staging` where this node encoded it (`arena` = the staging "
+        "region, `pages`, `page_size`, `nbytes`, `checksum`: xxh3-64 of the encoded bytes)",
         access=Access.ADMIN,
         batch=True,
         errors=_READ_ERRORS,

@@ -66,7 +66,7 @@ from kvfabric.server.puller import Puller
 from kvfabric.server.pusher import Pusher
 from kvfabric.server.remote_chunks import IndexRemoteSource
 from kvfabric.server.tls import ReloadingTLS
-from kvfabric.server.wire_fp8 import STAGING_REGION, Fp8Targets, Inbound, WireStaging
+from kvfabric.server.wire_fp8 import STAGING_REGION, Fp8Targets, Fp8Wire, WireStaging
 from kvfabric.store import TieredStore
 from kvfabric.transport import SocketTransport, Transport, select_backend
 from kvfabric.transport.acceptor import AcceptLimits
@@ -129,6 +129,7 @@ class Daemon:
             self._close_transport_and_listener()
             self._raw_store.close()
             raise
+        fp8_peers = Fp8Targets.parse(config.cluster.fp8_wire_peers)
         self._links = (
             None
             if self.transport is None
@@ -139,7 +140,10 @@ class Daemon:
         self.puller = (
             None
             if self._links is None
-            else InstrumentedPuller(Puller(self.store, self._links), self.metrics)
+            else InstrumentedPuller(
+                Puller(self.store, self._links, staging=self._staging, fp8_from=fp8_peers),
+                self.metrics,
+            )
         )
         self.pusher = (
             None
@@ -149,7 +153,7 @@ class Daemon:
                     self.store,
                     self._links,
                     staging=self._staging,
-                    fp8_to=Fp8Targets.parse(config.cluster.fp8_wire_to),
+                    fp8_to=fp8_peers,
                 ),
                 self.metrics,
             )
@@ -170,7 +174,7 @@ class Daemon:
                 self.puller,
                 self.pusher,
                 self.kv_events,
-                None if self._staging is None else Inbound(self._staging),
+                None if self._staging is None else Fp8Wire(self._staging),
             ),
             self._executor,
             self.metrics,

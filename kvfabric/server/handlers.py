@@ -59,7 +59,7 @@ from kvfabric.server.instrumented import InstrumentedPuller, InstrumentedPusher
 from kvfabric.server.puller import Puller
 from kvfabric.server.pusher import Pusher
 from kvfabric.server.session import Session
-from kvfabric.server.wire_fp8 import FP8, NATIVE, Inbound
+from kvfabric.server.wire_fp8 import FP8, NATIVE, Fp8Wire
 from kvfabric.store.handles import ObjectReader, ObjectWriter
 from kvfabric.store.protocol import Store
 
@@ -86,7 +86,7 @@ class Context:
     puller: Puller | InstrumentedPuller | None = None
     pusher: Pusher | InstrumentedPusher | None = None  # None: push is refused (no transport)
     kv_events: NamespaceEvents | None = None  # None: the kv_events op is unsupported
-    inbound: Inbound | None = None  # None: pushed chunks are taken native only
+    fp8: Fp8Wire | None = None  # None: chunks move between nodes native only
 
 
 @dataclass(frozen=True)
@@ -414,21 +414,27 @@ def peer_pin(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[
     error. SSD copies are read back into memory
     first; a chunk still being written is waited for until ``timeout``. The pins are leases
     of this session: given back by ``peer_release``, when the session ends, or at their
-    deadline.
+    deadline. ``wire: "fp8"``: each chunk this node can encode is also staged as fp8
+    (:mod:`kvfabric.server.wire_fp8`), named in its item's ``staging`` with its checksum.
     """
     _require_admin(session, "peer_pin")
     ns = session.namespace(args.get("ns"))
     timeout = arg_float(args, "timeout")
+    wire = args.get("wire", NATIVE)
+    if wire not in (FP8, NATIVE):
+        raise ProtocolError(f'wire must be "{FP8}" or "{NATIVE}", got {wire!r}')
     page_sizes = {index: arena.page_size for index, _, arena in ctx.store.host_arenas()}
+    encode = wire == FP8 and ctx.fp8 is not None
     return [
-        _item(_peer_pin_one, ctx, session, ns, (key, timeout, page_sizes)) for key in arg_keys(args)
+        _item(_peer_pin_one, ctx, session, ns, (key, timeout, page_sizes, encode))
+        for key in arg_keys(args)
     ]
 
 
 def _peer_pin_one(
-    ctx: Context, session: Session, ns: Any, item: tuple[bytes, float | None, dict[int, int]]
+    ctx: Context, session: Session, ns: Any, item: tuple[bytes, float | None, dict[int, int], bool]
 ) -> dict[str, Any]:
-    key, timeout, page_sizes = item
+    key, timeout, page_sizes, encode = item
     reader = ctx.store.get(ns, key, timeout=timeout)
     try:
         reader.wait_complete(timeout or DEFAULT_WAIT_S)  # a peer copies whole chunks only
@@ -444,12 +450,22 @@ def _peer_pin_one(
     result.update(page_size=page_size, parent=reader.parent)
     if reader.tokens is not None:
         result["tokens"] = reader.tokens
+    if encode and ctx.fp8 is not None:
+        staging = ctx.fp8.outbound.stage(reader)
+        if staging is not None:
+            result["staging"] = staging
     return result
 
 
 def peer_release(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
     """Give back pins taken by ``peer_pin`` (admin only); per lease: ok or its error."""
     _require_admin(session, "peer_release")
+    if ctx.fp8 is not None:
+        for lease in arg_list(args, "leases"):
+            try:
+                ctx.fp8.outbound.done(session.reader(arg_int({"lease": lease}, "lease")))
+            except KVFabricError:
+                pass  # not a pin of this session: release_batch reports it
     return release_batch(ctx, session, args)
 
 
@@ -486,8 +502,8 @@ def _peer_reserve_one(
         _abort_one(ctx, session, None, result["lease"])
         raise UnavailableError("the chunk was placed in a tier peers cannot write to")
     result["page_size"] = page_size
-    if wire == FP8 and ctx.inbound is not None:
-        staging = ctx.inbound.take(session.writer(result["lease"]))
+    if wire == FP8 and ctx.fp8 is not None:
+        staging = ctx.fp8.inbound.take(session.writer(result["lease"]))
         if staging is not None:
             result["staging"] = staging
     return result
@@ -514,7 +530,7 @@ def _peer_commit_one(
 ) -> dict[str, bool]:
     raw_id, layers, checksum = item
     lease_id = arg_int({"lease": raw_id}, "lease")
-    inbound = ctx.inbound
+    inbound = None if ctx.fp8 is None else ctx.fp8.inbound
     writer = session.writer(lease_id)
     if inbound is None or not inbound.receives(writer):
         return {"done": _commit_one(session, lease_id, layers)}
@@ -543,8 +559,8 @@ def _abort_one(ctx: Context, session: Session, _: Any, raw_id: Any) -> None:
     writer = session.writer(lease_id)  # a pin is not this op's to drop
     session.forget(lease_id)
     writer.abort()
-    if ctx.inbound is not None:
-        ctx.inbound.done(writer)
+    if ctx.fp8 is not None:
+        ctx.fp8.inbound.done(writer)
 
 
 def push(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]:

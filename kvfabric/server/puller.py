@@ -15,6 +15,12 @@ left, so a frozen one leaves time for the next. One pull from one owner is:
    expire (after that the owner may have reused the pages: the copy could be torn);
 4. ``peer_release`` the pins.
 
+fp8 on the wire (:mod:`kvfabric.server.wire_fp8`): from an owner ``cluster.fp8_wire_peers``
+names (by node id or hardware class), ``peer_pin`` asks ``wire: fp8``; a chunk the owner
+staged encoded is read from its staging into this node's, checked against its checksum and
+decoded into the local reservation; one it did not stage (or this node has no room for)
+is read from its pages as they are.
+
 Any failure (owner gone or frozen, deadline, error reply) aborts the local reservations, so
 no page stays taken here, and drops the cached connection to that owner: the owner's session
 then ends and gives its pins back even if the release never arrived. The chunks are then
@@ -40,10 +46,21 @@ from kvfabric.errors import (
     DeadlineExceededError,
     KVFabricError,
     LeaseExpiredError,
+    ProtocolError,
 )
 from kvfabric.memory.arena import SharedArena
 from kvfabric.protocol.messages import Op, encode_namespace
 from kvfabric.server.peers import PeerLink, PeerLinks, Spans, placement_ranges
+from kvfabric.server.wire_fp8 import (
+    FP8,
+    NO_FP8,
+    STAGING_REGION,
+    Fp8Targets,
+    Staged,
+    WireStaging,
+    land_chunk,
+    wire_applies,
+)
 from kvfabric.spec import Namespace
 from kvfabric.store.handles import ObjectWriter
 from kvfabric.store.protocol import Store
@@ -92,12 +109,26 @@ class Puller:
     owner.
     """
 
-    def __init__(self, store: Store, links: PeerLinks) -> None:
+    def __init__(
+        self,
+        store: Store,
+        links: PeerLinks,
+        *,
+        staging: WireStaging | None = None,
+        fp8_from: Fp8Targets = NO_FP8,
+    ) -> None:
+        """``staging``: this node's fp8 staging arena, registered with ``links.transport``
+        as :data:`~kvfabric.server.wire_fp8.STAGING_REGION` (None: pulls are native);
+        ``fp8_from``: the owners pulls from travel as fp8."""
         self._store = store
         self._links = links
         self._cluster = links.cluster
         self._transport = links.transport
         self._arenas: dict[int, SharedArena] = {i: a for i, _, a in store.host_arenas()}
+        self._staging = staging
+        self._fp8_from = fp8_from
+        if staging is not None:
+            self._arenas[STAGING_REGION] = staging.arena
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes], timeout: float) -> PrefetchResult:
         """Pull every chunk of ``keys`` not held here, within ``timeout`` seconds.
@@ -173,15 +204,15 @@ class Puller:
         this owner."""
         owner = self._links.link(candidate.node_id, candidate.epoch, end)
         pinned_at = time.monotonic()
+        args = {"ns": encode_namespace(ns), "keys": keys, "timeout": _left(end, "peer_pin")}
+        if self._wants_fp8(candidate.node_id, ns):
+            args["wire"] = FP8
         items = item_results(
-            owner.connection.call(
-                Op.PEER_PIN,
-                {"ns": encode_namespace(ns), "keys": keys, "timeout": _left(end, "peer_pin")},
-                timeout=_left(end, "peer_pin"),
-            )
+            owner.connection.call(Op.PEER_PIN, args, timeout=_left(end, "peer_pin"))
         )
         leases = [r["lease"] for r in items if not isinstance(r, KVFabricError)]
         writers: list[tuple[bytes, ObjectWriter]] = []
+        encoded: list[tuple[ObjectWriter, Staged, Any]] = []
         raced: set[bytes] = set()
         try:
             spans = Spans(self._arenas)
@@ -201,21 +232,50 @@ class Puller:
                     raced.add(key)  # stored here since the check
                     continue
                 writers.append((key, writer))
+                lease_s = min(lease_s, float(item["lease_s"]))
+                room = self._room_for(item.get("staging"))
+                if room is not None:  # its encoded bytes, into this node's staging
+                    encoded.append((writer, room, item["staging"].get("checksum")))
+                    region, remote = placement_ranges(
+                        item["staging"], room.nbytes, 0, room.nbytes, "peer_pin staging"
+                    )
+                    spans.add(region, remote, STAGING_REGION, room.pages, 0, room.nbytes)
+                    continue
                 region, remote = placement_ranges(item, writer.nbytes, 0, writer.nbytes, "peer_pin")
                 spans.add(region, remote, writer.arena_id, writer.pages, 0, writer.nbytes)
-                lease_s = min(lease_s, float(item["lease_s"]))
             if spans:  # every chunk from this owner in one transfer
                 self._transport.read(owner.peer, spans.reads(), _left(end, "transfer"))
                 if time.monotonic() >= pinned_at + lease_s:
                     raise LeaseExpiredError("the owner's pins expired during the transfer")
+            assert self._staging is not None or not encoded
+            for writer, room, checksum in encoded:
+                land_chunk(self._staging, room, writer, checksum)  # type: ignore[arg-type]
             for _, writer in writers:
                 writer.commit()
         except BaseException:
             for _, writer in writers:
                 writer.abort()  # no-op for one already committed
             raise  # the caller drops the connection, which gives the owner's pins back
+        finally:
+            for _, room, _ in encoded:
+                self._staging.give(room)  # type: ignore[union-attr]
         self._release(candidate.node_id, owner, leases, end)
         return {key: writer.num_tokens for key, writer in writers}, raced
+
+    def _wants_fp8(self, node_id: str, ns: Namespace) -> bool:
+        if self._staging is None or not wire_applies(ns.spec):
+            return False
+        node = next((n for n in self._links.nodes() if n.node_id == node_id), None)
+        return self._fp8_from.wire_for(node_id, "" if node is None else node.hardware_class) == FP8
+
+    def _room_for(self, staging: Any) -> Staged | None:
+        """Room here for a chunk the owner staged as fp8 (None: it was not, or no room)."""
+        if self._staging is None or not isinstance(staging, dict):
+            return None
+        try:
+            return self._staging.take(int(staging["nbytes"]))
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError("malformed peer_pin staging item") from None
 
     def _release(self, node_id: str, owner: PeerLink, leases: list[int], end: float) -> None:
         if not leases:

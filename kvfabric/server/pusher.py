@@ -25,7 +25,7 @@ landed on the target when the last one was committed here, and the tail after it
 namespace's dtype.
 
 fp8 on the wire (:mod:`kvfabric.server.wire_fp8`): when the push asks for it (or
-``cluster.fp8_wire_to`` names the target or its hardware class), a chunk of a float
+``cluster.fp8_wire_peers`` names the target or its hardware class), a chunk of a float
 namespace goes encoded: staged here, reserved with ``wire: fp8``, each layer batch encoded
 into this node's staging and written into the target's, committed with its checksum; the
 target decodes it into the reservation. A chunk either side has no staging room for goes

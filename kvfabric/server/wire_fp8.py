@@ -22,6 +22,12 @@ Who does what, for a chunk the sender pushes as fp8 (:mod:`kvfabric.server.pushe
    commit and aborts the reservation: a damaged chunk is never readable. Staging room is
    given back when the reservation ends (complete, aborted, or its session gone).
 
+A pull from an owner the puller's ``cluster.fp8_wire_peers`` names (:mod:`kvfabric.server.
+puller`) asks ``peer_pin`` with ``wire: "fp8"``: the owner (:class:`Outbound`) encodes each
+pinned chunk whole into its staging and names it, with its checksum, in the reply; the
+puller reads it into its own staging, checks it and decodes it into its reservation
+(:func:`land_chunk`); the owner's staging goes back with the pin.
+
 Thread-safety: :class:`WireStaging` and :class:`Inbound` lock their own state; encoding
 and decoding run on the daemon's worker threads (a commit that decodes is refused on the
 event loop with WouldBlockError, which sends it to a worker).
@@ -43,7 +49,7 @@ from kvfabric.memory.copy import Piece, copy_pieces
 from kvfabric.memory.pages import PageAllocator, Pages, slice_pages
 from kvfabric.payload import PayloadReader
 from kvfabric.spec import KVSpec
-from kvfabric.store.handles import ObjectWriter
+from kvfabric.store.handles import ObjectReader, ObjectWriter
 
 FP8 = "fp8"
 NATIVE = "native"
@@ -73,7 +79,7 @@ def layer_nbytes(spec: KVSpec, num_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class Fp8Targets:
-    """Which pushes travel as fp8 (``cluster.fp8_wire_to``): a comma-separated list of node
+    """Which pushes travel as fp8 (``cluster.fp8_wire_peers``): a comma-separated list of node
     ids and hardware classes; ``*`` is every peer, empty none."""
 
     names: frozenset[str]
@@ -158,6 +164,97 @@ def encode_layers(
     return offset, length, staging.checksum(staged, offset, length)
 
 
+def land_chunk(staging: WireStaging, staged: Staged, writer: ObjectWriter, checksum: Any) -> None:
+    """Check a whole encoded chunk in ``staged`` against ``checksum`` and decode it into
+    ``writer``'s pages (a pulled chunk); ProtocolError when it does not match or decode."""
+    spec = writer.layout.spec
+    per_layer = layer_nbytes(spec, writer.num_tokens)
+    if staged.nbytes != spec.num_layers * per_layer:
+        raise ProtocolError(
+            f"an fp8 chunk of {staged.nbytes} bytes, expected {spec.num_layers * per_layer}"
+        )
+    _check(staging, staged, 0, staged.nbytes, checksum, writer.key, 0, spec.num_layers)
+    _decode(staging, staged, writer, 0, spec.num_layers, per_layer)
+
+
+class Outbound:
+    """The owner's side of a pull as fp8: pinned chunks encoded whole into staging, named
+    in the ``peer_pin`` reply, given back when the pin is released (or its session ends)."""
+
+    def __init__(self, staging: WireStaging) -> None:
+        self.staging = staging
+        self._sent: dict[int, tuple[ObjectReader, Staged]] = {}  # by reader identity
+        self._lock = threading.Lock()
+
+    def stage(self, reader: ObjectReader) -> dict[str, Any] | None:
+        """Encode ``reader``'s complete chunk into staging: ``staging`` (placement and
+        ``checksum``) for the reply; None when fp8 does not apply or there is no room."""
+        self._reclaim()
+        spec = reader.layout.spec
+        if not wire_applies(spec):
+            return None
+        staged = self.staging.take(encoded_nbytes(spec, reader.num_tokens))
+        if staged is None:
+            return None
+        try:
+            _, _, checksum = encode_layers(self.staging, staged, reader, 0, spec.num_layers)
+        except BaseException:
+            self.staging.give(staged)
+            raise
+        with self._lock:
+            self._sent[id(reader)] = (reader, staged)
+        return {**_placement(staged), "checksum": checksum}
+
+    def done(self, reader: ObjectReader) -> None:
+        with self._lock:
+            sent = self._sent.pop(id(reader), None)
+        if sent is not None:
+            self.staging.give(sent[1])
+
+    def _reclaim(self) -> None:
+        """Give back the staging of pins released without a word (their session closed)."""
+        with self._lock:
+            gone = [k for k, (reader, _) in self._sent.items() if reader.closed]
+            ended = [self._sent.pop(k)[1] for k in gone]
+        for staged in ended:
+            self.staging.give(staged)
+
+
+class Fp8Wire:
+    """A node's fp8 ends, over one staging arena: receiving pushes (``inbound``) and
+    serving pulls (``outbound``)."""
+
+    def __init__(self, staging: WireStaging) -> None:
+        self.staging = staging
+        self.inbound = Inbound(staging)
+        self.outbound = Outbound(staging)
+
+
+def _placement(staged: Staged) -> dict[str, Any]:
+    return {
+        "arena": STAGING_REGION,
+        "pages": np.asarray(staged.pages, dtype="<u4").tobytes(),
+        "page_size": STAGING_PAGE,
+        "nbytes": staged.nbytes,
+    }
+
+
+def _check(
+    staging: WireStaging,
+    staged: Staged,
+    offset: int,
+    length: int,
+    checksum: Any,
+    key: bytes,
+    first: int,
+    stop: int,
+) -> None:
+    if not isinstance(checksum, int) or isinstance(checksum, bool):
+        raise ProtocolError("fp8 layers need their checksum")
+    if staging.checksum(staged, offset, length) != checksum:
+        raise ProtocolError(f"fp8 layers {first}-{stop - 1} of {key.hex()} failed their checksum")
+
+
 @dataclass
 class _Landing:
     writer: ObjectWriter
@@ -185,12 +282,7 @@ class Inbound:
             return None
         with self._lock:
             self._landing[id(writer)] = _Landing(writer, staged)
-        return {
-            "arena": STAGING_REGION,
-            "pages": np.asarray(staged.pages, dtype="<u4").tobytes(),
-            "page_size": STAGING_PAGE,
-            "nbytes": staged.nbytes,
-        }
+        return _placement(staged)
 
     def receives(self, writer: ObjectWriter) -> bool:
         with self._lock:
@@ -208,12 +300,7 @@ class Inbound:
         spec = writer.layout.spec
         per_layer = layer_nbytes(spec, writer.num_tokens)
         offset, length = first * per_layer, (stop - first) * per_layer
-        if not isinstance(checksum, int) or isinstance(checksum, bool):
-            raise ProtocolError("peer_commit: fp8 layers need their checksum")
-        if self.staging.checksum(landing.staged, offset, length) != checksum:
-            raise ProtocolError(
-                f"fp8 layers {first}-{stop - 1} of {writer.key.hex()} failed their checksum"
-            )
+        _check(self.staging, landing.staged, offset, length, checksum, writer.key, first, stop)
         _decode(self.staging, landing.staged, writer, first, stop, per_layer)
 
     def done(self, writer: ObjectWriter) -> None:

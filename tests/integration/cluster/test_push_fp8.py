@@ -1,6 +1,6 @@
 """fp8 on the wire: a bf16 chain pushed as e4m3 between two daemons (separate processes, one
 real redis-server, over the socket and NIXL transports) moves about half its bytes and lands
-in bf16 within the documented error bound; the node's ``cluster.fp8_wire_to`` picks which
+in bf16 within the documented error bound; the node's ``cluster.fp8_wire_peers`` picks which
 targets get fp8, and a target with no staging takes the chunk native, byte exact."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_the_config_picks_fp8_per_target_class_and_a_push_can_override_it(
 ) -> None:
     a = start_daemon(
         *cluster_node(
-            redis_server.url, "node-a", "cluster.fp8_wire_to=decode-npu", transport="socket"
+            redis_server.url, "node-a", "cluster.fp8_wire_peers=decode-npu", transport="socket"
         )
     )
     start_daemon(
@@ -143,3 +143,32 @@ def test_an_fp8_chunk_is_a_chunk_of_the_namespace_like_any_other(
             assert np.isfinite(
                 torch.frombuffer(bytearray(reader.to_bytes()), dtype=torch.bfloat16).float().numpy()
             ).all()
+
+
+@pytest.mark.parametrize("transport", ["socket", "nixl"])
+def test_a_pull_from_an_fp8_peer_moves_half_the_bytes_and_lands_within_the_bound(
+    redis_server, start_daemon, transport: str
+) -> None:
+    """The puller's configuration names the owner's hardware class: the owner stages each
+    chunk as fp8, the puller reads those bytes, checks and decodes them; a pull from an
+    owner it does not name copies the pages as they are."""
+    owner = start_daemon(
+        *cluster_node(
+            redis_server.url, "owner", "cluster.hardware_class=prefill-x", transport=transport
+        )
+    )
+    plain = start_daemon(*cluster_node(redis_server.url, "plain", transport=transport))
+    puller = start_daemon(
+        *cluster_node(
+            redis_server.url, "puller", "cluster.fp8_wire_peers=prefill-x", transport=transport
+        )
+    )
+    keys, sent = put_chain(owner.socket, seed=6)
+    other_keys, other_sent = put_chain(plain.socket, seed=7)
+    with Client(puller.socket) as client:
+        assert client.prefetch(NS, keys=keys, timeout=DEADLINE_S)["pulled"] == CHUNKS
+        assert client.prefetch(NS, keys=other_keys, timeout=DEADLINE_S)["pulled"] == CHUNKS
+    for x, y in zip(sent, read_back(puller.socket, keys)):
+        assert_within_bound(x, y)
+        assert not torch.equal(x, y)  # through e4m3
+    assert all(torch.equal(x, y) for x, y in zip(other_sent, read_back(puller.socket, other_keys)))

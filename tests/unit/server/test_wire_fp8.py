@@ -25,6 +25,7 @@ from kvfabric.server.wire_fp8 import (
     NATIVE,
     STAGING_PAGE,
     Fp8Targets,
+    Fp8Wire,
     Inbound,
     WireStaging,
     encode_layers,
@@ -145,7 +146,7 @@ def test_the_targets_configuration_names_nodes_and_hardware_classes() -> None:
 
 
 def test_a_peer_commit_that_fails_its_checksum_aborts_the_reservation(store, kv) -> None:
-    ctx = Context(store, AuthConfig(), "node", 16, inbound=Inbound(WireStaging(1 << 20)))
+    ctx = Context(store, AuthConfig(), "node", 16, fp8=Fp8Wire(WireStaging(1 << 20)))
     session = Session(local=False, max_leases=16)
     session.authenticate(None, "peer")
     item = {"key": REFS[1].key, "parent": REFS[1].parent, "wire": FP8}
