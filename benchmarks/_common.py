@@ -212,6 +212,17 @@ def touched(nbytes: int) -> np.ndarray:
     return buf
 
 
+def memfd_pages(arena_bytes: int) -> str:
+    """What pages a daemon's arena of ``arena_bytes`` gets here (its tiers' default
+    ``huge_pages: auto`` takes reserved huge pages when enough are free), with the kernel's
+    shared-memory settings: copies against ``memcpy`` depend on it."""
+    from kvfabric.memory import pagesize
+
+    if 0 < arena_bytes <= pagesize.hugetlb_free_bytes():
+        return f"2 MiB (reserved huge pages, {pagesize.hugetlb_free_bytes() >> 20} MiB free)"
+    return pagesize.describe().summary()
+
+
 def host_cpu() -> str:
     """The host's CPU model and whether it has AMX (vLLM CPU's kernels, and so its
     numerics and speed, differ with it): figures name the host they came from."""

@@ -12,6 +12,9 @@ daemon would meet it:
   daemon reads it only after the store is built), the TLS certificate loadable;
 * the bind rule (:func:`kvfabric.config.check_binds`) and what the redis index needs (the
   TCP control endpoint);
+* pages: what backs the memory tiers' arenas (reserved huge pages, or the kernel's page
+  size for shared memory, with what to change where it is 4 KiB); ``huge_pages: on``
+  without enough reserved huge pages free is refused;
 * capacities: the memory tiers (DRAM, CXL) against physical memory (``MemTotal``, or the
   cgroup's ``memory.max`` when lower), the prefaulted ones against what is available now
   (``MemAvailable``: prefault touches every page at start-up); an SSD tier against the free
@@ -35,6 +38,7 @@ from pathlib import Path
 
 from kvfabric.config import DaemonConfig, check_binds
 from kvfabric.errors import ConfigError
+from kvfabric.memory import pagesize
 from kvfabric.store.config import TierConfig, format_size
 from kvfabric.tiers.base import TierKind
 
@@ -84,6 +88,7 @@ def preflight(config: DaemonConfig, *, probe: bool = True) -> Preflight:
         )
     overcommit: list[str] = []
     lines += _check_memory(config, overcommit)
+    lines += _check_pages(config, problems, probe)
     lines += _check_disk(config, overcommit)
     if config.store.allow_overcommit:
         warnings += [f"{line} (store.allow_overcommit is set)" for line in overcommit]
@@ -196,6 +201,31 @@ def _check_memory(config: DaemonConfig, overcommit: list[str]) -> list[str]:
         f"memory tiers {names}: {format_size(total)} of {format_size(info.total)} "
         f"{info.source}" + (f" ({format_size(prefaulted)} prefaulted)" if prefaulted else "")
     ]
+
+
+def _check_pages(config: DaemonConfig, problems: list[str], probe: bool) -> list[str]:
+    """What pages the memory tiers' arenas get: reserved huge pages (``huge_pages``), or
+    what the kernel gives shared memory (with ``probe``: a small arena mapped and read
+    back; else the settings alone). ``huge_pages: on`` without enough free is a problem."""
+    tiers = [t for t in config.store.tiers if t.kind in MEMORY_KINDS and t.huge_pages != "off"]
+    free = pagesize.hugetlb_free_bytes()
+    wanted = sum(t.capacity for t in tiers if t.huge_pages == "on")
+    if wanted > free:
+        problems.append(
+            f"huge_pages: on needs {format_size(wanted)} of reserved huge pages, "
+            f"{format_size(free)} are free (sysctl vm.nr_hugepages)"
+        )
+    if any(t.capacity <= free for t in tiers):
+        return [f"memory pages 2 MiB: reserved huge pages ({format_size(free)} free)"]
+    pages = pagesize.describe() if probe else pagesize.SharedPages(0, "", 0)
+    if pages.page_bytes >= 2 << 20:
+        return [f"memory pages {pages.summary()}"]
+    hint = (
+        "engines' copies into the arenas walk 4 KiB pages: reserve huge pages "
+        "(vm.nr_hugepages) or set /sys/kernel/mm/transparent_hugepage/shmem_enabled to "
+        "advise for faster ones"
+    )
+    return [f"memory pages {pages.summary() if probe else 'not probed'}; {hint}"]
 
 
 def ssd_dir(config: DaemonConfig, tier: TierConfig) -> Path:

@@ -160,8 +160,8 @@ class Client:
         ``failed`` (not held here, or not pushed in time), and the bytes moved
         (``wire_bytes``; ``native_bytes`` in the namespace's dtype). ``wire``: "fp8" sends
         float chunks as e4m3 (half the bytes; they land in the namespace's dtype), "native"
-        as they are; None: as the node's ``cluster.fp8_wire_to`` says. Blocks until the push
-        ends. Needs the local socket and a node in a redis cluster."""
+        as they are; None: as the node's ``cluster.fp8_wire_peers`` says. Blocks until the
+        push ends. Needs the local socket and a node in a redis cluster."""
         return dict(
             self._call(
                 Op.PUSH,

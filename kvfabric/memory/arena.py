@@ -24,6 +24,13 @@ clients it trusts only with their own tenant's objects):
 Freed memory goes back to the OS with :meth:`SharedArena.release` (``MADV_REMOVE``: the
 pages read as zeros afterwards, in every process that maps them).
 
+Huge pages: an arena created with ``hugetlb=True`` is a ``MFD_HUGETLB`` memfd, backed by
+the huge pages the node reserved (``vm.nr_hugepages``), so every process that maps it walks
+2 MiB pages; its size must be a multiple of the huge page size, it stays resident
+(``release`` is a no-op: the reservation holds the memory anyway). Otherwise the mapping
+asks for transparent huge pages, which the kernel grants shared memory only where
+``shmem_enabled`` allows (:mod:`kvfabric.memory.pagesize`).
+
 Thread-safety: views are plain memory; the arena object itself is immutable after creation
 except :meth:`close`, which the owner calls once no view is in use.
 """
@@ -78,7 +85,14 @@ class SharedArena:
     """A ``MAP_SHARED`` memfd region viewed as ``num_pages`` pages of ``page_size`` bytes."""
 
     def __init__(
-        self, fd: int, size: int, page_size: int, *, owner: bool, writable: bool = True
+        self,
+        fd: int,
+        size: int,
+        page_size: int,
+        *,
+        owner: bool,
+        writable: bool = True,
+        hugetlb: bool = False,
     ) -> None:
         check_geometry(size, page_size)
         self._fd = fd
@@ -86,6 +100,7 @@ class SharedArena:
         self._page_size = page_size
         self._owner = owner
         self.writable = writable
+        self.hugetlb = hugetlb
         prot = mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
         self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         _ask_for_huge_pages(self._map)
@@ -101,15 +116,18 @@ class SharedArena:
         name: str = "kvfabric",
         numa_node: int | None = None,
         prefault: bool = False,
+        hugetlb: bool = False,
     ) -> SharedArena:
-        """A new anonymous shared region (memfd), optionally NUMA-bound and pre-faulted."""
+        """A new anonymous shared region (memfd), optionally NUMA-bound, pre-faulted, and
+        backed by reserved huge pages (``hugetlb``: OSError when the node has too few)."""
         check_geometry(size, page_size)
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if hugetlb else 0)
+        fd = os.memfd_create(name, flags)
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             os.fchmod(fd, 0o400)  # a read-only holder cannot reopen it writable (see above)
-            arena = cls(fd, size, page_size, owner=True)
+            arena = cls(fd, size, page_size, owner=True, hugetlb=hugetlb)
         except BaseException:
             os.close(fd)
             raise
@@ -141,7 +159,7 @@ class SharedArena:
             raise ValueError(
                 f"release of [{start}, {start + length}) is not page-aligned inside the arena"
             )
-        if length:
+        if length and not self.hugetlb:  # reserved huge pages stay reserved: nothing to give
             self._map.madvise(mmap.MADV_REMOVE, start, length)
 
     @property

@@ -71,6 +71,9 @@ def _tier_kind(value: object) -> TierKind:
 _TIER_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 
+HUGE_PAGES = ("auto", "on", "off")
+
+
 @config_value
 class TierConfig:
     """One tier. Keys not meaningful for a kind are rejected, not ignored."""
@@ -81,6 +84,9 @@ class TierConfig:
     page_size: ByteSize = 256 * KiB  # dram / cxl / device
     numa_node: Annotated[int | None, PlainValidator(optional(int_in(0)))] = None  # cxl (or dram)
     prefault: Flag = False  # dram / cxl: touch all pages at start-up
+    # dram / cxl: back the arenas with reserved huge pages (vm.nr_hugepages): "auto" when
+    # enough are free, "on" always (start-up fails without them), "off" never
+    huge_pages: Annotated[str, PlainValidator(one_of(*HUGE_PAGES))] = "auto"
     device: Text = "cpu"  # device
     path: Text = "ssd"  # ssd: directory, relative to the store's data_dir
     segment_bytes: ByteSize = 256 * MiB  # ssd
@@ -90,8 +96,8 @@ class TierConfig:
     format: Annotated[str, PlainValidator(one_of(*FORMATS))] = "native"
 
     KIND_KEYS: ClassVar[dict[TierKind, set[str]]] = {
-        TierKind.DRAM: {"page_size", "numa_node", "prefault"},
-        TierKind.CXL: {"page_size", "numa_node", "prefault"},
+        TierKind.DRAM: {"page_size", "numa_node", "prefault", "huge_pages"},
+        TierKind.CXL: {"page_size", "numa_node", "prefault", "huge_pages"},
         TierKind.DEVICE: {"page_size", "device"},
         TierKind.SSD: {"path", "segment_bytes", "writers", "fsync", "format"},
     }

@@ -23,6 +23,7 @@ def build_tier(config: TierConfig, data_dir: Path) -> AnyTier:
             config.page_size,
             numa_node=config.numa_node,
             prefault=config.prefault,
+            huge_pages=config.huge_pages,
         )
     if config.kind is TierKind.DEVICE:
         return DeviceTier(config.name, config.capacity, config.page_size, device=config.device)

@@ -14,10 +14,17 @@ its place in the tier order.
 
 from __future__ import annotations
 
+import logging
+import math
+
 import numpy as np
 
+from kvfabric.errors import CapacityError
+from kvfabric.memory import pagesize
 from kvfabric.memory.arena import SharedArena
 from kvfabric.tiers.base import PagedTier, Pool, TierKind, View
+
+log = logging.getLogger(__name__)
 
 
 class HostTier(PagedTier):
@@ -32,18 +39,16 @@ class HostTier(PagedTier):
         *,
         numa_node: int | None = None,
         prefault: bool = False,
+        huge_pages: str = "off",
     ) -> None:
         if kind not in (TierKind.DRAM, TierKind.CXL):
             raise ValueError(f"a host tier is dram or cxl, not {kind.value}")
-        size = capacity_bytes - capacity_bytes % page_size
         self._numa_node = numa_node
+        self._huge_pages = huge_pages
         self.prefault = prefault  # the default arena only: tenants' arenas fill on demand
-        self.arenas: dict[Pool, SharedArena] = {
-            None: SharedArena.create(
-                size, page_size, name=f"kvfabric-{name}", numa_node=numa_node, prefault=prefault
-            )
-        }
-        super().__init__(name, kind, size, page_size)
+        arena = self._new_arena(capacity_bytes, page_size, f"kvfabric-{name}", prefault=prefault)
+        self.arenas: dict[Pool, SharedArena] = {None: arena}
+        super().__init__(name, kind, arena.size, page_size)
         self._views: dict[Pool, View] = {None: self._view_of(self.arenas[None].array)}
 
     @property
@@ -55,14 +60,51 @@ class HostTier(PagedTier):
         super().add_pool(tenant, capacity_bytes)
         size = self._pools[tenant].num_pages * self.page_size
         try:
-            arena = SharedArena.create(
-                size, self.page_size, name=f"kvfabric-{self.name}-tenant", numa_node=self._numa_node
-            )
+            name = f"kvfabric-{self.name}-tenant"
+            arena = self._new_arena(size, self.page_size, name, exact=True)
         except BaseException:
             del self._pools[tenant]
             raise
         self.arenas[tenant] = arena
         self._views[tenant] = self._view_of(arena.array)
+
+    def _new_arena(
+        self,
+        capacity: int,
+        page_size: int,
+        name: str,
+        *,
+        prefault: bool = False,
+        exact: bool = False,
+    ) -> SharedArena:
+        """An arena of at most ``capacity`` bytes (``exact``: of ``capacity`` bytes, a
+        multiple of ``page_size``), on reserved huge pages as ``huge_pages`` says: a hugetlb
+        arena is a whole number of huge pages and of ``page_size``s."""
+        size = capacity - capacity % page_size
+        if self._huge_pages != "off":
+            huge = pagesize.hugetlb_page_bytes()
+            unit = math.lcm(page_size, huge) if huge else 0
+            fits = unit and capacity >= unit and not (exact and capacity % unit)
+            wanted = capacity - capacity % unit if unit else 0
+            if fits and (self._huge_pages == "on" or pagesize.hugetlb_free_bytes() >= wanted):
+                try:
+                    return SharedArena.create(
+                        wanted,
+                        page_size,
+                        name=name,
+                        numa_node=self._numa_node,
+                        prefault=prefault,
+                        hugetlb=True,
+                    )
+                except OSError as exc:
+                    if self._huge_pages == "on":
+                        raise CapacityError(_no_huge_pages(capacity, exc)) from None
+                    log.info("%s: reserved huge pages ran short (%s); plain pages", name, exc)
+            elif self._huge_pages == "on":
+                raise CapacityError(_no_huge_pages(capacity, None))
+        return SharedArena.create(
+            size, page_size, name=name, numa_node=self._numa_node, prefault=prefault
+        )
 
     def _view_of(self, flat: np.ndarray) -> View:
         page_size = self.page_size
@@ -97,3 +139,13 @@ class HostTier(PagedTier):
         self._views = {}
         for arena in self.arenas.values():
             arena.close()
+
+
+def _no_huge_pages(capacity: int, exc: OSError | None) -> str:
+    huge = pagesize.hugetlb_page_bytes() or 2 << 20
+    need = -(-capacity // huge)
+    why = f" ({exc})" if exc is not None else ""
+    return (
+        f"huge_pages: on, but {capacity} bytes of reserved huge pages are not free{why}; "
+        f"reserve them (sysctl vm.nr_hugepages={need} or more) or set huge_pages: auto"
+    )

@@ -1,0 +1,53 @@
+"""Huge pages for a test: ``reserved(n)`` sets ``vm.nr_hugepages`` to ``n`` more than are
+free now, ``shmem_thp(mode)`` sets the kernel's transparent huge pages for shared memory;
+both put the old value back afterwards (root only: these are the machine's, like the
+filesystems the disk-fault tests mount)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+NR = Path("/proc/sys/vm/nr_hugepages")
+SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+
+
+def _free() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("HugePages_Free:"):
+            return int(line.split()[1])
+    return 0
+
+
+@contextlib.contextmanager
+def reserved(pages: int) -> Iterator[int]:
+    """At least ``pages`` huge pages free inside the block (skips the test when this process
+    may not reserve them, or the kernel could not find the memory)."""
+    if os.geteuid() != 0 or not os.access(NR, os.W_OK):
+        pytest.skip("reserving huge pages needs root (vm.nr_hugepages)")
+    before = int(NR.read_text())
+    NR.write_text(str(before + pages))
+    try:
+        if _free() < pages:
+            pytest.skip(f"the kernel reserved only {_free()} of {pages} huge pages")
+        yield pages
+    finally:
+        NR.write_text(str(before))
+
+
+@contextlib.contextmanager
+def shmem_thp(mode: str) -> Iterator[None]:
+    """``shmem_enabled`` set to ``mode`` inside the block (skips without root)."""
+    if os.geteuid() != 0 or not os.access(SHMEM, os.W_OK):
+        pytest.skip("setting shmem_enabled needs root")
+    words = SHMEM.read_text().split()
+    before = next((w.strip("[]") for w in words if w.startswith("[")), "never")
+    SHMEM.write_text(mode)
+    try:
+        yield
+    finally:
+        SHMEM.write_text(before)
