@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvfabric.client.pipelined_put import GROWTH, groups
@@ -12,7 +14,7 @@ from kvfabric.client.pipelined_put import GROWTH, groups
 def test_groups_cover_every_item_once_in_order(count: int, first: int) -> None:
     spans = list(groups(count, first))
     assert spans[0][0] == 0 and spans[-1][1] == count
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert all(lo < hi for lo, hi in spans)
 
 
