@@ -12,7 +12,10 @@ hook                                caller     what kvfabric does
 ``update_connector_output``         scheduler  background loads that ended
 ``request_finished``                scheduler  frees blocks unless a background load still
                                                writes them; tells a consumer what to expect
-                                               (``kv_transfer_params``)
+                                               (``kv_transfer_params``); the same for
+                                               ``request_finished_all_groups`` (HMA)
+``bind_kv_cache_manager``           scheduler  reads vLLM's block tables (freed
+                                               sliding-window blocks are null there)
 ``get_external_cache_hit_sources``  scheduler  the hit split by tier (host, disk, p2p)
 ``take_events``                     scheduler  the fabric's blocks for the engine's KV events
                                                (``--kv-events-config``): :mod:`.events`
@@ -21,7 +24,8 @@ hook                                caller     what kvfabric does
 ``wait_for_layer_load``             worker     layer i is in place before attention i
 ``save_kv_layer``                   worker     layer i of completed chunks -> shared memory
 ``wait_for_save``                   worker     loads joined, saves committed
-``get_finished``                    worker     background loads (pulls) that ended
+``get_transfer_results``            worker     background loads that ended (and failed,
+                                               with several KV cache groups)
 ``get_block_ids_with_load_errors``  worker     blocks to recompute after a failed load
 ``get_kv_connector_stats``          worker     transfer counters for vLLM's metrics
 ==================================  =========  ==============================================
@@ -29,6 +33,13 @@ hook                                caller     what kvfabric does
 Roles (``kv_role``): ``kv_both`` loads and saves (prefix reuse), ``kv_producer`` saves
 (prefill), ``kv_consumer`` loads (decode). Set ``kv_load_failure_policy: "recompute"`` so a
 failed load costs time, never a request. Settings: :mod:`.settings`.
+
+Hybrid attention: the connector implements ``SupportsHMA``, so vLLM keeps its hybrid KV
+cache manager on (several KV cache groups, sliding-window blocks freed as the window
+moves); :mod:`.groups` is the contract (one object per chunk and layer set, sliding-window
+sets only where a consumer can use them, loads into live blocks only). A model with
+recurrent state (Mamba, linear attention) starts and serves with the connector, which moves
+nothing for it.
 """
 
 from __future__ import annotations
@@ -42,9 +53,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from .groups import layer_plan
 from .metadata import KVFabricMetadata
 from .namespace import Namespaces, engine_kv_dtype, model_id_of, spec_from_vllm
 from .scheduler import SchedulerSide
@@ -53,7 +67,7 @@ from .stats import KVFabricConnectorStats
 from .worker import WorkerSide
 
 
-class KVFabricConnector(KVConnectorBase_V1):
+class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(
@@ -63,12 +77,19 @@ class KVFabricConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         spec = spec_from_vllm(vllm_config, settings.chunk_tokens, settings.kv_dtype)
-        namespaces = Namespaces(model_id_of(vllm_config, settings.model_id), spec)
+        plan = layer_plan(kv_cache_config)
+        moves = plan is None or not plan.inert
+        namespaces = Namespaces(
+            model_id_of(vllm_config, settings.model_id), spec, plan if moves else None
+        )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                settings, namespaces, loads=transfer.is_kv_consumer, saves=transfer.is_kv_producer
+                settings,
+                namespaces,
+                loads=transfer.is_kv_consumer and moves,
+                saves=transfer.is_kv_producer and moves,
             )
             events = getattr(vllm_config, "kv_events_config", None)
             if events is not None and events.enable_kv_cache_events:
@@ -79,6 +100,7 @@ class KVFabricConnector(KVConnectorBase_V1):
                 namespaces,
                 vllm_config.cache_config.block_size,
                 engine_kv_dtype(vllm_config),
+                moves=moves,
             )
 
     # -- scheduler side ----------------------------------------------------------------
@@ -106,6 +128,21 @@ class KVFabricConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """HMA's ``request_finished``: saves never outlive their step, so the block ids of
+        the groups are not needed here either."""
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.bind_blocks(
+                kv_cache_manager.get_block_ids, kv_cache_manager.block_pool.null_block.block_id
+            )
 
     def get_external_cache_hit_sources(
         self, request: Any, num_external_tokens: int
@@ -144,9 +181,12 @@ class KVFabricConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.finish_step()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Background loads that ended; with several KV cache groups those that failed too
+        (vLLM recomputes them: it cannot map block ids of several groups to requests)."""
         assert self._worker is not None
-        return None, self._worker.take_finished_loads() or None
+        done, failed = self._worker.take_load_results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -5,11 +5,12 @@ A request's token ``t`` lives in block ``block_ids[t // block_size]`` at offset
 ``t % block_size``. :meth:`PagedLayout.gather` returns tokens ``[start, start + num_tokens)``
 of a request as the canonical contiguous ``[2, num_kv_heads, num_tokens, head_dim]`` tensor
 (K then V), which is one layer's slice of kvfabric's ``[layer][k|v][kv_head][token][head_dim]``
-chunk layout. :meth:`PagedLayout.scatter` is its inverse and writes only those tokens' slots:
-the other slots of the same blocks may belong to other requests and are left untouched.
-``start`` need not be block-aligned. Both work on whole token ranges: one strided copy per
-block run (the tokens a range has in one block), or tensor indexing; never a Python loop per
-token.
+chunk layout (MLA layouts, :mod:`.mla_layout`, have one plane, the latent, and one "head":
+``[1, 1, num_tokens, latent_dim]``). :meth:`PagedLayout.scatter` is its inverse and writes
+only those tokens' slots: the other slots of the same blocks may belong to other requests
+and are left untouched. ``start`` need not be block-aligned. Both work on whole token
+ranges: one strided copy per block run (the tokens a range has in one block), or tensor
+indexing; never a Python loop per token.
 
 Layouts:
 
@@ -33,7 +34,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -61,9 +62,10 @@ class _Geometry:
     block_size: int
     head_dim: int
     dtype: torch.dtype
+    planes: int = 2  # K and V; 1 for MLA's latent
 
     def __post_init__(self) -> None:
-        for name in ("num_kv_heads", "block_size", "head_dim"):
+        for name in ("num_kv_heads", "block_size", "head_dim", "planes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -72,11 +74,11 @@ class _Geometry:
 
     @property
     def block_numel(self) -> int:
-        """Elements of K and V in one block: 2 * num_kv_heads * block_size * head_dim."""
-        return 2 * self.num_kv_heads * self.block_size * self.head_dim
+        """Elements of all planes in one block: planes * num_kv_heads * block_size * head_dim."""
+        return self.planes * self.num_kv_heads * self.block_size * self.head_dim
 
     def canonical_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
-        return (2, self.num_kv_heads, num_tokens, self.head_dim)
+        return (self.planes, self.num_kv_heads, num_tokens, self.head_dim)
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,10 @@ class _TokenSlots:
 class PagedLayout(ABC):
     """One layer's paged KV cache of one engine; see the module docstring for the contract."""
 
+    planes: ClassVar[int] = 2  # canonical planes: K and V
+
     def __init__(self, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype):
-        self._geometry = _Geometry(num_kv_heads, block_size, head_dim, dtype)
+        self._geometry = _Geometry(num_kv_heads, block_size, head_dim, dtype, self.planes)
 
     @property
     def block_size(self) -> int:
@@ -137,7 +141,7 @@ class PagedLayout(ABC):
         num_tokens: int,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Tokens ``[start, start + num_tokens)`` as canonical ``[2, H, num_tokens, D]``.
+        """Tokens ``[start, start + num_tokens)`` as canonical ``[planes, H, num_tokens, D]``.
 
         ``out``, when given, must be a contiguous tensor of that shape, dtype and device; it is
         filled and returned.
@@ -157,12 +161,14 @@ class PagedLayout(ABC):
     def scatter(
         self, kv_layer: torch.Tensor, block_ids: torch.Tensor, start: int, canonical: torch.Tensor
     ) -> None:
-        """Write canonical ``[2, H, T, D]`` into the slots of tokens ``[start, start + T)``."""
+        """Write canonical ``[planes, H, T, D]`` into the slots of tokens ``[start, start + T)``."""
         num_blocks = self._check_cache(kv_layer)
         if not isinstance(canonical, torch.Tensor):
             raise TypeError(f"canonical must be a torch.Tensor, got {type(canonical).__name__}")
         if canonical.dim() != 4:
-            raise ValueError(f"canonical must be [2, H, T, D], got {list(canonical.shape)}")
+            raise ValueError(
+                f"canonical must be [{self.planes}, H, T, D], got {list(canonical.shape)}"
+            )
         num_tokens = canonical.shape[2]
         shape = self._geometry.canonical_shape(num_tokens)
         _check_tensor("canonical", canonical, shape, self.dtype, kv_layer.device)

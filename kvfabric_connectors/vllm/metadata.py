@@ -3,7 +3,9 @@
 vLLM carries :class:`KVFabricMetadata` from the scheduler process to the workers inside its
 ``SchedulerOutput`` (its own IPC, not a kvfabric wire), so everything here is a plain frozen
 value. A request's tokens ``[0, n)`` live in its blocks: token ``t`` in block
-``block_ids[t // block_size]`` at offset ``t % block_size``.
+``block_ids[t // block_size]`` at offset ``t % block_size``; with several KV cache groups
+(vLLM's hybrid manager, :mod:`.groups`) each group has its own block table (``groups``),
+and a transfer moves one layer set's objects (``layer_set``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ class RequestTransfer:
     block_ids: tuple[int, ...]
     chunks: tuple[ChunkSlice, ...]
     push_to: str | None = None  # saves: also push the chunks to this node
-    background: bool = False  # loads: between steps, reported by get_finished (a pull)
+    background: bool = False  # loads: between steps, reported by get_transfer_results
+    layer_set: int = 0  # the objects' layer set (namespace), :mod:`.groups`
+    groups: tuple[tuple[int, ...], ...] = ()  # per KV cache group; (): one, ``block_ids``
+
+    def group_blocks(self, group: int) -> tuple[int, ...]:
+        """The block table of KV cache group ``group``."""
+        return self.groups[group] if self.groups else self.block_ids
 
 
 @dataclass(frozen=True)

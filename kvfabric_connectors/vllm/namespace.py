@@ -7,10 +7,15 @@ chunks are kvfabric's own (``chunk_tokens``), not engine blocks.
 The canonical object holds every KV head of the model, whatever an engine's tensor
 parallelism; :func:`rank_share` is the part of it one tensor-parallel rank's cache holds,
 saves and loads (see :mod:`.worker`).
+
+With vLLM's hybrid KV cache manager an engine's layers split into layer sets, one
+namespace each (:mod:`.groups`): ``get(..., layer_set=s)``; set 0 is the full-attention
+one where the model has it, the namespace of an engine without HMA when that is all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +25,8 @@ import torch
 from kvfabric.payload import HeadRange
 from kvfabric.readspec import tp_head_range, tp_writes
 from kvfabric.spec import AttentionKind, KVDtype, KVSpec, Namespace
+
+from .groups import LayerPlan
 
 
 def engine_kv_dtype(vllm_config: Any) -> torch.dtype:
@@ -72,15 +79,27 @@ def lora_id_of(request: Any) -> str:
 
 
 class Namespaces:
-    """Interned namespaces of one engine: (tenant salt, LoRA id) -> Namespace."""
+    """Interned namespaces of one engine: (tenant salt, LoRA id, layer set) -> Namespace.
 
-    def __init__(self, model_id: str, spec: KVSpec) -> None:
+    ``plan``: the engine's KV cache groups (:mod:`.groups`); None or a single full-attention
+    group: one set, every layer, the model id as given. ``spec`` is the whole model's."""
+
+    def __init__(self, model_id: str, spec: KVSpec, plan: LayerPlan | None = None) -> None:
         self.model_id = model_id
         self.spec = spec
+        self.plan = None if plan is None or plan.legacy else plan
+
+    @property
+    def num_sets(self) -> int:
+        return 1 if self.plan is None else len(self.plan.sets)
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 (one instance per engine)
-    def get(self, tenant_salt: str, lora_id: str) -> Namespace:
-        return Namespace(self.model_id, self.spec, tenant_salt, lora_id)
+    def get(self, tenant_salt: str, lora_id: str, layer_set: int = 0) -> Namespace:
+        if self.plan is None:
+            return Namespace(self.model_id, self.spec, tenant_salt, lora_id)
+        members = self.plan.sets[layer_set]
+        spec = dataclasses.replace(self.spec, num_layers=len(members.layers))
+        return Namespace(self.model_id + members.tag(), spec, tenant_salt, lora_id)
 
 
 @dataclass(frozen=True)

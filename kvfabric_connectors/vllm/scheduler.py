@@ -10,6 +10,11 @@ scheduler's decisions into :class:`~.metadata.KVFabricMetadata` for the workers:
   the step, layer by layer; a hit that needs chunks from another node loads in the
   background (vLLM's asynchronous load: the request waits, other requests run) while the
   daemon pulls them;
+* hybrid attention (several layer sets, :mod:`.groups`): the load stops where every
+  sliding-window set holds the window before it, into live blocks only, and is always
+  asynchronous with several KV cache groups (vLLM takes their failures per request);
+  sliding-window sets save only chunks whose blocks are all live (vLLM's own block
+  tables, read through ``bind_blocks``);
 * saves: every chunk of the prompt once all its tokens are computed (chunked prefill spreads
   them over steps), the partial last chunk included, except chunks the fabric already had.
 
@@ -32,7 +37,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvfabric.client import Client
@@ -43,6 +49,7 @@ from kvfabric.spec import Namespace
 from kvfabric_connectors.link import DaemonLink
 
 from .events import EventRelay
+from .groups import LayerPlan, all_live, live_start, usable_stop
 from .handoff import Handoff, answer, read_params
 from .metadata import ChunkSlice, KVFabricMetadata, RequestTransfer
 from .namespace import Namespaces, lora_id_of
@@ -70,7 +77,10 @@ class _Request:
     load: tuple[int, int] | None = None  # request tokens to load next step
     remote: bool = False  # the hit needs chunks only other nodes hold: load in background
     loading: bool = False  # a background load is in flight (its blocks must stay)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # KV cache group 0's
+    groups: list[list[int]] = field(default_factory=list)  # every group's (a layer plan)
+    set_refs: list[list[ChunkRef]] = field(default_factory=list)  # per layer set; [0]: refs
+    window_held: list[list[bool]] = field(default_factory=list)  # per set: chunks it holds
     next_save: int = 0  # first chunk not yet saved or known to be in the fabric
     prompt_ids: bytes = b""  # saves on: the prompt's token ids (int32-LE), each save's own
     load_failed: bool = False  # a load of it failed: offer only what this node holds
@@ -97,6 +107,16 @@ class SchedulerSide:
         self._cluster_scope = True  # until the daemon says it has no global index
         self._intends = True  # until the daemon says it publishes no KV events
         self.events: EventRelay | None = None  # the fabric's blocks in the engine's KV events
+        self.plan: LayerPlan | None = namespaces.plan
+        # vLLM's block tables per group (null entries where blocks were freed): bind_blocks
+        self._resolve: Callable[[str], Sequence[Sequence[int]]] | None = None
+        self._null_block = 0
+
+    def bind_blocks(self, resolve: Callable[[str], Sequence[Sequence[int]]], null: int) -> None:
+        """vLLM's own view of a request's blocks (``KVCacheManager.get_block_ids``) and its
+        null block id: the scheduler's output lists new blocks, never the ones a sliding
+        window freed, so sliding-window saves ask the manager instead."""
+        self._resolve, self._null_block = resolve, null
 
     def publish_events(self, block_size: int) -> None:
         """Relay the fabric's blocks of this engine's namespaces into vLLM's KV events
@@ -124,30 +144,31 @@ class SchedulerSide:
         if state.hit_tokens < state.expect_tokens and self._still_expecting(state):
             return None, False  # ask again next step: the producer's KV is on its way
         usable = min(state.hit_tokens, state.prompt_tokens - 1)
+        if self.plan is not None:  # nothing known of a window set: it holds nothing
+            chunk = self.namespaces.spec.chunk_tokens
+            usable = usable_stop(usable, num_computed_tokens, chunk, self.plan, state.window_held)
         tokens = max(0, usable - num_computed_tokens)
-        return tokens, state.remote and tokens > 0
+        return tokens, (state.remote or self._async_loads) and tokens > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
         if state is None or num_external_tokens <= 0:
             return
         state.load = (state.local_tokens, state.local_tokens + num_external_tokens)
-        if state.remote:  # not scheduled until loaded: plan it with the blocks it got
-            state.block_ids = list(blocks.get_block_ids()[0])
+        if state.remote or self._async_loads:  # not scheduled until loaded: plan it now
+            self._set_blocks(state, blocks.get_block_ids())
 
     def build_connector_meta(self, scheduler_output: Any) -> KVFabricMetadata:
         loads: list[RequestTransfer] = []
         saves: list[RequestTransfer] = []
         for pending in self._requests.values():
-            if pending.load is not None and pending.remote:
-                loads.append(
-                    self._transfer(pending, self._slices(pending, *pending.load), background=True)
-                )
+            if pending.load is not None and (pending.remote or self._async_loads):
+                loads.extend(self._loads(pending, *pending.load, background=True))
                 pending.load, pending.loading = None, True
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                self._set_blocks(state, new.block_ids)
                 self._plan(
                     state,
                     new.num_computed_tokens,
@@ -162,9 +183,10 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and new_blocks is not None:
-                state.block_ids = list(new_blocks[0])  # a resumed request lists all of them
+                self._set_blocks(state, new_blocks)  # a resumed request lists all of them
             elif new_blocks is not None:
-                state.block_ids.extend(new_blocks[0])
+                for group, more in zip(state.groups, new_blocks):
+                    group.extend(more)
             self._plan(
                 state,
                 cached.num_computed_tokens[i],
@@ -183,10 +205,13 @@ class SchedulerSide:
             for pending in self._requests.values():
                 if not invalid.isdisjoint(pending.block_ids):
                     pending.forget_hit()
+        failed = output.failed_recving or set()
         for req_id in output.finished_recving or ():
             state = self._requests.get(req_id)
             if state is not None:
                 state.loading = False
+                if req_id in failed:  # several groups: vLLM takes failures per request
+                    state.forget_hit()
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Saves finish within the step that computed them, so blocks are freed at once
@@ -241,15 +266,21 @@ class SchedulerSide:
         ns = self.namespaces.get(salt, lora)
         if self.events is not None:
             self.events.watch(ns)
+        set_refs = [chunk_hashes(ns, prompt)]
+        set_refs += [
+            chunk_hashes(self.namespaces.get(salt, lora, s), prompt)
+            for s in range(1, self.namespaces.num_sets)
+        ]
         state = _Request(
             request.request_id,
             salt,
             lora,
-            chunk_hashes(ns, prompt),
+            set_refs[0],
             len(prompt),
             handoff,
             expect_tokens=handoff.expect_tokens,
             prompt_ids=prompt.tobytes() if self.saves else b"",
+            set_refs=set_refs,
         )
         self._requests[request.request_id] = state
         return state
@@ -262,6 +293,8 @@ class SchedulerSide:
         try:
             client = self.link.client()
             result = self._ask(client, ns, keys, state.prompt_tokens)
+            if self.plan is not None:
+                state.window_held = self._window_held(client, state)
         except (KVFabricError, OSError) as exc:
             self.link.failed(exc)
             if not isinstance(exc, UnavailableError):
@@ -277,6 +310,20 @@ class SchedulerSide:
         state.next_save = max(state.next_save, chunks)
         if first and self.saves and self._intends:
             self._intend(client, ns, state, chunks)
+
+    def _window_held(self, client: Client, state: _Request) -> list[list[bool]]:
+        """Per layer set, the chunks of the prompt this node holds ([] for full attention:
+        its prefix is the lookup's). Sliding-window sets hold what was live when each chunk
+        was computed, not a prefix: asked chunk by chunk (``contains``, this node only)."""
+        assert self.plan is not None
+        held: list[list[bool]] = []
+        for s, layer_set in enumerate(self.plan.sets):
+            if layer_set.window is None:
+                held.append([])
+                continue
+            ns = self.namespaces.get(state.tenant_salt, state.lora_id, s)
+            held.append(list(client.contains(ns, [ref.key for ref in state.set_refs[s]])))
+        return held
 
     def _intend(self, client: Client, ns: Namespace, state: _Request, first: int) -> None:
         """Announce the chunks this engine will compute (past the fabric's hit) so routers
@@ -356,7 +403,7 @@ class SchedulerSide:
         saves: list[RequestTransfer],
     ) -> None:
         if state.load is not None and not state.remote:
-            loads.append(self._transfer(state, self._slices(state, *state.load)))
+            loads.extend(self._loads(state, *state.load))
             state.load = None
         if not self.saves:
             return
@@ -371,15 +418,56 @@ class SchedulerSide:
             own = state.prompt_ids[start * 4 : (start + ref.num_tokens) * 4]
             chunks.append(ChunkSlice(ref.key, ref.parent, start, ref.num_tokens, tokens=own))
             state.next_save += 1
-        if chunks:
+        if chunks and self.plan is None:
             saves.append(self._transfer(state, chunks))
+        elif chunks:
+            saves.extend(self._window_saves(state, chunks))
 
-    def _slices(self, state: _Request, first: int, last: int) -> list[ChunkSlice]:
+    def _window_saves(self, state: _Request, chunks: list[ChunkSlice]) -> list[RequestTransfer]:
+        """One transfer per layer set: every chunk for full attention, the chunks whose
+        blocks are all live in vLLM's tables for a sliding window (none without them)."""
+        assert self.plan is not None
+        plan, groups = self.plan, self._live_groups(state)
+        out = []
+        for s, layer_set in enumerate(plan.sets):
+            mine = []
+            for c in chunks:
+                end = c.start + c.num_tokens
+                if layer_set.window is not None and (
+                    groups is None or not all_live(plan, s, groups, self._null_block, c.start, end)
+                ):
+                    continue  # slid out of the window: its blocks are freed, maybe reused
+                ref = state.set_refs[s][c.start // self.namespaces.spec.chunk_tokens]
+                mine.append(replace(c, key=ref.key, parent=ref.parent))
+            if mine:
+                out.append(self._transfer(state, mine, layer_set=s, groups=groups))
+        return out
+
+    def _loads(
+        self, state: _Request, first: int, last: int, *, background: bool = False
+    ) -> list[RequestTransfer]:
+        """Request tokens ``[first, last)`` per layer set; a sliding-window set's from its
+        first live block on (vLLM freed the ones before: nothing to write there)."""
+        if self.plan is None:
+            return [self._transfer(state, self._slices(state, first, last), background=background)]
+        out = []
+        for s, layer_set in enumerate(self.plan.sets):
+            start = first
+            if layer_set.window is not None:
+                start = max(first, live_start(self.plan, s, state.groups, self._null_block))
+            if start < last:
+                slices = self._slices(state, start, last, s)
+                out.append(self._transfer(state, slices, background=background, layer_set=s))
+        return out
+
+    def _slices(
+        self, state: _Request, first: int, last: int, layer_set: int = 0
+    ) -> list[ChunkSlice]:
         """The chunk slices covering request tokens ``[first, last)``."""
         size = self.namespaces.spec.chunk_tokens
         out = []
         for index in range(first // size, (last - 1) // size + 1):
-            ref = state.refs[index]
+            ref = state.set_refs[layer_set][index]
             start = index * size
             out.append(
                 ChunkSlice(
@@ -394,14 +482,35 @@ class SchedulerSide:
         return out
 
     def _transfer(
-        self, state: _Request, chunks: list[ChunkSlice], *, background: bool = False
+        self,
+        state: _Request,
+        chunks: list[ChunkSlice],
+        *,
+        background: bool = False,
+        layer_set: int = 0,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> RequestTransfer:
+        tables = state.groups if groups is None else groups
         return RequestTransfer(
             state.req_id,
             state.tenant_salt,
             state.lora_id,
-            tuple(state.block_ids),
+            tuple(tables[0]) if self.plan is not None else tuple(state.block_ids),
             tuple(chunks),
             state.handoff.push_to,
             background,
+            layer_set,
+            tuple(tuple(g) for g in tables) if self.plan is not None else (),
         )
+
+    def _set_blocks(self, state: _Request, tables: Sequence[Sequence[int]]) -> None:
+        state.groups = [list(g) for g in tables]
+        state.block_ids = state.groups[0] if state.groups else []
+
+    def _live_groups(self, state: _Request) -> Sequence[Sequence[int]] | None:
+        """vLLM's block tables of the request now (freed blocks null); None unbound."""
+        return None if self._resolve is None else self._resolve(state.req_id)
+
+    @property
+    def _async_loads(self) -> bool:
+        return self.plan is not None and self.plan.async_loads

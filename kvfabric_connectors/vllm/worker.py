@@ -6,7 +6,7 @@ Runs in each model worker. Per step, with the metadata the scheduler side built:
   request's blocks one layer at a time; ``wait_for_layer`` lets attention of layer i run as
   soon as layer i is in place (a chunk still arriving by push is read layer by layer as its
   layers land). A background load (chunks only another node holds) first has the daemon
-  pull them, on a connection of its own, and is reported done by ``take_finished_loads``
+  pull them, on a connection of its own, and is reported done by ``take_load_results``
   while the engine runs other requests;
 * ``save_layer`` copies layer i of every chunk completed this step into shared memory
   reserved on the daemon and commits that layer for all of them in one round trip, so
@@ -19,7 +19,13 @@ Runs in each model worker. Per step, with the metadata the scheduler side built:
   what it skipped (``save_skipped_chunks``) instead of waiting.
 
 Conversion between the engine's block layout and kvfabric's canonical one happens here, at
-the edge (:mod:`.layout`).
+the edge (:mod:`.layout`; MLA's latent cache: :mod:`.mla_layout`).
+
+Hybrid attention (vLLM's hybrid KV cache manager, :mod:`.groups`): each engine layer has a
+place, its layer set (namespace), its layer in that set's objects and its KV cache group,
+whose block table indexes its cache; a transfer moves one set's objects. With several
+groups a failed load is reported per request (:meth:`WorkerSide.take_load_results`), since
+vLLM cannot map block ids of several groups back to requests.
 
 Tensor parallelism: the canonical object holds every KV head of the model, so engines with
 different tensor parallelism share it. Each rank's cache holds a share of it
@@ -50,10 +56,13 @@ from kvfabric.client import RemoteReader, RemoteWriter
 from kvfabric.convert.dtype import layer_in_place, read_layer, write_layer
 from kvfabric.errors import AlreadyExistsError, KVFabricError
 from kvfabric.hashing import ChunkRef
+from kvfabric.spec import AttentionKind
 from kvfabric_connectors.link import DaemonLink
 
+from .groups import Placement
 from .layout import PagedLayout, layout_for_vllm_cache
 from .metadata import ChunkSlice, KVFabricMetadata, RequestTransfer
+from .mla_layout import mla_layout_for_vllm_cache
 from .namespace import Namespaces, RankShare, rank_share
 from .settings import ConnectorSettings
 from .stats import TransferCounters
@@ -67,7 +76,7 @@ class _Item:
 
     transfer: RequestTransfer
     chunk: ChunkSlice
-    blocks: torch.Tensor
+    blocks: tuple[torch.Tensor, ...]  # per KV cache group
     handle: RemoteReader | RemoteWriter | None = None
 
 
@@ -79,9 +88,13 @@ class WorkerSide:
         block_size: int,
         engine_dtype: torch.dtype,
         share: RankShare | None = None,
+        *,
+        moves: bool = True,
     ) -> None:
         """``share``: this rank's part of the canonical object; None asks vLLM for this
-        process's tensor-parallel rank."""
+        process's tensor-parallel rank. ``moves``: False for a model whose KV the connector
+        cannot move (:mod:`.groups`: recurrent state); it then only stays out of the way."""
+        self.moves = moves
         self.settings = settings
         self.namespaces = namespaces
         self.block_size = block_size  # the scheduler's: block_ids index tokens by it
@@ -112,7 +125,9 @@ class WorkerSide:
         self._finished_loads: set[str] = set()
         self.counters = TransferCounters()
         self._caches: dict[str, torch.Tensor] = {}
-        self._layer_of: dict[str, int] = {}
+        self._layer_of: dict[str, int] = {}  # engine layer order (the loads' events)
+        self._place: dict[str, Placement] = {}
+        self._failed_requests: set[str] = set()  # several groups: failed loads, per request
         self._layout: PagedLayout | None = None
         self._load: _LayerLoad | None = None
         self._saving: list[_Item] | None = None
@@ -123,14 +138,21 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
+        if not self.moves:
+            return
         names = sorted(kv_caches, key=extract_layer_index)
-        if len(names) != self.namespaces.spec.num_layers:
-            raise ValueError(
-                f"the engine has {len(names)} KV cache layers, the spec "
-                f"{self.namespaces.spec.num_layers}"
-            )
+        plan = self.namespaces.plan
+        if plan is not None:  # several groups share tensors; only attention layers move
+            names = [name for name in names if name in plan.place]
+        expected = self.namespaces.spec.num_layers if plan is None else len(plan.place)
+        if len(names) != expected:
+            raise ValueError(f"the engine has {len(names)} KV cache layers, the spec {expected}")
         self._caches = {name: kv_caches[name] for name in names}
         self._layer_of = {name: i for i, name in enumerate(names)}
+        self._place = {
+            name: Placement(0, i, 0) if plan is None else plan.place[name]
+            for i, name in enumerate(names)
+        }
         first = kv_caches[names[0]]
         spec = self.namespaces.spec
         cpu = first.device.type == "cpu"
@@ -138,14 +160,19 @@ class WorkerSide:
             # Linux grants AMX per process on first request; asked for while the load
             # thread exists, the engine's first AMX attention kernel died with SIGILL
             torch.cpu._init_amx()
-        self._layout = layout_for_vllm_cache(
-            first,
-            block_size=self.block_size,
-            num_kv_heads=self.share.num_heads(spec),
-            head_dim=spec.head_dim,
-            device_type=first.device.type,
-            isa=_cpu_isa(self._engine_dtype, self.block_size, spec.head_dim) if cpu else None,
-        )
+        if spec.kind is AttentionKind.MLA:  # one latent row per token, on any device
+            self._layout = mla_layout_for_vllm_cache(
+                first, block_size=self.block_size, latent_dim=spec.head_dim
+            )
+        else:
+            self._layout = layout_for_vllm_cache(
+                first,
+                block_size=self.block_size,
+                num_kv_heads=self.share.num_heads(spec),
+                head_dim=spec.head_dim,
+                device_type=first.device.type,
+                isa=_cpu_isa(self._engine_dtype, self.block_size, spec.head_dim) if cpu else None,
+            )
 
     # -- loads -------------------------------------------------------------------------
 
@@ -157,13 +184,14 @@ class WorkerSide:
         if now:
             self._load = _LayerLoad(self, now, self.link)
             self._load.start()
+        # one load per request, its layer sets together: vLLM takes a request's end once
+        per_request: dict[str, list[_Item]] = {}
         for transfer in (t for t in meta.loads if t.background):
-            load = _LayerLoad(
-                self,
-                [_Item(transfer, c, _blocks(transfer)) for c in transfer.chunks],
-                self._background_link,
-                on_done=self._background_done,
-            )
+            blocks = _blocks(transfer)
+            items = per_request.setdefault(transfer.req_id, [])
+            items.extend(_Item(transfer, c, blocks) for c in transfer.chunks)
+        for items in per_request.values():
+            load = _LayerLoad(self, items, self._background_link, on_done=self._background_done)
             with self._lock:
                 self._background.append(load)
             load.start()
@@ -172,19 +200,29 @@ class WorkerSide:
         if self._load is not None:
             self._load.wait(self._layer_of[layer_name])
 
+    def take_load_results(self) -> tuple[set[str], set[str]]:
+        """Requests whose background load ended, and those of them whose load failed
+        (several KV cache groups; one group reports blocks: :meth:`take_failed_blocks`),
+        taken together so a failure is never reported before its end."""
+        with self._lock:
+            done, self._finished_loads = self._finished_loads, set()
+            failed, self._failed_requests = (
+                self._failed_requests & done,
+                self._failed_requests - done,
+            )
+        return done, failed
+
     def take_failed_blocks(self) -> set[int]:
         with self._lock:
             failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
-    def take_finished_loads(self) -> set[str]:
-        """Requests whose background load ended (their failed blocks, if any, are in
-        :meth:`take_failed_blocks` by now)."""
-        with self._lock:
-            done, self._finished_loads = self._finished_loads, set()
-        return done
-
     def _record_failures(self, load: _LayerLoad) -> None:
+        plan = self.namespaces.plan
+        if plan is not None and plan.async_loads:
+            with self._lock:
+                self._failed_requests |= load.failed
+            return
         blocks = {
             b
             for item in load.items
@@ -216,8 +254,13 @@ class WorkerSide:
     def _save_layer(self, meta: KVFabricMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
         if self._saving is None:
             self._saving = self._reserve(meta.saves)
-        layer = self._layer_of[layer_name]
-        live = [item for item in self._saving if item.handle is not None]
+        place = self._place[layer_name]
+        layer = place.object_layer
+        live = [
+            item
+            for item in self._saving
+            if item.handle is not None and item.transfer.layer_set == place.layer_set
+        ]
         if not live:
             return
         assert self._layout is not None
@@ -227,7 +270,7 @@ class WorkerSide:
                 # straight into the fabric's pages where they take the engine's dtype as is
                 target = layer_in_place(item.handle, layer, self._layout.dtype)  # type: ignore[arg-type]
                 canonical = self._layout.gather(
-                    kv_layer, item.blocks, chunk.start, chunk.num_tokens, out=target
+                    kv_layer, item.blocks[place.group], chunk.start, chunk.num_tokens, out=target
                 )
                 if target is None:  # converted, or quantized for fp8, on the way
                     write_layer(item.handle, layer, canonical)  # type: ignore[arg-type]
@@ -263,7 +306,7 @@ class WorkerSide:
             self.counters.add(save_skipped_chunks=sum(len(t.chunks) for t in transfers))
             return items
         for transfer in transfers:
-            ns = self.namespaces.get(transfer.tenant_salt, transfer.lora_id)
+            ns = self.namespaces.get(transfer.tenant_salt, transfer.lora_id, transfer.layer_set)
             refs = [ChunkRef(c.key, c.parent, c.num_tokens) for c in transfer.chunks]
             try:
                 results = self._save_link.client().reserve_many(
@@ -287,8 +330,8 @@ class WorkerSide:
                     self.counters.add(save_errors=1)
                     log.warning("kvfabric: cannot save a chunk of %s: %s", transfer.req_id, result)
         if self.share.pushes:
-            for (tenant_salt, lora_id, target), keys in _push_groups(transfers).items():
-                self._pushes.submit(self._push, tenant_salt, lora_id, target, keys)
+            for (tenant_salt, lora_id, target, layer_set), keys in _push_groups(transfers).items():
+                self._pushes.submit(self._push, tenant_salt, lora_id, target, keys, layer_set)
         return items
 
     def _abandon_saves(self, exc: BaseException) -> None:
@@ -304,8 +347,10 @@ class WorkerSide:
                     pass  # the daemon reclaims the lease by its deadline anyway
                 item.handle = None
 
-    def _push(self, tenant_salt: str, lora_id: str, target: str, keys: list[bytes]) -> None:
-        ns = self.namespaces.get(tenant_salt, lora_id)
+    def _push(
+        self, tenant_salt: str, lora_id: str, target: str, keys: list[bytes], layer_set: int
+    ) -> None:
+        ns = self.namespaces.get(tenant_salt, lora_id, layer_set)
         try:
             result = self._push_link.client().push(
                 ns, keys, target, timeout=self.settings.save_timeout_s
@@ -380,11 +425,15 @@ class _LayerLoad:
             self._pin()
             layout = worker._layout
             assert layout is not None
-            for layer, (_, cache) in enumerate(self.layers):
+            for index, (name, cache) in enumerate(self.layers):
+                place = worker._place[name]
                 for item in self.items:
-                    if item.transfer.req_id not in self.failed:
-                        self._copy(layout, cache, layer, item)
-                self.events[layer].set()
+                    if (
+                        item.transfer.layer_set == place.layer_set
+                        and item.transfer.req_id not in self.failed
+                    ):
+                        self._copy(layout, cache, place, item)
+                self.events[index].set()
         except (KVFabricError, OSError) as exc:
             self.link.failed(exc)
             log.warning("kvfabric: load failed, recomputing: %s", exc)
@@ -407,12 +456,15 @@ class _LayerLoad:
         pulled chunks are never asked for while absent (each would be a not_found get in the
         daemon's metrics); a load of local chunks pulls only what went missing since."""
         client = self.link.client()
-        by_request: dict[str, list[_Item]] = {}
+        by_request: dict[tuple[str, int], list[_Item]] = {}  # one per request and layer set
         for item in self.items:
-            by_request.setdefault(item.transfer.req_id, []).append(item)
+            key = (item.transfer.req_id, item.transfer.layer_set)
+            by_request.setdefault(key, []).append(item)
         for req_items in by_request.values():
             transfer = req_items[0].transfer
-            ns = self.worker.namespaces.get(transfer.tenant_salt, transfer.lora_id)
+            ns = self.worker.namespaces.get(
+                transfer.tenant_salt, transfer.lora_id, transfer.layer_set
+            )
             keys = [i.chunk.key for i in req_items]
             if transfer.background:  # the daemon skips the chunks it holds already
                 self._pull(client, ns, keys, transfer.req_id)
@@ -449,7 +501,10 @@ class _LayerLoad:
             return False
         return True
 
-    def _copy(self, layout: PagedLayout, cache: torch.Tensor, layer: int, item: _Item) -> None:
+    def _copy(
+        self, layout: PagedLayout, cache: torch.Tensor, place: Placement, item: _Item
+    ) -> None:
+        layer = place.object_layer
         reader = item.handle
         assert isinstance(reader, RemoteReader)
         try:
@@ -462,7 +517,7 @@ class _LayerLoad:
             chunk = item.chunk
             layout.scatter(
                 cache,
-                item.blocks,
+                item.blocks[place.group],
                 chunk.start + chunk.begin,
                 canonical[:, :, chunk.begin : chunk.stop],
             )
@@ -486,8 +541,12 @@ class _LayerLoad:
             pass  # the pins expire with their leases
 
 
-def _blocks(transfer: RequestTransfer) -> torch.Tensor:
-    return torch.tensor(transfer.block_ids, dtype=torch.int64)
+def _blocks(transfer: RequestTransfer) -> tuple[torch.Tensor, ...]:
+    """The transfer's block table per KV cache group."""
+    return tuple(
+        torch.tensor(transfer.group_blocks(g), dtype=torch.int64)
+        for g in range(max(1, len(transfer.groups)))
+    )
 
 
 def _loaded_blocks(item: _Item, block_size: int) -> set[int]:
@@ -515,15 +574,19 @@ def _cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:
     return str(_get_attn_isa(dtype, block_size, head_dim))
 
 
-def _push_groups(transfers: tuple[RequestTransfer, ...]) -> dict[tuple[str, str, str], list[bytes]]:
-    """The step's chunks to push, one push per (tenant, LoRA, target): the requests of a
-    step compute their layers together, so one push moves each layer of all of them as it
-    is committed; a push per request would wait for the one before it (one push thread)."""
-    groups: dict[tuple[str, str, str], list[bytes]] = {}
+def _push_groups(
+    transfers: tuple[RequestTransfer, ...],
+) -> dict[tuple[str, str, str, int], list[bytes]]:
+    """The step's chunks to push, one push per (tenant, LoRA, target, layer set): the
+    requests of a step compute their layers together, so one push moves each layer of all
+    of them as it is committed; a push per request would wait for the one before it (one
+    push thread). Layer sets are namespaces of their own: a push each."""
+    groups: dict[tuple[str, str, str, int], list[bytes]] = {}
     for transfer in transfers:
         if transfer.push_to:
             group = groups.setdefault(
-                (transfer.tenant_salt, transfer.lora_id, transfer.push_to), []
+                (transfer.tenant_salt, transfer.lora_id, transfer.push_to, transfer.layer_set),
+                [],
             )
             group.extend(c.key for c in transfer.chunks)
     return groups

@@ -4,7 +4,8 @@
 that holds a model built with the default parameters; it is built there when missing).
 `run_engines`: job dict -> result dict, running tests/e2e/vllm/engine_runner.py in a subprocess
 (see its docstring for the job and result schema). `model` and `scratch_dir` default to the
-tiny model and a per-test temp dir.
+tiny model and a per-test temp dir. `model_job_runner`: the same for a model the test builds
+itself.
 """
 
 from __future__ import annotations
@@ -90,6 +91,13 @@ def run_job(model: Path, workdir: Path, job: dict, timeout: float | None = None)
     result = EngineResult(run.result)
     result["wall_s"] = run.wall_s
     return result
+
+
+@pytest.fixture(scope="session")
+def model_job_runner() -> Callable[..., EngineResult]:
+    """model_job_runner(model, workdir, job, timeout=None) -> result, for jobs on a model of
+    the test's own (e.g. test_vllm_mla.py's tiny DeepSeek); same stall limits as job_runner."""
+    return run_job
 
 
 @pytest.fixture(scope="session")

@@ -53,6 +53,9 @@ Result (JSON object):
     import_s         float  time to import vllm
     engines          list of:
       name, build_s (LLM constructor), shutdown_s, generate_s (sum of the generate() walls)
+      hybrid_kv_cache_manager  bool  vLLM's hybrid KV cache manager (HMA) is on
+      kv_cache_groups  list | null  in-process engines: per KV cache group, {"spec": its
+                        class name, "layers": layer names, "sliding_window": int | null}
       connector_totals  dict | null  in-process engines with a connector that reports them
                         (KVFabricConnector.transfer_totals): loaded/saved chunks, errors, ...
       outputs        list, one per prompt, in prompt order:
@@ -198,6 +201,26 @@ def _connector_totals() -> dict | None:
     return None if totals is None else totals()
 
 
+def _kv_cache_groups(llm) -> dict:
+    """Whether HMA is on, and (in-process engines) the KV cache groups it made."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process only
+    groups = None
+    if core is not None:
+        groups = [
+            {
+                "spec": type(g.kv_cache_spec).__name__,
+                "layers": list(g.layer_names),
+                "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None),
+            }
+            for g in core.scheduler.kv_cache_config.kv_cache_groups
+        ]
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    return {
+        "hybrid_kv_cache_manager": not scheduler.disable_hybrid_kv_cache_manager,
+        "kv_cache_groups": groups,
+    }
+
+
 def _kv_params(spec: dict, count: int, previous: dict[str, dict]) -> list:
     own = _per_prompt(spec.get("kv_transfer_params"), count, None)
     source = spec.get("kv_transfer_params_from")
@@ -265,6 +288,7 @@ def _run_engine(spec: dict, index: int, model: str, previous: dict[str, dict]) -
     progress("build", engine=name)
     llm = LLM(**kwargs)
     record: dict = {"name": name, "build_s": time.perf_counter() - started}
+    record |= _kv_cache_groups(llm)
     progress("built", engine=name, build_s=record["build_s"])
     try:
         outputs: list[dict] = []

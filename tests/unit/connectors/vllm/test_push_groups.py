@@ -1,4 +1,4 @@
-"""A producer step's pushes: one per (tenant, LoRA, target), so the requests computed in
+"""A producer step's pushes: one per (tenant, LoRA, target, layer set), so the requests computed in
 one step stream each layer together instead of one request's push waiting for another's."""
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ def test_requests_of_one_step_to_one_target_share_one_push() -> None:
         )
     )
     assert groups == {
-        ("t", "", "decode-b"): [b"a1", b"a2", b"b1"],
-        ("t", "", "decode-c"): [b"c1"],
-        ("other", "", "decode-b"): [b"d1"],  # another tenant: another namespace
+        ("t", "", "decode-b", 0): [b"a1", b"a2", b"b1"],
+        ("t", "", "decode-c", 0): [b"c1"],
+        ("other", "", "decode-b", 0): [b"d1"],  # another tenant: another namespace
     }
 
 

@@ -387,7 +387,7 @@ def test_consumer_ranks_pull_together_in_the_background(start_daemon, redis_serv
             rank.worker.start_load(meta)
         for rank in ranks:
             deadline = time.monotonic() + 20
-            while "decode" not in rank.worker.take_finished_loads():
+            while "decode" not in rank.worker.take_load_results()[0]:
                 assert time.monotonic() < deadline, "background load never ended"
                 time.sleep(0.05)
             assert rank.worker.take_failed_blocks() == set()
