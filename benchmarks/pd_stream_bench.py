@@ -330,7 +330,7 @@ def measure(
             pulls.append(time.monotonic() - started)
             if result["pulled"] != len(keys[i]):
                 raise RuntimeError(f"prompt {i}: the pull moved {result}")
-    fp8 = fp8_pushes(daemons["prefill-a"].socket, daemons["decode-e"].socket, keys[1:])
+    fp8 = fp8_pushes(daemons["prefill-a"].socket, daemons["decode-e"].socket, keys)
     sends = [baseline.seconds[i] for i in range(1, len(prompts))]
     pusher = streamed_pushes(daemons["prefill-a"].http_url)
     kv_bytes = NS.spec.chunk_bytes * len(keys[0])
@@ -357,14 +357,16 @@ def measure(
 def fp8_pushes(source: str, target: str, prompts: list[list[bytes]]) -> dict[str, float]:
     """Each prompt's chunks pushed from ``source`` to ``target`` as fp8 (the source's
     configuration names the target's class); the bytes moved, the wall, and the worst
-    element's error on the target against the documented bound."""
+    element's error on the target against the documented bound. The first prompt is the
+    warm-up: a daemon's first fp8 transfer loads torch (about a second)."""
     import torch
 
     from kvfabric.convert import fp8, read_layer
 
     ratios, walls, worst = [], [], 0.0
     with Client(source) as producer, Client(target) as consumer:
-        for keys in prompts:
+        producer.push(NS, prompts[0], "decode-e", timeout=60.0)
+        for keys in prompts[1:]:
             started = time.monotonic()
             result = producer.push(NS, keys, "decode-e", timeout=60.0)
             walls.append(time.monotonic() - started)

@@ -349,10 +349,15 @@ def _decode(
     for layer in range(first, stop):
         copy_pieces([encoded], staging.pieces(staged, layer * per, per))
         try:
-            fp8.decode_layer(encoded, shape, native.dtype, out=native)
+            quantized = fp8.unpack(encoded, shape)
         except (ValueError, RuntimeError) as exc:
             raise ProtocolError(f"fp8 layer {layer} does not decode: {exc}") from None
-        if not bool(torch.isfinite(native).all()):
-            raise ProtocolError(f"fp8 layer {layer} decodes to non-finite values")
+        # a sender's bad bytes pass the checksum: with finite positive scales every e4m3fn
+        # value decodes finite, but for its NaN encodings (0x7f, 0xff), looked for here
+        if not bool(torch.isfinite(quantized.scales).all() and (quantized.scales > 0).all()):
+            raise ProtocolError(f"fp8 layer {layer} carries a scale that is not a positive number")
+        if bool(((quantized.data.view(torch.uint8) & 0x7F) == 0x7F).any()):
+            raise ProtocolError(f"fp8 layer {layer} carries NaN values")
+        fp8.dequantize(quantized.data, quantized.scales, native.dtype, out=native)
         pieces: list[Piece] = writer.layer_pieces(layer)
         copy_pieces(pieces, [native.view(torch.uint8).reshape(-1)])

@@ -114,6 +114,24 @@ def test_a_scale_changed_on_the_way_is_caught(store, kv) -> None:
         receiver.land(writer, 0b101, checksum)
 
 
+@pytest.mark.parametrize(
+    ("offset", "value", "message"),
+    [(0, np.float32(0.0), "scale"), (0, np.float32("inf"), "scale"), (4, np.uint8(0x7F), "NaN")],
+)
+def test_bytes_the_sender_got_wrong_are_refused_though_their_checksum_matches(
+    store, kv, offset: int, value: np.generic, message: str
+) -> None:
+    sender, receiver = WireStaging(1 << 20), Inbound(WireStaging(1 << 20))
+    writer = store.reserve(NS, REFS[1].key, parent=REFS[1].parent)
+    send(store, sender, receiver, writer)
+    target = receiver._landing[id(writer)].staged
+    raw = np.frombuffer(value.tobytes(), np.uint8)
+    receiver.staging.pieces(target, offset, raw.size)[0][:] = raw
+    checksum = receiver.staging.checksum(target, 0, target.nbytes)  # as the sender sent it
+    with pytest.raises(ProtocolError, match=message):
+        receiver.land(writer, ALL, checksum)
+
+
 def test_staging_comes_back_when_reservations_end_however_they_end(store) -> None:
     receiver = Inbound(WireStaging(2 * STAGING_PAGE))  # room for two chunks
     free = receiver.staging._pages.free_pages
