@@ -1,0 +1,90 @@
+"""Tenants share the engines by weight, in tokens; interactive goes first; a full queue
+refuses with a retry-after."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfabric.sched.fair_queue import FairQueue, QueueFull
+from kvfabric.sched.model import Priority, Request
+
+
+def served_shares(queue: FairQueue[int], count: int) -> dict[str, int]:
+    served: dict[str, int] = {}
+    for _ in range(count):
+        popped = queue.pop()
+        assert popped is not None
+        request, _ = popped
+        served[request.tenant] = served.get(request.tenant, 0) + request.budget_tokens
+    return served
+
+
+def test_backlogged_tenants_are_served_tokens_in_the_ratio_of_their_weights() -> None:
+    queue: FairQueue[int] = FairQueue({"heavy": 3.0, "light": 1.0}, max_queued_tokens=10**9)
+    for i in range(400):  # heavy sends short requests, light long ones: tokens count
+        queue.push(Request("heavy", 90, 10), i, 1.0)
+        queue.push(Request("light", 900, 100), i, 1.0)
+    served = served_shares(queue, 300)
+    share = served["heavy"] / (served["heavy"] + served["light"])
+    assert share == pytest.approx(0.75, abs=0.02)
+
+
+def test_a_tenant_that_was_idle_gets_no_credit_for_it() -> None:
+    queue: FairQueue[int] = FairQueue({}, max_queued_tokens=10**9)
+    for i in range(100):
+        queue.push(Request("early", 100, 0), i, 1.0)
+    served_shares(queue, 90)
+    for i in range(20):
+        queue.push(Request("late", 100, 0), i, 1.0)
+    # from now on they alternate: the late one does not catch up on 90 missed turns
+    order = [queue.pop()[0].tenant for _ in range(10)]  # type: ignore[index]
+    assert order.count("late") == 5
+
+
+def test_interactive_requests_overtake_queued_batch_ones() -> None:
+    queue: FairQueue[str] = FairQueue({}, max_queued_tokens=10**9)
+    queue.push(Request("a", 10, 10, Priority.BATCH), "batch-1", 1.0)
+    queue.push(Request("a", 10, 10, Priority.BATCH), "batch-2", 1.0)
+    queue.push(Request("b", 10, 10, Priority.INTERACTIVE), "interactive", 1.0)
+    assert [queue.pop()[1] for _ in range(3)] == ["interactive", "batch-1", "batch-2"]  # type: ignore[index]
+    assert queue.pop() is None
+
+
+def test_a_full_queue_refuses_with_the_time_the_queue_ahead_needs() -> None:
+    queue: FairQueue[int] = FairQueue({}, max_queued_tokens=1_000)
+    queue.push(Request("a", 500, 300), 1, 100.0)
+    queue.push(Request("b", 1_000, 0), 2, 100.0)
+    with pytest.raises(QueueFull) as refused:
+        queue.push(Request("a", 150, 100), 3, 100.0)  # 800 + 250 > 1,000
+    assert refused.value.tenant == "a"
+    assert refused.value.retry_after_s == pytest.approx((800 + 1_000) / 100.0)
+    queue.push(Request("a", 100, 100), 3, 100.0)  # 1,000: fits exactly
+    while queue.pop() is not None:
+        pass
+    assert queue.queued_tokens("a") == queue.queued_tokens("b") == 0 and len(queue) == 0
+
+
+def test_weights_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        FairQueue({"a": 0.0}, max_queued_tokens=10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from("abcd"), st.floats(0.25, 8.0), min_size=2, max_size=4),
+    st.lists(st.integers(1, 400), min_size=1, max_size=8),
+)
+def test_fair_shares_converge_to_the_weights(weights: dict[str, float], sizes: list[int]) -> None:
+    """Every tenant backlogged with requests of mixed sizes: after many are served, each
+    tenant's share of the served tokens is within 0.1 of its weight's share."""
+    queue: FairQueue[int] = FairQueue(weights, max_queued_tokens=10**12)
+    for i in range(600):
+        for tenant in weights:
+            queue.push(Request(tenant, sizes[i % len(sizes)], 0), i, 1.0)
+    served = served_shares(queue, 500)  # fewer than any tenant queued: all stay backlogged
+    total_served = sum(served.values())
+    total_weight = sum(weights.values())
+    for tenant, weight in weights.items():
+        assert served.get(tenant, 0) / total_served == pytest.approx(weight / total_weight, abs=0.1)
