@@ -2,10 +2,11 @@
 
 * :mod:`kvfabric.sched.model` -- the values a decision reads: a request, each engine's
   state, hardware-class profiles, what the fabric holds where.
-* :mod:`kvfabric.sched.cost` -- the cost terms of running a phase on an engine (uncached
-  prefill, transfer of chunks held elsewhere, queueing, decode), each kept visible.
 * :mod:`kvfabric.sched.planner` -- the plan for one request: which engine prefills, which
-  decodes, push or pull, or one engine when disaggregation does not pay.
+  decodes, push or pull, or one engine when disaggregation does not pay, with the cost terms
+  of the choice (uncached prefill, transfer of chunks held elsewhere, queueing, decode).
+* :mod:`kvfabric.sched.throughput` -- engines' measured prefill and decode rates, refining
+  their hardware class's configured prior.
 * :mod:`kvfabric.sched.fair_queue` -- weighted fair queueing of tenants by token budget,
   priority classes, admission with a retry-after.
 
