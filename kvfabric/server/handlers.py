@@ -59,7 +59,7 @@ from kvfabric.server.instrumented import InstrumentedPuller, InstrumentedPusher
 from kvfabric.server.puller import Puller
 from kvfabric.server.pusher import Pusher
 from kvfabric.server.session import Session
-from kvfabric.server.wire_fp8 import FP8, NATIVE, Fp8Wire
+from kvfabric.server.wire_fp8 import FP8, Fp8Wire, checked_wire
 from kvfabric.store.handles import ObjectReader, ObjectWriter
 from kvfabric.store.protocol import Store
 
@@ -420,9 +420,7 @@ def peer_pin(ctx: Context, session: Session, args: dict[str, Any]) -> list[dict[
     _require_admin(session, "peer_pin")
     ns = session.namespace(args.get("ns"))
     timeout = arg_float(args, "timeout")
-    wire = args.get("wire", NATIVE)
-    if wire not in (FP8, NATIVE):
-        raise ProtocolError(f'wire must be "{FP8}" or "{NATIVE}", got {wire!r}')
+    wire = checked_wire(args.get("wire"))
     page_sizes = {index: arena.page_size for index, _, arena in ctx.store.host_arenas()}
     encode = wire == FP8 and ctx.fp8 is not None
     return [
@@ -492,9 +490,7 @@ def _peer_reserve_one(
     ctx: Context, session: Session, ns: Any, item: tuple[Any, dict[int, int]]
 ) -> dict[str, Any]:
     raw, page_sizes = item
-    wire = raw.get("wire", NATIVE) if isinstance(raw, dict) else NATIVE
-    if wire not in (FP8, NATIVE):
-        raise ProtocolError(f'wire must be "{FP8}" or "{NATIVE}", got {wire!r}')
+    wire = checked_wire(raw.get("wire") if isinstance(raw, dict) else None)
     result = _reserve_one(ctx, session, ns, raw)
     arena = result.get("arena")
     page_size = None if arena is None else page_sizes.get(arena)
@@ -578,8 +574,8 @@ def push(ctx: Context, session: Session, args: dict[str, Any]) -> dict[str, Any]
     target = arg_str(args, "target")
     timeout = arg_float(args, "timeout") or DEFAULT_PUSH_S
     wire = args.get("wire")
-    if wire not in (None, FP8, NATIVE):
-        raise ProtocolError(f'wire must be "{FP8}" or "{NATIVE}", got {wire!r}')
+    if wire is not None:
+        checked_wire(wire)  # None: as the node's configuration says
     return ctx.pusher.push(ns, keys, target, timeout, wire=wire).to_dict()
 
 

@@ -48,7 +48,6 @@ from kvfabric.errors import (
     LeaseExpiredError,
     ProtocolError,
 )
-from kvfabric.memory.arena import SharedArena
 from kvfabric.protocol.messages import Op, encode_namespace
 from kvfabric.server.peers import PeerLink, PeerLinks, Spans, placement_ranges
 from kvfabric.server.wire_fp8 import (
@@ -59,6 +58,7 @@ from kvfabric.server.wire_fp8 import (
     Staged,
     WireStaging,
     land_chunk,
+    transfer_regions,
     wire_applies,
 )
 from kvfabric.spec import Namespace
@@ -124,11 +124,9 @@ class Puller:
         self._links = links
         self._cluster = links.cluster
         self._transport = links.transport
-        self._arenas: dict[int, SharedArena] = {i: a for i, _, a in store.host_arenas()}
+        self._arenas = transfer_regions({i: a for i, _, a in store.host_arenas()}, staging)
         self._staging = staging
         self._fp8_from = fp8_from
-        if staging is not None:
-            self._arenas[STAGING_REGION] = staging.arena
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes], timeout: float) -> PrefetchResult:
         """Pull every chunk of ``keys`` not held here, within ``timeout`` seconds.

@@ -52,7 +52,6 @@ from typing import Any
 
 from kvfabric.client.requests import item_results
 from kvfabric.errors import AlreadyExistsError, KVFabricError, ProtocolError, UnavailableError
-from kvfabric.memory.arena import SharedArena
 from kvfabric.protocol.messages import Op, encode_namespace
 from kvfabric.server.peers import PeerLink, PeerLinks, Spans, placement_ranges, time_left
 from kvfabric.server.push_timeline import PushTimeline, TimelineRecorder
@@ -65,6 +64,7 @@ from kvfabric.server.wire_fp8 import (
     WireStaging,
     encode_layers,
     encoded_nbytes,
+    transfer_regions,
     wire_applies,
 )
 from kvfabric.spec import Namespace
@@ -149,11 +149,9 @@ class Pusher:
         self._store = store
         self._links = links
         self._clock = clock  # the timeline's; deadlines keep time.monotonic
-        self._arenas: dict[int, SharedArena] = {i: a for i, _, a in store.host_arenas()}
+        self._arenas = transfer_regions({i: a for i, _, a in store.host_arenas()}, staging)
         self._staging = staging
         self._fp8_to = fp8_to
-        if staging is not None:
-            self._arenas[STAGING_REGION] = staging.arena
 
     def push(
         self,

@@ -61,6 +61,27 @@ STAGING_PAGE = 64 << 10
 EXPIRED_GRACE_S = 30.0
 
 
+def checked_wire(value: object, default: str = NATIVE) -> str:
+    """A request's ``wire`` argument (absent: ``default``); ProtocolError when it is neither
+    form."""
+    if value is None:
+        return default
+    if value not in (FP8, NATIVE):
+        raise ProtocolError(f'wire must be "{FP8}" or "{NATIVE}", got {value!r}')
+    return str(value)
+
+
+def transfer_regions(
+    host_arenas: dict[int, SharedArena], staging: WireStaging | None
+) -> dict[int, SharedArena]:
+    """The local regions a transfer may read or write: the host arenas by id, plus the
+    staging arena (when there is one) as :data:`STAGING_REGION`."""
+    regions = dict(host_arenas)
+    if staging is not None:
+        regions[STAGING_REGION] = staging.arena
+    return regions
+
+
 def wire_applies(spec: KVSpec) -> bool:
     """Whether chunks of ``spec`` may travel as fp8 (float payloads, not fp8 already)."""
     return spec.dtype.is_float
