@@ -67,6 +67,7 @@ class FairQueue(Generic[T]):
         self._max = max_queued_tokens
         self._classes: dict[Priority, _Class[T]] = {p: _Class() for p in Priority}
         self._queued: dict[str, int] = {}
+        self._requests: dict[str, int] = {}
         self._seq = itertools.count()
 
     def weight(self, tenant: str) -> float:
@@ -74,6 +75,9 @@ class FairQueue(Generic[T]):
 
     def queued_tokens(self, tenant: str) -> int:
         return self._queued.get(tenant, 0)
+
+    def queued_requests(self, tenant: str) -> int:
+        return self._requests.get(tenant, 0)
 
     def __len__(self) -> int:
         return sum(len(c.heap) for c in self._classes.values())
@@ -93,6 +97,12 @@ class FairQueue(Generic[T]):
         cls.finish[tenant] = finish
         heapq.heappush(cls.heap, _Entry(start, next(self._seq), finish, request, item))
         self._queued[tenant] = queued + cost
+        self._requests[tenant] = self._requests.get(tenant, 0) + 1
+
+    def peek(self) -> tuple[Request, T] | None:
+        """What :meth:`pop` would return, left queued (a caller that cannot serve it yet)."""
+        entry = self._head()
+        return None if entry is None else (entry.request, entry.item)
 
     def pop(self) -> tuple[Request, T] | None:
         """The next request to serve (interactive first), or None when empty."""
@@ -103,7 +113,15 @@ class FairQueue(Generic[T]):
                 cls.clock = entry.start
                 tenant = entry.request.tenant
                 self._queued[tenant] -= entry.request.budget_tokens
-                if not self._queued[tenant]:
-                    del self._queued[tenant]
+                self._requests[tenant] -= 1
+                if not self._requests[tenant]:
+                    del self._requests[tenant], self._queued[tenant]
                 return entry.request, entry.item
+        return None
+
+    def _head(self) -> _Entry[T] | None:
+        for priority in Priority:
+            heap = self._classes[priority].heap
+            if heap:
+                return heap[0]
         return None

@@ -1,0 +1,318 @@
+"""Carrying out a plan: the engine calls of one request, its retry, its metrics.
+
+A single-engine plan forwards the client's body to that engine. A P/D plan first asks the
+prefill engine for one token with the hand-off (:func:`kvfabric.gateway.bodies.prefill_body`),
+gives its slot back, then sends the client's body with the prefill answer's
+``kv_transfer_params`` to the decode engine. Streams are passed through as the engine sends
+them (server-sent events, byte for byte).
+
+Failures. An engine that refuses the connection, times out before answering, or answers
+5xx has not sent the client anything yet: it is marked down (until its health check passes
+again) and the request is planned once more without it, at once, outside the queue
+(``kvfabric_gateway_retries_total``). A second failure, or an engine that dies after a
+stream began, ends the request with a clean error: 502 ``engine_failed``, or in a stream an
+SSE event ``{"error": ...}`` then ``[DONE]``. An engine's 4xx is the client's problem: passed
+through unchanged. Every engine call is bounded by what is left of the request's deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.responses import Response, StreamingResponse
+
+from kvfabric.gateway.bodies import decode_body, prefill_body
+from kvfabric.gateway.engines import EnginePool
+from kvfabric.gateway.metrics import GatewayMetrics
+from kvfabric.sched.model import Request
+from kvfabric.sched.planner import SINGLE, Plan
+
+log = logging.getLogger("kvfabric.gateway")
+PUSH, PULL = "push", "pull"
+
+
+class EngineFailed(Exception):
+    def __init__(self, engine_id: str, why: str) -> None:
+        super().__init__(f"engine {engine_id}: {why}")
+        self.engine_id = engine_id
+
+
+class DeadlinePassed(Exception):
+    """The request's deadline passed while an engine worked on it."""
+
+
+@dataclass
+class Job:
+    """One client request as the dispatcher serves it."""
+
+    path: str
+    body: dict[str, Any]
+    stream: bool
+    request: Request
+    tenant_label: str
+    arrived: float  # monotonic
+    deadline: float  # monotonic
+    queued_s: float = 0.0
+    # prompt tokens counted in an engine's queued_tokens until its first token (or failure)
+    pending: dict[str, int] = field(default_factory=dict)
+
+    def left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlinePassed
+        return left
+
+
+def error_body(kind: str, message: str) -> bytes:
+    return json.dumps({"error": {"kind": kind, "message": message}}).encode()
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        pool: EnginePool,
+        metrics: GatewayMetrics,
+        connect_s: float,
+        record_served: Callable[[int], None],
+    ) -> None:
+        self._http = http
+        self._pool = pool
+        self._metrics = metrics
+        self._connect_s = connect_s
+        self._record_served = record_served
+
+    def mode(self, plan: Plan) -> str:
+        """What the hand-off really is: single, push (the prefill engine is configured to
+        push and the decode engine has a node) or pull."""
+        if plan.mode == SINGLE:
+            return SINGLE
+        prefill, decode = self._pool[plan.prefill_engine], self._pool[plan.decode_engine]
+        return PUSH if prefill.config.push and decode.config.node_id else PULL
+
+    async def serve(self, job: Job, plan: Plan, replan: Callable[[str], Plan]) -> Response:
+        """Carry out ``plan``; after an engine failure once more on ``replan(failed_id)``'s
+        plan (NoEngineError: no other engine). Always a response, never an exception."""
+        try:
+            try:
+                return await self._run(job, plan)
+            except EngineFailed as failed:
+                self._failed(job, failed)
+                try:
+                    second = replan(failed.engine_id)
+                except ValueError:  # NoEngineError: nowhere else to go
+                    return _error(502, "engine_failed", str(failed))
+                self._metrics.decisions.labels(self.mode(second), "retry").inc()
+                return await self._run(job, second)
+        except EngineFailed as failed:
+            self._failed(job, failed)
+            return _error(502, "engine_failed", str(failed))
+        except DeadlinePassed:
+            self._metrics.rejected.labels(job.tenant_label, "deadline").inc()
+            return _error(504, "deadline", "the request's deadline passed at an engine")
+        except _ClientError as refused:
+            response = refused.response
+            return Response(
+                response.content,
+                status_code=response.status_code,
+                media_type=response.headers.get("content-type", "application/json"),
+            )
+
+    def _failed(self, job: Job, failed: EngineFailed) -> None:
+        log.warning("%s", failed)
+        self._pool.mark(failed.engine_id, False)
+        self._metrics.retries.labels(failed.engine_id).inc()
+
+    async def _run(self, job: Job, plan: Plan) -> Response:
+        """One attempt at ``plan``; its engines' slots (taken by admission) are given back
+        here, or by the stream relay once a stream ends."""
+        mode = self.mode(plan)
+        headers = {
+            "x-kvfabric-prefill": plan.prefill_engine,
+            "x-kvfabric-decode": plan.decode_engine,
+            "x-kvfabric-mode": mode,
+            "x-kvfabric-queue-ms": f"{job.queued_s * 1000:.3f}",
+        }
+        prefill_held = plan.mode != SINGLE
+        decode_held = True
+        job.pending = {plan.prefill_engine: job.request.prompt_tokens - plan.reused_tokens}
+        try:
+            body = job.body
+            if prefill_held:
+                push_to = self._pool[plan.decode_engine].config.node_id if mode == PUSH else None
+                params = await self._prefill(job, plan, push_to)
+                self._pool.give_back(plan.prefill_engine)
+                prefill_held = False
+                body = decode_body(job.body, params)
+            if job.stream:
+                upstream = await self._open_stream(plan.decode_engine, job, body)
+                decode_held = False  # the relay gives it back when the stream ends
+                return StreamingResponse(
+                    self._relay(job, plan, upstream),
+                    status_code=upstream.status_code,
+                    headers=headers,
+                    media_type=upstream.headers.get("content-type", "text/event-stream"),
+                )
+            return await self._complete(job, plan, body, headers)
+        finally:
+            if decode_held:  # else the relay settles them
+                for engine_id in list(job.pending):
+                    self._prefilled(job, engine_id)
+            if prefill_held:
+                self._pool.give_back(plan.prefill_engine)
+            if decode_held:
+                self._pool.give_back(plan.decode_engine)
+
+    def _prefilled(self, job: Job, engine_id: str) -> None:
+        tokens = job.pending.pop(engine_id, 0)
+        if tokens:
+            self._pool.prefilled(engine_id, tokens)
+
+    # -- phases ----------------------------------------------------------------------------
+
+    async def _prefill(self, job: Job, plan: Plan, push_to: str | None) -> dict[str, Any] | None:
+        started = time.monotonic()
+        response = await self._post(plan.prefill_engine, job, prefill_body(job.body, push_to))
+        if response.status_code >= 400:
+            raise _ClientError(response)
+        elapsed = time.monotonic() - started
+        self._metrics.phase.labels("prefill").observe(elapsed)
+        uncached = job.request.prompt_tokens - plan.reused_tokens
+        self._prefilled(job, plan.prefill_engine)
+        self._pool.throughput.observe(plan.prefill_engine, "prefill", uncached, elapsed)
+        params = response.json().get("kv_transfer_params")
+        return params if isinstance(params, dict) else None
+
+    async def _complete(
+        self, job: Job, plan: Plan, body: dict[str, Any], headers: dict[str, str]
+    ) -> Response:
+        started = time.monotonic()
+        response = await self._post(plan.decode_engine, job, body)
+        now = time.monotonic()
+        self._prefilled(job, plan.decode_engine)
+        self._metrics.phase.labels("decode").observe(now - started)
+        if response.status_code < 400:
+            self._metrics.ttft.labels(job.tenant_label, job.request.priority.value).observe(
+                now - job.arrived
+            )
+            usage = _usage(response)
+            output = int(usage.get("completion_tokens", 0))
+            if plan.mode != SINGLE and output:
+                self._pool.throughput.observe(plan.decode_engine, "decode", output, now - started)
+            self._served(job, int(usage.get("prompt_tokens", job.request.prompt_tokens)) + output)
+        return Response(
+            response.content,
+            status_code=response.status_code,
+            headers=headers,
+            media_type=response.headers.get("content-type", "application/json"),
+        )
+
+    async def _relay(self, job: Job, plan: Plan, upstream: httpx.Response) -> AsyncIterator[bytes]:
+        """The engine's stream to the client; the decode slot is given back at its end."""
+        first = last = 0.0
+        events = 0
+        try:
+            async for chunk in upstream.aiter_raw():
+                now = time.monotonic()
+                if not first:
+                    first = now
+                    self._metrics.ttft.labels(job.tenant_label, job.request.priority.value).observe(
+                        now - job.arrived
+                    )
+                    self._prefilled(job, plan.decode_engine)
+                last = now
+                events += chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+                yield chunk
+                if now > job.deadline:
+                    yield _sse_error("deadline", "the request's deadline passed")
+                    return
+        except httpx.HTTPError as exc:
+            self._pool.mark(plan.decode_engine, False)
+            self._metrics.rejected.labels(job.tenant_label, "engine_failed").inc()
+            yield _sse_error("engine_failed", f"engine {plan.decode_engine} failed: {exc}")
+            return
+        finally:
+            await upstream.aclose()
+            self._prefilled(job, plan.decode_engine)
+            self._pool.give_back(plan.decode_engine)
+        output = max(0, events - 1)  # vLLM sends a token per event; the last one ends it
+        if events > 1 and last > first:
+            self._metrics.tpot.labels(job.tenant_label, job.request.priority.value).observe(
+                (last - first) / (events - 1)
+            )
+            self._pool.throughput.observe(plan.decode_engine, "decode", events - 1, last - first)
+        self._metrics.phase.labels("decode").observe(last - (first or last))
+        self._served(job, job.request.prompt_tokens + output)
+
+    # -- engine calls ----------------------------------------------------------------------
+
+    def _timeout(self, job: Job) -> httpx.Timeout:
+        left = job.left()
+        return httpx.Timeout(left, connect=min(self._connect_s, left))
+
+    async def _post(self, engine_id: str, job: Job, body: dict[str, Any]) -> httpx.Response:
+        url = self._pool[engine_id].config.url.rstrip("/") + job.path
+        try:
+            response = await self._http.post(url, json=body, timeout=self._timeout(job))
+        except httpx.TimeoutException:
+            if time.monotonic() >= job.deadline:
+                raise DeadlinePassed from None
+            raise EngineFailed(engine_id, "timed out") from None
+        except httpx.HTTPError as exc:
+            raise EngineFailed(engine_id, str(exc) or type(exc).__name__) from None
+        if response.status_code >= 500:
+            raise EngineFailed(engine_id, f"answered {response.status_code}")
+        return response
+
+    async def _open_stream(self, engine_id: str, job: Job, body: dict[str, Any]) -> httpx.Response:
+        url = self._pool[engine_id].config.url.rstrip("/") + job.path
+        request = self._http.build_request("POST", url, json=body, timeout=self._timeout(job))
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.TimeoutException:
+            if time.monotonic() >= job.deadline:
+                raise DeadlinePassed from None
+            raise EngineFailed(engine_id, "timed out") from None
+        except httpx.HTTPError as exc:
+            raise EngineFailed(engine_id, str(exc) or type(exc).__name__) from None
+        if response.status_code >= 400:
+            await response.aread()
+            await response.aclose()
+            if response.status_code >= 500:
+                raise EngineFailed(engine_id, f"answered {response.status_code}")
+            raise _ClientError(response)
+        return response
+
+    def _served(self, job: Job, tokens: int) -> None:
+        self._metrics.served_tokens.labels(job.tenant_label).inc(tokens)
+        self._record_served(tokens)
+
+
+class _ClientError(Exception):
+    """An engine's 4xx answer: the request's own fault, passed to the client unchanged."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def _usage(response: httpx.Response) -> dict[str, Any]:
+    try:
+        usage = response.json().get("usage")
+    except ValueError:
+        return {}
+    return usage if isinstance(usage, dict) else {}
+
+
+def _error(status: int, kind: str, message: str) -> Response:
+    return Response(error_body(kind, message), status_code=status, media_type="application/json")
+
+
+def _sse_error(kind: str, message: str) -> bytes:
+    return b"data: " + error_body(kind, message) + b"\n\ndata: [DONE]\n\n"

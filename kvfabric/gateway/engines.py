@@ -1,0 +1,147 @@
+"""The engines the gateway sends phases to: their live state as the scheduler reads it.
+
+Per engine the pool keeps what the gateway itself knows (requests in flight there, prompt
+tokens sent and not yet prefilled) and what it observes: health (``GET /health`` every
+``health_interval_s``; a failed request marks the engine down until it answers again) and
+measured prefill / decode rates (:class:`kvfabric.sched.throughput.Throughput`, starting from
+the hardware class's prior). :meth:`EnginePool.states` turns that into the
+:class:`~kvfabric.sched.model.EngineState` values a plan is made of.
+
+Owned by the gateway's event loop: every method runs on it (no locks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import httpx
+
+from kvfabric.gateway.config import ClassConfig, EngineConfig
+from kvfabric.gateway.metrics import GatewayMetrics
+from kvfabric.sched.model import EngineState
+from kvfabric.sched.throughput import ClassPrior, Throughput
+
+log = logging.getLogger("kvfabric.gateway")
+SLOW_CHECKS_DOWN = 3
+
+
+@dataclass
+class EngineLive:
+    config: EngineConfig
+    healthy: bool = False  # until its first health check answers
+    running: int = 0
+    queued_tokens: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    @property
+    def has_room(self) -> bool:
+        return self.healthy and self.running < self.config.max_running
+
+
+class EnginePool:
+    def __init__(
+        self,
+        engines: Iterable[EngineConfig],
+        classes: Mapping[str, ClassConfig],
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.engines = {e.id: EngineLive(e) for e in engines}
+        self.throughput = Throughput(
+            {name: ClassPrior(c.prefill_tps, c.decode_tps) for name, c in classes.items()}
+        )
+        self._metrics = metrics
+        self.changed = asyncio.Event()  # set when room may have opened (the queue's pump)
+
+    def __getitem__(self, engine_id: str) -> EngineLive:
+        return self.engines[engine_id]
+
+    def states(self, *, exclude: Iterable[str] = (), with_room: bool = True) -> list[EngineState]:
+        """Engines a plan may name: healthy, not excluded, and (``with_room``) below their
+        ``max_running``."""
+        skip = set(exclude)
+        out = []
+        for live in self.engines.values():
+            if live.id in skip or not live.healthy or (with_room and not live.has_room):
+                continue
+            cfg = live.config
+            out.append(
+                EngineState(
+                    engine_id=cfg.id,
+                    node_id=cfg.node_id,
+                    hardware_class=cfg.hardware_class,
+                    role=cfg.role_value,
+                    prefill_tps=self.throughput.rate(cfg.id, cfg.hardware_class, "prefill"),
+                    decode_tps=self.throughput.rate(cfg.id, cfg.hardware_class, "decode"),
+                    queued_tokens=live.queued_tokens,
+                    running=live.running,
+                )
+            )
+        return out
+
+    def any_healthy(self) -> bool:
+        return any(e.healthy for e in self.engines.values())
+
+    def take(self, engine_id: str, prompt_tokens: int) -> None:
+        live = self.engines[engine_id]
+        live.running += 1
+        live.queued_tokens += prompt_tokens
+        self._metrics.engine_running.labels(engine_id).set(live.running)
+
+    def prefilled(self, engine_id: str, prompt_tokens: int) -> None:
+        live = self.engines[engine_id]
+        live.queued_tokens = max(0, live.queued_tokens - prompt_tokens)
+
+    def give_back(self, engine_id: str) -> None:
+        live = self.engines[engine_id]
+        live.running = max(0, live.running - 1)
+        self._metrics.engine_running.labels(engine_id).set(live.running)
+        self.changed.set()
+
+    def mark(self, engine_id: str, healthy: bool) -> None:
+        live = self.engines[engine_id]
+        if live.healthy != healthy:
+            log.log(
+                logging.INFO if healthy else logging.WARNING,
+                "engine %s is %s",
+                engine_id,
+                "up" if healthy else "down",
+            )
+        live.healthy = healthy
+        self._metrics.engine_healthy.labels(engine_id).set(1 if healthy else 0)
+        if healthy:
+            self.changed.set()
+
+    async def watch_health(
+        self, http: httpx.AsyncClient, interval_s: float, timeout_s: float
+    ) -> None:
+        """Poll every engine's ``/health`` until cancelled. A refused connection or an error
+        status marks an engine down at once; a slow answer (a busy engine on a loaded host)
+        only after ``SLOW_CHECKS_DOWN`` in a row."""
+        slow: dict[str, int] = {}
+        while True:
+            await asyncio.gather(
+                *(self._check(http, e, timeout_s, slow) for e in self.engines.values())
+            )
+            await asyncio.sleep(interval_s)
+
+    async def _check(
+        self, http: httpx.AsyncClient, live: EngineLive, timeout_s: float, slow: dict[str, int]
+    ) -> None:
+        try:
+            response = await http.get(live.config.url.rstrip("/") + "/health", timeout=timeout_s)
+            ok = response.status_code == 200
+        except httpx.TimeoutException:
+            slow[live.id] = slow.get(live.id, 0) + 1
+            if slow[live.id] >= SLOW_CHECKS_DOWN:
+                self.mark(live.id, False)
+            return
+        except httpx.HTTPError:
+            ok = False
+        slow[live.id] = 0
+        self.mark(live.id, ok)

@@ -1,0 +1,119 @@
+"""What the fabric holds of a prompt, per node: one cluster lookup per request.
+
+The gateway hashes the prompt's full chunks with kvfabric's own hashing
+(:func:`kvfabric.hashing.chunk_keys`, in the namespace the engines' connectors use: the
+model id, the KV spec, the request's ``cache_salt`` as tenant salt) and asks one daemon's
+HTTP API (``POST /v1/lookup``, ``scope: cluster``) which live nodes hold how long a prefix of
+that chain; the answer becomes :class:`kvfabric.sched.model.Holdings` (tokens per node).
+
+A fabric that cannot answer (daemon down, slow past ``timeout_s``, no global index) never
+fails a request: the lookup returns empty holdings with ``ok=False`` and the gateway routes
+on load alone (counted in ``kvfabric_gateway_lookups_total{outcome}``). A daemon without a
+global index (embedded, one node) answers ``scope: local`` for itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from kvfabric.hashing import chunk_keys
+from kvfabric.sched.model import Holdings
+from kvfabric.spec import KVSpec, Namespace
+
+
+@dataclass(frozen=True)
+class Lookup:
+    holdings: Holdings
+    ok: bool  # False: the fabric did not answer (holdings are empty)
+
+
+class _NodeChunks(BaseModel):
+    node_id: str
+    chunks: int
+
+
+class _Answer(BaseModel):
+    """The fields of the daemon's lookup answer the gateway reads (others ignored)."""
+
+    matched_tokens: int
+    nodes: list[_NodeChunks] | None = None
+    stale: bool | None = None
+
+
+class FabricView:
+    """Cluster lookups through one daemon's HTTP API; owned by the gateway's event loop."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        url: str,
+        model_id: str,
+        spec: KVSpec,
+        token: str | None,
+        timeout_s: float,
+    ) -> None:
+        self._http = http
+        self._url = url.rstrip("/") + "/v1/lookup"
+        self._health = url.rstrip("/") + "/healthz"
+        self._model_id = model_id
+        self._spec = spec
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = timeout_s
+        self._local_node: str | None = None  # the daemon's own id, for local-only lookups
+
+    def namespace(self, cache_salt: str = "", lora: str = "") -> Namespace:
+        return Namespace(self._model_id, self._spec, cache_salt, lora)
+
+    def keys(self, tokens: Sequence[int], cache_salt: str = "") -> list[bytes]:
+        """The chain of the prompt's full chunks (the only ones a prefix lookup matches)."""
+        return chunk_keys(self.namespace(cache_salt), tokens, include_partial=False)
+
+    async def lookup(self, tokens: Sequence[int], cache_salt: str = "") -> Lookup:
+        keys = self.keys(tokens, cache_salt)
+        if not keys:
+            return Lookup(Holdings(), True)
+        body: dict[str, object] = {
+            "namespace": {
+                "model": self._model_id,
+                "spec": self._spec.to_dict(),
+                "tenant": cache_salt,
+                "lora": "",
+            },
+            "chunk_hashes": [k.hex() for k in keys],
+            "scope": "cluster",
+        }
+        try:
+            answer = await self._post(body)
+            if answer is None:  # no global index: what this daemon holds itself
+                body["scope"] = "local"
+                local = await self._post(body)
+                node = await self._node_id()
+                if local is None or node is None:
+                    return Lookup(Holdings(), False)
+                return Lookup(Holdings({node: local.matched_tokens}), True)
+        except (httpx.HTTPError, ValidationError, ValueError, KeyError):
+            return Lookup(Holdings(), False)
+        step = self._spec.chunk_tokens
+        by_node = {n.node_id: n.chunks * step for n in answer.nodes or () if n.chunks > 0}
+        return Lookup(Holdings(by_node), not answer.stale)
+
+    async def _post(self, body: dict[str, object]) -> _Answer | None:
+        """The lookup's answer; None when the daemon has no global index (503)."""
+        response = await self._http.post(
+            self._url, json=body, headers=self._headers, timeout=self._timeout
+        )
+        if response.status_code == 503 and body["scope"] == "cluster":
+            return None
+        response.raise_for_status()
+        return _Answer.model_validate_json(response.content)
+
+    async def _node_id(self) -> str | None:
+        if self._local_node is None:
+            response = await self._http.get(self._health, timeout=self._timeout)
+            response.raise_for_status()
+            self._local_node = str(response.json()["node_id"])
+        return self._local_node
