@@ -104,9 +104,15 @@ def int_in(low: int, high: int | None = None, *, why: str = "") -> Callable[...,
     return check
 
 
+_EXPONENT = re.compile(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+")
+
+
 def _number(value: object, rule: str = "must be a number") -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
+    # YAML 1.1 (PyYAML) reads ``1e9`` and ``1.25e9`` as strings: it wants ``1.25e+9``
+    if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+        return float(value)
     raise ConfigError(f"{rule}, got {value!r}")
 
 
