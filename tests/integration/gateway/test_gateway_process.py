@@ -1,0 +1,182 @@
+"""The gateway as a process, before any engine answers, and its view of the fabric.
+
+Real parts: ``kvfabric gateway`` child processes (engines declared on loopback ports nobody
+listens on), kvfabric daemons with a Redis index. What a gateway owes its callers while no
+engine can serve: ready says so (503), a completion fails at once with ``no_engine`` instead
+of waiting for its deadline, bad requests are refused with the reason, keys are enforced,
+oversized bodies never reach the parser. And the gateway's cluster lookup hashes prompts
+into the very chunk keys a connector stores (a prefix put on one node shows on that node,
+its extension on another is not credited past the shared prefix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import yaml
+from child_process import Child, free_port
+
+from kvfabric.client import Client
+from kvfabric.gateway.holdings import FabricView
+from kvfabric.hashing import chunk_hashes
+from kvfabric.spec import KVSpec, Namespace
+
+SPEC = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "bfloat16", "chunk_tokens": 32}
+START_LIMIT_S = 60.0
+
+
+def gateway_config(tmp_path: Path, **extra: object) -> tuple[Path, int]:
+    port = free_port()
+    config = {
+        "model": "tiny",
+        "port": port,
+        "engines": [
+            {"id": "a", "url": f"http://127.0.0.1:{free_port()}", "hardware_class": "gpu"},
+            {"id": "b", "url": f"http://127.0.0.1:{free_port()}", "hardware_class": "gpu"},
+        ],
+        "classes": {"gpu": {"prefill_tps": 1000, "decode_tps": 20}},
+        "deadlines": {"request_s": 30, "connect_s": 1, "health_interval_s": 0.2},
+        **extra,
+    }
+    path = tmp_path / f"gateway-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, port
+
+
+def start_gateway(path: Path, port: int, log: Path) -> Child:
+    argv = [sys.executable, "-m", "kvfabric.cli", "gateway", "--config", str(path)]
+    child = Child("gateway", argv, log).start()
+    deadline = time.monotonic() + START_LIMIT_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return child
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    child.kill()
+    pytest.fail(f"the gateway did not start: {log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    work = tmp_path_factory.mktemp("gateway")
+    keys = {"api_keys": {"sk-a": {"tenant": "alice"}}}
+    path, port = gateway_config(work, tenants=keys)
+    child = start_gateway(path, port, work / "gateway.log")
+    yield f"http://127.0.0.1:{port}"
+    child.kill()
+
+
+AUTH = {"Authorization": "Bearer sk-a"}
+
+
+def test_without_engines_it_is_alive_but_not_ready(gateway: str) -> None:
+    assert httpx.get(gateway + "/healthz").status_code == 200
+    ready = httpx.get(gateway + "/readyz")
+    assert ready.status_code == 503 and ready.json()["engines"] == {"a": False, "b": False}
+    assert httpx.get(gateway + "/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_a_completion_no_engine_can_serve_fails_at_once(gateway: str) -> None:
+    started = time.monotonic()
+    answer = httpx.post(
+        gateway + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, headers=AUTH
+    )
+    assert answer.status_code == 503 and answer.json()["error"]["kind"] == "no_engine"
+    assert time.monotonic() - started < 5  # not the 30 s deadline
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "kind"),
+    [
+        ({"prompt": [1]}, {}, 401, "unauthorized"),
+        ({"prompt": [1]}, {"Authorization": "Bearer nope"}, 401, "unauthorized"),
+        (b"{not json", AUTH, 400, "bad_request"),
+        ({"prompt": [1], "model": "other"}, AUTH, 404, "model_not_found"),
+        ({"prompt": [1, -1]}, AUTH, 400, "bad_request"),
+        ({"prompt": [1]}, {**AUTH, "X-KVFabric-Priority": "asap"}, 400, "bad_request"),
+    ],
+)
+def test_bad_requests_are_refused_with_the_reason(
+    gateway: str, body: object, headers: dict, status: int, kind: str
+) -> None:
+    if isinstance(body, bytes):
+        answer = httpx.post(gateway + "/v1/completions", content=body, headers=headers)
+    else:
+        answer = httpx.post(gateway + "/v1/completions", json=body, headers=headers)
+    assert answer.status_code == status, answer.text
+    assert answer.json()["error"]["kind"] == kind
+    if status == 401:
+        assert answer.headers["www-authenticate"] == "Bearer"
+
+
+def test_an_oversized_body_is_refused_before_it_is_parsed(gateway: str) -> None:
+    answer = httpx.post(gateway + "/v1/completions", content=b"[" * (17 << 20), headers=AUTH)
+    assert answer.status_code == 413
+
+
+def test_its_metrics_say_what_it_refused(gateway: str) -> None:
+    text = httpx.get(gateway + "/metrics").text
+    assert 'kvfabric_gateway_rejected_total{reason="no_engine",tenant="alice"}' in text
+    assert 'kvfabric_gateway_engine_healthy{engine="a"} 0.0' in text
+
+
+def test_a_wrong_config_file_stops_it_with_the_key_that_is_wrong(tmp_path: Path) -> None:
+    path, _ = gateway_config(tmp_path, tenants={"weights": {"alice": 0}})
+    result = subprocess.run(
+        [sys.executable, "-m", "kvfabric.cli", "gateway", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "tenants.weights.alice: must be > 0" in result.stderr
+
+
+def test_its_lookup_finds_each_node_s_prefix_by_the_connectors_keys(
+    start_module_daemon, shared_redis
+) -> None:
+    def node(name: str):
+        return start_module_daemon(
+            name,
+            f"node_id={name}",
+            "cluster.index=redis",
+            f"cluster.redis_url={shared_redis.url}",
+            "cluster.heartbeat_s=0.2",
+            "tcp.port=0",
+            "cluster.transport=socket",
+        )
+
+    a, b = node("gw-a"), node("gw-b")
+    spec = KVSpec(**SPEC)  # type: ignore[arg-type]
+    ns = Namespace("tiny", spec, "salt-1")
+    prompt = list(range(100, 100 + 4 * 32 + 5))  # four full chunks and a partial one
+    chunk = np.zeros(spec.chunk_bytes, dtype=np.uint8)
+    refs = chunk_hashes(ns, prompt)
+    with Client(a.socket) as client:  # node a: the first three chunks
+        for ref in refs[:3]:
+            client.put(ns, ref.key, chunk, parent=ref.parent, num_tokens=ref.num_tokens)
+    with Client(b.socket) as client:  # node b: the first one only
+        client.put(ns, refs[0].key, chunk, parent=refs[0].parent, num_tokens=refs[0].num_tokens)
+
+    async def look(salt: str) -> dict[str, int]:
+        async with httpx.AsyncClient() as http:
+            view = FabricView(http, b.http_url, "tiny", spec, None, 5.0)
+            deadline = time.monotonic() + 10  # the index learns of puts asynchronously
+            while True:
+                found = await view.lookup(prompt, salt)
+                held = dict(found.holdings.tokens_by_node)
+                if held == {"gw-a": 96, "gw-b": 32} or time.monotonic() > deadline:
+                    assert found.ok
+                    return held
+                await asyncio.sleep(0.1)
+
+    assert asyncio.run(look("salt-1")) == {"gw-a": 96, "gw-b": 32}
+    assert asyncio.run(look("")) == {}  # another cache_salt: another namespace, no hit
