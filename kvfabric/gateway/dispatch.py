@@ -34,7 +34,7 @@ from kvfabric.sched.model import Request
 from kvfabric.sched.planner import SINGLE, Plan
 
 log = logging.getLogger("kvfabric.gateway")
-PUSH, PULL = "push", "pull"
+PUSH, PULL, LOCAL = "push", "pull", "local"
 
 
 class EngineFailed(Exception):
@@ -89,12 +89,18 @@ class Dispatcher:
         self._record_served = record_served
 
     def mode(self, plan: Plan) -> str:
-        """What the hand-off really is: single, push (the prefill engine is configured to
-        push and the decode engine has a node) or pull."""
+        """What the hand-off really is: single (one engine); local (both engines on one
+        node: the decode engine loads from their daemon); push (the prefill engine is
+        configured to push and the decode engine has a node); else pull."""
         if plan.mode == SINGLE:
             return SINGLE
-        prefill, decode = self._pool[plan.prefill_engine], self._pool[plan.decode_engine]
-        return PUSH if prefill.config.push and decode.config.node_id else PULL
+        prefill, decode = (
+            self._pool[plan.prefill_engine].config,
+            self._pool[plan.decode_engine].config,
+        )
+        if prefill.node_id and prefill.node_id == decode.node_id:
+            return LOCAL
+        return PUSH if prefill.push and decode.node_id else PULL
 
     async def serve(self, job: Job, plan: Plan, replan: Callable[[str], Plan]) -> Response:
         """Carry out ``plan``; after an engine failure once more on ``replan(failed_id)``'s

@@ -74,6 +74,10 @@ NOT_RUN: dict[tuple[str, ...], str] = {
         "vllm.entrypoints.openai.api_server",
     ): "starts a vLLM engine on a model (minutes); tests/e2e/vllm runs engines this way",
     ("vllm", "serve"): "the GPU build's vLLM CLI: needs a GPU",
+    ("redis-server",): "a Redis for the README's cluster; tests start their own on a random "
+    "loopback port (tests/support/redis_process.py)",
+    ("python", "tests/models/build_tiny_llama.py"): "builds the tests' tiny model (a minute); "
+    "tests/e2e/vllm/conftest.py builds it the same way",
     (
         "python",
         "-m",
