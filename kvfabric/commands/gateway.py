@@ -60,5 +60,8 @@ def run(args: argparse.Namespace) -> int:
         port=config.port,
         log_level="warning",
         timeout_keep_alive=30,
+        loop="auto",  # uvloop where installed (a dependency of kvfabric on CPython)
+        http="auto",  # httptools where installed
+        access_log=False,
     )
     return 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import numpy as np
+
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # a request that does not bound its output still has a budget: what a queue slot assumes
 DEFAULT_OUTPUT_TOKENS = 256
@@ -31,8 +33,8 @@ def prompt_token_ids(body: dict[str, Any], path: str) -> list[int] | None:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return None
-    if isinstance(prompt, list) and prompt and all(_token(t) for t in prompt):
-        return [int(t) for t in prompt]
+    if isinstance(prompt, list) and prompt and _token_ids(prompt):
+        return prompt
     if isinstance(prompt, list) and len(prompt) == 1:  # one prompt in a batch of one
         body["prompt"] = prompt[0]
         return prompt_token_ids(body, path)
@@ -84,6 +86,17 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str
     if params:
         out["kv_transfer_params"] = params
     return out
+
+
+def _token_ids(values: list[Any]) -> bool:
+    """Whether ``values`` are token ids (ints >= 0): numpy checks a long prompt in C."""
+    if not isinstance(values[0], int) or isinstance(values[0], bool):
+        return False
+    try:
+        array = np.asarray(values)
+    except (ValueError, OverflowError):  # ragged, or an int past 64 bits
+        return False
+    return array.ndim == 1 and array.dtype.kind in "iu" and int(array.min()) >= 0
 
 
 def _token(value: object) -> bool:

@@ -232,6 +232,10 @@ class Dispatcher:
                         now - job.arrived
                     )
                     self._prefilled(job, plan.decode_engine)
+                    if plan.mode == SINGLE:  # its first token ends its prefill
+                        uncached = job.request.prompt_tokens - plan.reused_tokens
+                        took = now - (job.arrived + job.queued_s)
+                        self._pool.throughput.observe(plan.decode_engine, "prefill", uncached, took)
                 last = now
                 events += chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
                 yield chunk

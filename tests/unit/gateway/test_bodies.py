@@ -28,7 +28,9 @@ def test_token_id_prompts_are_read_and_text_or_chat_must_be_tokenized() -> None:
     [
         ({"prompt": ["a", "b"]}, COMPLETIONS),  # a batch: one plan per request
         ({"prompt": [1, -2]}, COMPLETIONS),
-        ({"prompt": [1, True]}, COMPLETIONS),
+        ({"prompt": [1, 2.5]}, COMPLETIONS),
+        ({"prompt": [1, "2"]}, COMPLETIONS),
+        ({"prompt": [1, 2**70]}, COMPLETIONS),
         ({}, COMPLETIONS),
         ({"messages": []}, CHAT),
     ],
