@@ -144,14 +144,16 @@ def workload(settings: Settings, seed: int) -> list[list[int]]:
     return [prefixes[p] + random_tokens(rng, SUFFIX_TOKENS) for p in order]
 
 
-def complete(url: str, tokens: list[int], timeout: float, stream: bool) -> tuple[float, list[int]]:
+def complete(
+    url: str, tokens: list[int], timeout: float, stream: bool, max_tokens: int = OUTPUT_TOKENS
+) -> tuple[float, list[int]]:
     """Streamed: (seconds to the first token, []); not streamed: (seconds, the generated
     token ids). A streamed request does not ask for token ids: vllm-router 0.1.17's
     ``kv_aware`` credits no cached prefix to a request with ``return_token_ids``."""
     body = {
         "model": SERVED_NAME,
         "prompt": tokens,
-        "max_tokens": OUTPUT_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": stream,
@@ -199,14 +201,17 @@ def engine_tokens(engines: Sequence[ServedEngine]) -> tuple[float, float]:
 
 
 def run_phase(
-    router: Router, engines: Sequence[ServedEngine], prompts: list[list[int]], timeout: float
+    url: str, engines: Sequence[ServedEngine], prompts: list[list[int]], timeout: float
 ) -> Phase:
+    """``prompts`` sent to ``url`` (a router's, or anything OpenAI-compatible in front of
+    ``engines``) by ``CONCURRENCY`` clients, streamed; the engines' prompt tokens and cached
+    tokens counted over the phase."""
     before = engine_tokens(engines)
     ttfts: list[float] = []
     lock = threading.Lock()
 
     def one(tokens: list[int]) -> None:
-        ttft, _ = complete(router.url, tokens, timeout, stream=True)
+        ttft, _ = complete(url, tokens, timeout, stream=True)
         with lock:
             ttfts.append(ttft)
 
@@ -237,13 +242,12 @@ def start_engines(starts: list[Callable[[], ServedEngine]]) -> tuple[list[Served
     return engines, slowest
 
 
-def routing(
-    root: Path,
-    model: Path,
-    settings: Settings,
-    figures: dict[str, object],
-    children: list,
-) -> None:
+def start_nodes(
+    root: Path, model: Path, children: list, cluster: Sequence[str] = ()
+) -> tuple[list[DaemonProcess], list[ServedEngine], float]:
+    """``ENGINES`` node daemons publishing their inventory as KV events (``cluster``: more
+    ``--set`` items for each, e.g. a shared index) and a served engine on each; (daemons,
+    engines, the slowest engine's start in seconds). Every child goes into ``children``."""
     daemons = []
     for i in range(ENGINES):
         daemon = DaemonProcess(
@@ -254,6 +258,7 @@ def routing(
                 "kv_events.endpoint=tcp://127.0.0.1:*",
                 "kv_events.replay_endpoint=tcp://127.0.0.1:*",
                 f"kv_events.block_size={EVENT_BLOCK_SIZE}",
+                *cluster,
             ],
         ).start()
         children.append(daemon)
@@ -266,38 +271,60 @@ def routing(
             for e, d in zip(served, daemons, strict=True)
         ]
     )
+    return daemons, engines, start_s
+
+
+def router_args(
+    policy: str,
+    engines: Sequence[ServedEngine],
+    daemons: Sequence[DaemonProcess],
+    timeout: float,
+) -> list[str]:
+    """vllm-router's arguments for ``policy`` over ``engines``; ``kv_aware`` subscribes to
+    each engine's daemon's KV events (and their replay) and logs its decisions."""
+    args = ["--worker-urls", *(e.url for e in engines), "--policy", policy]
+    args += [
+        "--worker-startup-check-interval",
+        "1",
+        "--request-timeout-secs",
+        str(int(timeout)),
+    ]
+    if policy == "kv_aware":
+        args += [
+            "--log-level",
+            "debug",  # its decisions: credited_prefix_tokens per request
+            "--kv-event-model",
+            SERVED_NAME,
+            "--kv-event-block-size",
+            str(EVENT_BLOCK_SIZE),
+        ]
+        for engine, daemon in zip(engines, daemons, strict=True):
+            args += ["--kv-event-source", f"{engine.url}={daemon.info['kv_events_endpoint']}"]
+            args += [
+                "--kv-event-replay-source",
+                f"{engine.url}={daemon.info['kv_events_replay_endpoint']}",
+            ]
+    return args
+
+
+def routing(
+    root: Path,
+    model: Path,
+    settings: Settings,
+    figures: dict[str, object],
+    children: list,
+) -> None:
+    daemons, engines, start_s = start_nodes(root, model, children)
     figures["engine_start_s"] = round(start_s, 1)
     timeout = 4 * start_s
-    sources = []
-    for engine, daemon in zip(engines, daemons, strict=True):
-        sources += ["--kv-event-source", f"{engine.url}={daemon.info['kv_events_endpoint']}"]
-        sources += [
-            "--kv-event-replay-source",
-            f"{engine.url}={daemon.info['kv_events_replay_endpoint']}",
-        ]
     phases: dict[str, Phase] = {}
     for n, policy in enumerate(POLICIES):
-        args = ["--worker-urls", *(e.url for e in engines), "--policy", policy]
-        args += [
-            "--worker-startup-check-interval",
-            "1",
-            "--request-timeout-secs",
-            str(int(timeout)),
-        ]
-        if policy == "kv_aware":
-            args += [
-                "--log-level",
-                "debug",  # its decisions: credited_prefix_tokens per request
-                "--kv-event-model",
-                SERVED_NAME,
-                "--kv-event-block-size",
-                str(EVENT_BLOCK_SIZE),
-                *sources,
-            ]
         router = Router(f"router-{policy}", root / "served", free_port(), metrics_port=free_port())
         children.append(router)
-        router.start(*args).wait_ready(timeout, path="/health")
-        phases[policy] = run_phase(router, engines, workload(settings, seed=100 + n), timeout)
+        router.start(*router_args(policy, engines, daemons, timeout)).wait_ready(
+            timeout, path="/health"
+        )
+        phases[policy] = run_phase(router.url, engines, workload(settings, seed=100 + n), timeout)
         router.kill()
         if policy == "kv_aware":
             figures["kv_aware_credited_requests"] = credited_requests(router.log_path)
