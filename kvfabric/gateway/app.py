@@ -235,6 +235,7 @@ class Gateway:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
             d = self.config.deadlines
+            await self.pool.check_all(self.http, d.connect_s)  # serve knowing who is up
             tasks = [
                 asyncio.create_task(
                     self.pool.watch_health(self.http, d.health_interval_s, d.connect_s)

@@ -57,6 +57,7 @@ class EnginePool:
         )
         self._metrics = metrics
         self.changed = asyncio.Event()  # set when room may have opened (the queue's pump)
+        self._slow: dict[str, int] = {}  # health checks in a row that timed out, per engine
 
     def __getitem__(self, engine_id: str) -> EngineLive:
         return self.engines[engine_id]
@@ -117,22 +118,22 @@ class EnginePool:
         if healthy:
             self.changed.set()
 
+    async def check_all(self, http: httpx.AsyncClient, timeout_s: float) -> None:
+        """One health round over every engine (the gateway's start waits for the first)."""
+        await asyncio.gather(*(self._check(http, e, timeout_s) for e in self.engines.values()))
+
     async def watch_health(
         self, http: httpx.AsyncClient, interval_s: float, timeout_s: float
     ) -> None:
         """Poll every engine's ``/health`` until cancelled. A refused connection or an error
         status marks an engine down at once; a slow answer (a busy engine on a loaded host)
         only after ``SLOW_CHECKS_DOWN`` in a row."""
-        slow: dict[str, int] = {}
         while True:
-            await asyncio.gather(
-                *(self._check(http, e, timeout_s, slow) for e in self.engines.values())
-            )
             await asyncio.sleep(interval_s)
+            await self.check_all(http, timeout_s)
 
-    async def _check(
-        self, http: httpx.AsyncClient, live: EngineLive, timeout_s: float, slow: dict[str, int]
-    ) -> None:
+    async def _check(self, http: httpx.AsyncClient, live: EngineLive, timeout_s: float) -> None:
+        slow = self._slow
         try:
             response = await http.get(live.config.url.rstrip("/") + "/health", timeout=timeout_s)
             ok = response.status_code == 200
