@@ -15,6 +15,8 @@ endpoint                    who (auth on)      what
 ``POST /v1/lookup``         admin, tenants     longest stored prefix of a prompt or chain
                             (own tenant only)  (``scope: cluster``: also per-node prefixes
                                                from the global index, and ``stale``)
+``GET /v1/nodes``           admin, tenants     the cluster's live nodes and their hardware
+                                               classes (this node alone without an index)
 ``GET /v1/stats``           admin              tiers, totals, namespaces, node
 ``POST /v1/admin/evict``    admin              ``store.evict(tier, bytes)``
 ``POST /v1/admin/flush``    admin              ``store.flush()`` (waits for SSD writes)
@@ -103,6 +105,7 @@ class ClusterView(Protocol):
     def node_prefixes(
         self, ns: Namespace, keys: Sequence[bytes]
     ) -> tuple[list[NodePrefixRow], bool]: ...
+    def hardware_classes(self) -> dict[str, str]: ...  # live node id -> hardware class
 
 
 class DaemonView(Protocol):
@@ -262,6 +265,16 @@ class LookupResponse(BaseModel):
         description="scope cluster: the global view may lag (index unreachable or "
         "not yet republished)",
     )
+
+
+class NodeBody(BaseModel):
+    node_id: str
+    hardware_class: str = Field(description="the node's cluster.hardware_class")
+
+
+class NodesResponse(BaseModel):
+    nodes: list[NodeBody] = Field(description="live nodes of the node registry, by id")
+    cluster: bool = Field(description="false: no global index; this node alone")
 
 
 class EvictResponse(BaseModel):
@@ -528,6 +541,17 @@ def stats(daemon: Daemon, _: Admin) -> BaseModel:
         sessions=daemon.session_count,
         warnings=_warnings(daemon),
     )
+
+
+@_api.get("/nodes", name="nodes")
+def nodes(daemon: Daemon, _: Caller) -> NodesResponse:
+    """The cluster's live nodes and their hardware classes (what a gateway plans with)."""
+    if daemon.cluster is None:
+        own = NodeBody(node_id=daemon.node_id, hardware_class=daemon.config.cluster.hardware_class)
+        return NodesResponse(nodes=[own], cluster=False)
+    classes = daemon.cluster.hardware_classes()  # may ask Redis: a plain def, off the loop
+    rows = [NodeBody(node_id=n, hardware_class=c) for n, c in sorted(classes.items())]
+    return NodesResponse(nodes=rows, cluster=True)
 
 
 @_api.post("/admin/evict", name="evict")

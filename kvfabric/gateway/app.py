@@ -52,6 +52,7 @@ from kvfabric.sched.planner import NoEngineError, Plan, Policy
 
 MAX_BODY_BYTES = 16 << 20
 MAX_RETRY_AFTER_S = 600
+DISCOVERY_INTERVAL_S = 5.0
 
 
 class Gateway:
@@ -229,14 +230,28 @@ class Gateway:
         self.metrics.lookups.labels("ok" if lookup.ok else "failed").inc()
         return lookup
 
+    async def _discover(self) -> None:
+        """Engines' hardware classes from the fabric's node registry, where left out."""
+        if self.fabric is not None and self.pool.unresolved():
+            classes = await self.fabric.node_classes()
+            if classes is not None:
+                self.pool.resolve_classes(classes)
+
+    async def _keep_discovering(self, interval_s: float) -> None:
+        while self.pool.unresolved():  # a node that joins later names its class then
+            await asyncio.sleep(max(interval_s, DISCOVERY_INTERVAL_S))
+            await self._discover()
+
     # -- the application -------------------------------------------------------------------
 
     def app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
             d = self.config.deadlines
+            await self._discover()
             await self.pool.check_all(self.http, d.connect_s)  # serve knowing who is up
             tasks = [
+                asyncio.create_task(self._keep_discovering(d.health_interval_s)),
                 asyncio.create_task(
                     self.pool.watch_health(self.http, d.health_interval_s, d.connect_s)
                 ),
@@ -276,8 +291,11 @@ class Gateway:
 
         @app.get("/readyz")
         async def readyz() -> Response:
-            engines = {e.id: e.healthy for e in self.pool.engines.values()}
-            ready = any(engines.values())
+            engines = {
+                e.id: {"healthy": e.healthy, "hardware_class": e.hardware_class}
+                for e in self.pool.engines.values()
+            }
+            ready = self.pool.any_healthy()
             return JSONResponse(
                 {"status": "ready" if ready else "not_ready", "engines": engines},
                 status_code=200 if ready else 503,

@@ -6,7 +6,8 @@ with every key and its default is the README's "Gateway configuration" section; 
 
 * ``engines``: each vLLM OpenAI server the gateway may send a phase to: its ``id``, ``url``,
   ``role`` (prefill, decode or both), the fabric ``node_id`` of the daemon beside it, its
-  ``hardware_class``, ``max_running`` (requests the gateway keeps in flight there; more wait
+  ``hardware_class`` (or, left out, its node's ``cluster.hardware_class`` from the fabric's
+  node registry), ``max_running`` (requests the gateway keeps in flight there; more wait
   in the gateway's fair queue) and ``push`` (a prefill engine pushes its KV to the decode
   node instead of the decode engine pulling it);
 * ``classes``: per hardware class the prior prefill / decode rates (tokens per second, refined
@@ -41,6 +42,10 @@ from kvfabric.errors import ConfigError
 from kvfabric.sched.model import Priority, Role
 from kvfabric.spec import DEFAULT_CHUNK_TOKENS, KVSpec
 
+_NEEDS_REGISTRY = (
+    "required unless the engine has a node_id and the gateway a fabric (whose node registry "
+    "then says it)"
+)
 RoleName = Annotated[str, PlainValidator(one_of(*(r.value for r in Role)))]
 PriorityName = Annotated[str, PlainValidator(one_of(*(p.value for p in Priority)))]
 
@@ -49,7 +54,7 @@ PriorityName = Annotated[str, PlainValidator(one_of(*(p.value for p in Priority)
 class EngineConfig:
     id: Text
     url: Text
-    hardware_class: Text
+    hardware_class: OptionalText = None  # None: its node's class in the fabric's registry
     role: RoleName = "both"
     node_id: Text = ""  # the fabric node beside the engine; "" = none (no holdings)
     max_running: PositiveInt = 8
@@ -160,7 +165,15 @@ class GatewayConfig:
             if engine.id in seen:
                 problems.append((f"engines[{i}].id", f"{engine.id!r} is declared twice"))
             seen.add(engine.id)
-            if engine.hardware_class not in self.classes:
+            if engine.hardware_class is None:
+                if not engine.node_id or self.fabric is None:
+                    problems.append(
+                        (
+                            f"engines[{i}].hardware_class",
+                            _NEEDS_REGISTRY,
+                        )
+                    )
+            elif engine.hardware_class not in self.classes:
                 known = ", ".join(sorted(self.classes)) or "none"
                 problems.append(
                     (

@@ -31,6 +31,7 @@ SLOW_CHECKS_DOWN = 3
 @dataclass
 class EngineLive:
     config: EngineConfig
+    hardware_class: str | None = None  # configured, or found in the fabric's node registry
     healthy: bool = False  # until its first health check answers
     running: int = 0
     queued_tokens: int = 0
@@ -51,7 +52,8 @@ class EnginePool:
         classes: Mapping[str, ClassConfig],
         metrics: GatewayMetrics,
     ) -> None:
-        self.engines = {e.id: EngineLive(e) for e in engines}
+        self.engines = {e.id: EngineLive(e, e.hardware_class) for e in engines}
+        self._classes = set(classes)
         self.throughput = Throughput(
             {name: ClassPrior(c.prefill_tps, c.decode_tps) for name, c in classes.items()}
         )
@@ -70,20 +72,53 @@ class EnginePool:
         for live in self.engines.values():
             if live.id in skip or not live.healthy or (with_room and not live.has_room):
                 continue
+            hardware_class = live.hardware_class
+            if hardware_class is None:  # its node has not told its class yet
+                continue
             cfg = live.config
             out.append(
                 EngineState(
                     engine_id=cfg.id,
                     node_id=cfg.node_id,
-                    hardware_class=cfg.hardware_class,
+                    hardware_class=hardware_class,
                     role=cfg.role_value,
-                    prefill_tps=self.throughput.rate(cfg.id, cfg.hardware_class, "prefill"),
-                    decode_tps=self.throughput.rate(cfg.id, cfg.hardware_class, "decode"),
+                    prefill_tps=self.throughput.rate(cfg.id, hardware_class, "prefill"),
+                    decode_tps=self.throughput.rate(cfg.id, hardware_class, "decode"),
                     queued_tokens=live.queued_tokens,
                     running=live.running,
                 )
             )
         return out
+
+    def unresolved(self) -> bool:
+        """Whether an engine still waits for its node's class from the registry."""
+        return any(e.hardware_class is None for e in self.engines.values())
+
+    def resolve_classes(self, node_classes: Mapping[str, str]) -> None:
+        """Engines without a configured class take their node's registered one (a class
+        the gateway has no profile for leaves the engine out, said once)."""
+        for live in self.engines.values():
+            if live.config.hardware_class is not None:
+                continue
+            found = node_classes.get(live.config.node_id)
+            if found in self._classes:
+                if live.hardware_class != found:
+                    log.info(
+                        "engine %s: hardware class %s (node %s)",
+                        live.id,
+                        found,
+                        live.config.node_id,
+                    )
+                    live.hardware_class = found
+                    self.changed.set()
+            elif found is not None and found != live.hardware_class:
+                log.warning(
+                    "engine %s: its node %s has hardware class %r, which the gateway's "
+                    "classes do not list: the engine is left out",
+                    live.id,
+                    live.config.node_id,
+                    found,
+                )
 
     def any_healthy(self) -> bool:
         return any(e.healthy for e in self.engines.values())

@@ -9,7 +9,9 @@ that chain; the answer becomes :class:`kvfabric.sched.model.Holdings` (tokens pe
 A fabric that cannot answer (daemon down, slow past ``timeout_s``, no global index) never
 fails a request: the lookup returns empty holdings with ``ok=False`` and the gateway routes
 on load alone (counted in ``kvfabric_gateway_lookups_total{outcome}``). A daemon without a
-global index (embedded, one node) answers ``scope: local`` for itself.
+global index (embedded, one node) answers ``scope: local`` for itself. The same daemon's
+``GET /v1/nodes`` names each live node's hardware class, for engines whose class the
+gateway's config leaves to the registry.
 """
 
 from __future__ import annotations
@@ -36,12 +38,21 @@ class _NodeChunks(BaseModel):
     chunks: int
 
 
+class _NodeClass(BaseModel):
+    node_id: str
+    hardware_class: str
+
+
 class _Answer(BaseModel):
     """The fields of the daemon's lookup answer the gateway reads (others ignored)."""
 
     matched_tokens: int
     nodes: list[_NodeChunks] | None = None
     stale: bool | None = None
+
+
+class _Nodes(BaseModel):
+    nodes: list[_NodeClass]
 
 
 class FabricView:
@@ -59,6 +70,7 @@ class FabricView:
         self._http = http
         self._url = url.rstrip("/") + "/v1/lookup"
         self._health = url.rstrip("/") + "/healthz"
+        self._nodes = url.rstrip("/") + "/v1/nodes"
         self._model_id = model_id
         self._spec = spec
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -100,6 +112,19 @@ class FabricView:
         step = self._spec.chunk_tokens
         by_node = {n.node_id: n.chunks * step for n in answer.nodes or () if n.chunks > 0}
         return Lookup(Holdings(by_node), not answer.stale)
+
+    async def node_classes(self) -> dict[str, str] | None:
+        """The registry's live nodes and their hardware classes (``GET /v1/nodes``); None
+        when the fabric does not answer."""
+        try:
+            response = await self._http.get(
+                self._nodes, headers=self._headers, timeout=self._timeout
+            )
+            response.raise_for_status()
+            found = _Nodes.model_validate_json(response.content)
+        except (httpx.HTTPError, ValidationError):
+            return None
+        return {n.node_id: n.hardware_class for n in found.nodes}
 
     async def _post(self, body: dict[str, object]) -> _Answer | None:
         """The lookup's answer; None when the daemon has no global index (503)."""

@@ -227,7 +227,7 @@ class ClusterLink:
         declared hardware class, leading chunks held and those per tier; and whether the
         answer is stale (see :meth:`lookup`)."""
         found = self.lookup(ns, keys)
-        classes = self._hardware_classes()
+        classes = self.hardware_classes()
         return [
             {
                 "node_id": p.node_id,
@@ -239,8 +239,8 @@ class ClusterLink:
             for p in found.nodes().values()
         ], found.stale
 
-    def _hardware_classes(self) -> dict[str, str]:
-        """Node id -> hardware class, re-read from the index at most every
+    def hardware_classes(self) -> dict[str, str]:
+        """Live node id -> hardware class (the node registry), re-read from the index at most every
         :data:`NODE_CLASSES_CACHE_S` (classes change only when nodes (re)join)."""
         now = time.monotonic()
         with self._classes_lock:

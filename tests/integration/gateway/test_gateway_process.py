@@ -81,7 +81,11 @@ AUTH = {"Authorization": "Bearer sk-a"}
 def test_without_engines_it_is_alive_but_not_ready(gateway: str) -> None:
     assert httpx.get(gateway + "/healthz").status_code == 200
     ready = httpx.get(gateway + "/readyz")
-    assert ready.status_code == 503 and ready.json()["engines"] == {"a": False, "b": False}
+    assert ready.status_code == 503
+    assert ready.json()["engines"] == {
+        "a": {"healthy": False, "hardware_class": "gpu"},
+        "b": {"healthy": False, "hardware_class": "gpu"},
+    }
     assert httpx.get(gateway + "/v1/models").json()["data"][0]["id"] == "tiny"
 
 
@@ -152,9 +156,12 @@ def test_its_lookup_finds_each_node_s_prefix_by_the_connectors_keys(
             "cluster.heartbeat_s=0.2",
             "tcp.port=0",
             "cluster.transport=socket",
+            f"cluster.hardware_class=class-{name}",
         )
 
     a, b = node("gw-a"), node("gw-b")
+    nodes = httpx.get(b.http_url + "/v1/nodes").json()
+    assert nodes["cluster"] and {n["node_id"] for n in nodes["nodes"]} >= {"gw-a", "gw-b"}
     spec = KVSpec(**SPEC)  # type: ignore[arg-type]
     ns = Namespace("tiny", spec, "salt-1")
     prompt = list(range(100, 100 + 4 * 32 + 5))  # four full chunks and a partial one
@@ -180,3 +187,42 @@ def test_its_lookup_finds_each_node_s_prefix_by_the_connectors_keys(
 
     assert asyncio.run(look("salt-1")) == {"gw-a": 96, "gw-b": 32}
     assert asyncio.run(look("")) == {}  # another cache_salt: another namespace, no hit
+
+
+def test_an_engine_without_a_class_takes_its_node_s_from_the_registry(
+    start_module_daemon, shared_redis, tmp_path: Path
+) -> None:
+    """Runs after the lookup test: nodes gw-a (class-gw-a) and gw-b are registered."""
+    daemon = start_module_daemon(
+        "gw-c",
+        "node_id=gw-c",
+        "cluster.index=redis",
+        f"cluster.redis_url={shared_redis.url}",
+        "cluster.heartbeat_s=0.2",
+        "tcp.port=0",
+        "cluster.transport=socket",
+        "cluster.hardware_class=class-gw-c",
+    )
+    fabric = {"url": daemon.http_url, **SPEC}
+    path, port = gateway_config(
+        tmp_path,
+        fabric=fabric,
+        engines=[
+            {"id": "on-a", "url": f"http://127.0.0.1:{free_port()}", "node_id": "gw-a"},
+            {"id": "on-c", "url": f"http://127.0.0.1:{free_port()}", "node_id": "gw-c"},
+            {"id": "nowhere", "url": f"http://127.0.0.1:{free_port()}", "node_id": "gw-z"},
+        ],
+        classes={
+            "class-gw-a": {"prefill_tps": 1000, "decode_tps": 20},
+            "gpu": {"prefill_tps": 1000, "decode_tps": 20},
+        },
+    )
+    child = start_gateway(path, port, tmp_path / "gateway.log")
+    try:
+        engines = httpx.get(f"http://127.0.0.1:{port}/readyz").json()["engines"]
+    finally:
+        child.kill()
+    assert engines["on-a"]["hardware_class"] == "class-gw-a"  # registered, and profiled
+    assert engines["on-c"]["hardware_class"] is None  # class-gw-c has no profile: left out
+    assert engines["nowhere"]["hardware_class"] is None  # no such node
+    assert "class-gw-c" in (tmp_path / "gateway.log").read_text()  # said why

@@ -520,6 +520,18 @@ def test_a_streamed_body_is_cut_off_at_the_limit(daemon: FakeDaemon) -> None:
     assert daemon.store.stats().lookups == 0
 
 
+def test_nodes_without_a_global_index_is_this_node_alone_for_any_known_caller(
+    client: TestClient,
+) -> None:
+    answer = client.get("/v1/nodes", headers=TENANT)
+    assert answer.status_code == 200
+    assert answer.json() == {
+        "nodes": [{"node_id": "node-a", "hardware_class": "generic"}],
+        "cluster": False,
+    }
+    assert client.get("/v1/nodes").status_code == 401
+
+
 # ---------------------------------------------------------------------- schema and threads
 
 
@@ -531,6 +543,7 @@ def test_openapi_schema_documents_bodies_bounds_and_bearer_auth(client: TestClie
         "/metrics",
         "/v1/lookup",
         "/v1/stats",
+        "/v1/nodes",
         "/v1/admin/evict",
         "/v1/admin/flush",
     } <= set(schema["paths"])
