@@ -22,7 +22,8 @@ import httpx
 import numpy as np
 import pytest
 import yaml
-from child_process import Child, free_port
+from child_process import free_port
+from gateway_process import GatewayProcess
 
 from kvfabric.client import Client
 from kvfabric.gateway.holdings import FabricView
@@ -33,11 +34,10 @@ SPEC = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "bfloat16",
 START_LIMIT_S = 60.0
 
 
-def gateway_config(tmp_path: Path, **extra: object) -> tuple[Path, int]:
-    port = free_port()
-    config = {
+def gateway_config(**extra: object) -> dict:
+    """Two engines on loopback ports nobody listens on, one class; ``extra`` replaces keys."""
+    return {
         "model": "tiny",
-        "port": port,
         "engines": [
             {"id": "a", "url": f"http://127.0.0.1:{free_port()}", "hardware_class": "gpu"},
             {"id": "b", "url": f"http://127.0.0.1:{free_port()}", "hardware_class": "gpu"},
@@ -46,32 +46,19 @@ def gateway_config(tmp_path: Path, **extra: object) -> tuple[Path, int]:
         "deadlines": {"request_s": 30, "connect_s": 1, "health_interval_s": 0.2},
         **extra,
     }
-    path = tmp_path / f"gateway-{port}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path, port
 
 
-def start_gateway(path: Path, port: int, log: Path) -> Child:
-    argv = [sys.executable, "-m", "kvfabric.cli", "gateway", "--config", str(path)]
-    child = Child("gateway", argv, log).start()
-    deadline = time.monotonic() + START_LIMIT_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return child
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    child.kill()
-    pytest.fail(f"the gateway did not start: {log.read_text()[-3000:]}")
+def start_gateway(work: Path, config: dict) -> GatewayProcess:
+    gateway = GatewayProcess("gateway", work, config).start()
+    gateway.wait_ready(START_LIMIT_S, path="/healthz")  # no engine: never /readyz
+    return gateway
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    work = tmp_path_factory.mktemp("gateway")
     keys = {"api_keys": {"sk-a": {"tenant": "alice"}}}
-    path, port = gateway_config(work, tenants=keys)
-    child = start_gateway(path, port, work / "gateway.log")
-    yield f"http://127.0.0.1:{port}"
+    child = start_gateway(tmp_path_factory.mktemp("gateway"), gateway_config(tenants=keys))
+    yield child.url
     child.kill()
 
 
@@ -134,7 +121,8 @@ def test_its_metrics_say_what_it_refused(gateway: str) -> None:
 
 
 def test_a_wrong_config_file_stops_it_with_the_key_that_is_wrong(tmp_path: Path) -> None:
-    path, _ = gateway_config(tmp_path, tenants={"weights": {"alice": 0}})
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(gateway_config(tenants={"weights": {"alice": 0}})))
     result = subprocess.run(
         [sys.executable, "-m", "kvfabric.cli", "gateway", "--config", str(path)],
         capture_output=True,
@@ -204,8 +192,7 @@ def test_an_engine_without_a_class_takes_its_node_s_from_the_registry(
         "cluster.hardware_class=class-gw-c",
     )
     fabric = {"url": daemon.http_url, **SPEC}
-    path, port = gateway_config(
-        tmp_path,
+    config = gateway_config(
         fabric=fabric,
         engines=[
             {"id": "on-a", "url": f"http://127.0.0.1:{free_port()}", "node_id": "gw-a"},
@@ -217,12 +204,12 @@ def test_an_engine_without_a_class_takes_its_node_s_from_the_registry(
             "gpu": {"prefill_tps": 1000, "decode_tps": 20},
         },
     )
-    child = start_gateway(path, port, tmp_path / "gateway.log")
+    child = start_gateway(tmp_path, config)
     try:
-        engines = httpx.get(f"http://127.0.0.1:{port}/readyz").json()["engines"]
+        engines = httpx.get(child.url + "/readyz").json()["engines"]
     finally:
         child.kill()
     assert engines["on-a"]["hardware_class"] == "class-gw-a"  # registered, and profiled
     assert engines["on-c"]["hardware_class"] is None  # class-gw-c has no profile: left out
     assert engines["nowhere"]["hardware_class"] is None  # no such node
-    assert "class-gw-c" in (tmp_path / "gateway.log").read_text()  # said why
+    assert "class-gw-c" in child.log_path.read_text()  # said why
