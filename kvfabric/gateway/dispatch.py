@@ -30,6 +30,7 @@ from starlette.responses import Response, StreamingResponse
 from kvfabric.gateway.bodies import decode_body, prefill_body
 from kvfabric.gateway.engines import EnginePool
 from kvfabric.gateway.metrics import GatewayMetrics
+from kvfabric.gateway.streams import StreamTally
 from kvfabric.sched.model import Request
 from kvfabric.sched.planner import SINGLE, Plan
 
@@ -222,7 +223,7 @@ class Dispatcher:
     async def _relay(self, job: Job, plan: Plan, upstream: httpx.Response) -> AsyncIterator[bytes]:
         """The engine's stream to the client; the decode slot is given back at its end."""
         first = last = 0.0
-        events = 0
+        tally = StreamTally()
         try:
             async for chunk in upstream.aiter_raw():
                 now = time.monotonic()
@@ -237,7 +238,7 @@ class Dispatcher:
                         took = now - (job.arrived + job.queued_s)
                         self._pool.throughput.observe(plan.decode_engine, "prefill", uncached, took)
                 last = now
-                events += chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+                tally.feed(chunk)
                 yield chunk
                 if now > job.deadline:
                     yield _sse_error("deadline", "the request's deadline passed")
@@ -251,14 +252,19 @@ class Dispatcher:
             await upstream.aclose()
             self._prefilled(job, plan.decode_engine)
             self._pool.give_back(plan.decode_engine)
-        output = max(0, events - 1)  # vLLM sends a token per event; the last one ends it
-        if events > 1 and last > first:
+        output = tally.output_tokens()
+        steps = tally.tokens  # events carrying output: the first at `first`
+        if steps > 1 and last > first:
             self._metrics.tpot.labels(job.tenant_label, job.request.priority.value).observe(
-                (last - first) / (events - 1)
+                (last - first) / (steps - 1)
             )
-            self._pool.throughput.observe(plan.decode_engine, "decode", events - 1, last - first)
+            self._pool.throughput.observe(plan.decode_engine, "decode", steps - 1, last - first)
         self._metrics.phase.labels("decode").observe(last - (first or last))
-        self._served(job, job.request.prompt_tokens + output)
+        usage = tally.usage or {}
+        prompt = usage.get("prompt_tokens")
+        self._served(
+            job, (prompt if isinstance(prompt, int) else job.request.prompt_tokens) + output
+        )
 
     # -- engine calls ----------------------------------------------------------------------
 

@@ -96,7 +96,7 @@ def test_a_waiter_whose_deadline_passed_is_skipped_and_gives_nothing_away() -> N
 
 def test_a_full_tenant_queue_refuses_with_a_retry_after() -> None:
     async def scenario() -> None:
-        pool, admission = make(max_queued=250)
+        _, admission = make(max_queued=250)
         await admission.admit(Request("t", 100, 0), Holdings())
         waiting = [
             asyncio.create_task(admission.admit(Request("t", 100, 0), Holdings())) for _ in range(2)
