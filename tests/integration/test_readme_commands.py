@@ -77,7 +77,7 @@ NOT_RUN: dict[tuple[str, ...], str] = {
     ("redis-server",): "a Redis for the README's cluster; tests start their own on a random "
     "loopback port (tests/support/redis_process.py)",
     ("python", "tests/models/build_tiny_llama.py"): "builds the tests' tiny model (a minute); "
-    "tests/e2e/vllm/conftest.py builds it the same way",
+    "tests/e2e/conftest.py builds it the same way",
     (
         "python",
         "-m",

