@@ -31,7 +31,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -45,6 +44,7 @@ from kvfabric.gateway.engines import EnginePool
 from kvfabric.gateway.holdings import FabricView, Lookup
 from kvfabric.gateway.metrics import GatewayMetrics
 from kvfabric.gateway.tenancy import BadHeader, Caller, Unauthorized, identify
+from kvfabric.gateway.upstream import TimedOut, Unreachable, Upstream
 from kvfabric.sched.fair_queue import QueueFull
 from kvfabric.sched.model import HardwareProfile, Holdings, Link
 from kvfabric.sched.model import Request as SchedRequest
@@ -77,10 +77,7 @@ class Gateway:
             config.tenants.max_queued_tokens,
             self.metrics,
         )
-        self.http = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-            timeout=httpx.Timeout(config.deadlines.request_s, connect=config.deadlines.connect_s),
-        )
+        self.http = Upstream()
         self.fabric = (
             FabricView(
                 self.http,
@@ -199,26 +196,26 @@ class Gateway:
         )
         tokenize_body = bodies.tokenize_body(body, path, self.config.model)
         for live in engines[:2]:  # one more engine when the first fails
+            left = max(0.001, deadline - time.monotonic())
             try:
-                response = await self.http.post(
+                answer = await self.http.post(
                     live.config.url.rstrip("/") + "/tokenize",
-                    json=tokenize_body,
-                    timeout=max(0.001, deadline - time.monotonic()),
+                    tokenize_body,
+                    left,
+                    min(left, self.config.deadlines.connect_s),
                 )
-            except httpx.HTTPError:
+            except (Unreachable, TimedOut):
                 continue
-            if response.status_code >= 500:
+            if answer.status >= 500:
                 continue
-            if response.status_code >= 400:
-                raise _Refused(
-                    Response(
-                        response.content,
-                        status_code=response.status_code,
-                        media_type="application/json",
-                    )
-                )
+            if answer.status >= 400:
+                refused = Response(answer.body, answer.status, media_type=answer.content_type)
+                raise _Refused(refused)
             self.metrics.phase.labels("tokenize").observe(time.monotonic() - started)
-            return [int(t) for t in response.json()["tokens"]]
+            try:
+                return [int(t) for t in answer.json()["tokens"]]
+            except (ValueError, KeyError, TypeError):
+                continue
         raise _Refused(_error(502, "engine_failed", "no engine could tokenize the prompt"))
 
     async def _lookup(self, tokens: list[int], salt: str) -> Lookup:
@@ -248,6 +245,7 @@ class Gateway:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
             d = self.config.deadlines
+            await self.http.start()
             await self._discover()
             await self.pool.check_all(self.http, d.connect_s)  # serve knowing who is up
             tasks = [
@@ -263,7 +261,7 @@ class Gateway:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-                await self.http.aclose()
+                await self.http.close()
 
         app = FastAPI(title="kvfabric gateway", lifespan=lifespan)
 

@@ -24,13 +24,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from starlette.responses import Response, StreamingResponse
 
 from kvfabric.gateway.bodies import decode_body, prefill_body
 from kvfabric.gateway.engines import EnginePool
 from kvfabric.gateway.metrics import GatewayMetrics
 from kvfabric.gateway.streams import StreamTally
+from kvfabric.gateway.upstream import Answer, TimedOut, Unreachable, Upstream
 from kvfabric.sched.model import Request
 from kvfabric.sched.planner import SINGLE, Plan
 
@@ -77,7 +78,7 @@ def error_body(kind: str, message: str) -> bytes:
 class Dispatcher:
     def __init__(
         self,
-        http: httpx.AsyncClient,
+        http: Upstream,
         pool: EnginePool,
         metrics: GatewayMetrics,
         connect_s: float,
@@ -124,12 +125,8 @@ class Dispatcher:
             self._metrics.rejected.labels(job.tenant_label, "deadline").inc()
             return _error(504, "deadline", "the request's deadline passed at an engine")
         except _ClientError as refused:
-            response = refused.response
-            return Response(
-                response.content,
-                status_code=response.status_code,
-                media_type=response.headers.get("content-type", "application/json"),
-            )
+            answer = refused.response
+            return Response(answer.body, status_code=answer.status, media_type=answer.content_type)
 
     def _failed(self, job: Job, failed: EngineFailed) -> None:
         log.warning("%s", failed)
@@ -162,9 +159,9 @@ class Dispatcher:
                 decode_held = False  # the relay gives it back when the stream ends
                 return StreamingResponse(
                     self._relay(job, plan, upstream),
-                    status_code=upstream.status_code,
+                    status_code=upstream.status,
                     headers=headers,
-                    media_type=upstream.headers.get("content-type", "text/event-stream"),
+                    media_type=upstream.headers.get("Content-Type", "text/event-stream"),
                 )
             return await self._complete(job, plan, body, headers)
         finally:
@@ -186,14 +183,14 @@ class Dispatcher:
     async def _prefill(self, job: Job, plan: Plan, push_to: str | None) -> dict[str, Any] | None:
         started = time.monotonic()
         response = await self._post(plan.prefill_engine, job, prefill_body(job.body, push_to))
-        if response.status_code >= 400:
+        if response.status >= 400:
             raise _ClientError(response)
         elapsed = time.monotonic() - started
         self._metrics.phase.labels("prefill").observe(elapsed)
         uncached = job.request.prompt_tokens - plan.reused_tokens
         self._prefilled(job, plan.prefill_engine)
         self._pool.throughput.observe(plan.prefill_engine, "prefill", uncached, elapsed)
-        params = response.json().get("kv_transfer_params")
+        params = _field(response, "kv_transfer_params")
         return params if isinstance(params, dict) else None
 
     async def _complete(
@@ -204,28 +201,34 @@ class Dispatcher:
         now = time.monotonic()
         self._prefilled(job, plan.decode_engine)
         self._metrics.phase.labels("decode").observe(now - started)
-        if response.status_code < 400:
+        if response.status < 400:
             self._metrics.ttft.labels(job.tenant_label, job.request.priority.value).observe(
                 now - job.arrived
             )
-            usage = _usage(response)
+            usage = _field(response, "usage")
+            usage = usage if isinstance(usage, dict) else {}
             output = int(usage.get("completion_tokens", 0))
             if plan.mode != SINGLE and output:
                 self._pool.throughput.observe(plan.decode_engine, "decode", output, now - started)
             self._served(job, int(usage.get("prompt_tokens", job.request.prompt_tokens)) + output)
         return Response(
-            response.content,
-            status_code=response.status_code,
+            response.body,
+            status_code=response.status,
             headers=headers,
-            media_type=response.headers.get("content-type", "application/json"),
+            media_type=response.content_type,
         )
 
-    async def _relay(self, job: Job, plan: Plan, upstream: httpx.Response) -> AsyncIterator[bytes]:
-        """The engine's stream to the client; the decode slot is given back at its end."""
+    async def _relay(
+        self, job: Job, plan: Plan, upstream: aiohttp.ClientResponse
+    ) -> AsyncIterator[bytes]:
+        """The engine's stream to the client; the decode slot is given back at its end (a
+        stream cut short, by the client or the deadline, closes the engine's connection:
+        vLLM aborts a request whose client is gone)."""
         first = last = 0.0
         tally = StreamTally()
+        whole = False
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.content.iter_any():
                 now = time.monotonic()
                 if not first:
                     first = now
@@ -243,13 +246,18 @@ class Dispatcher:
                 if now > job.deadline:
                     yield _sse_error("deadline", "the request's deadline passed")
                     return
-        except httpx.HTTPError as exc:
+            whole = True
+        except (aiohttp.ClientError, TimeoutError) as exc:
             self._pool.mark(plan.decode_engine, False)
             self._metrics.rejected.labels(job.tenant_label, "engine_failed").inc()
-            yield _sse_error("engine_failed", f"engine {plan.decode_engine} failed: {exc}")
+            why = str(exc) or type(exc).__name__
+            yield _sse_error("engine_failed", f"engine {plan.decode_engine} failed: {why}")
             return
         finally:
-            await upstream.aclose()
+            if whole:
+                upstream.release()
+            else:
+                upstream.close()
             self._prefilled(job, plan.decode_engine)
             self._pool.give_back(plan.decode_engine)
         output = tally.output_tokens()
@@ -268,41 +276,49 @@ class Dispatcher:
 
     # -- engine calls ----------------------------------------------------------------------
 
-    def _timeout(self, job: Job) -> httpx.Timeout:
+    def _url(self, engine_id: str, job: Job) -> str:
+        return self._pool[engine_id].config.url.rstrip("/") + job.path
+
+    async def _post(self, engine_id: str, job: Job, body: dict[str, Any]) -> Answer:
         left = job.left()
-        return httpx.Timeout(left, connect=min(self._connect_s, left))
-
-    async def _post(self, engine_id: str, job: Job, body: dict[str, Any]) -> httpx.Response:
-        url = self._pool[engine_id].config.url.rstrip("/") + job.path
         try:
-            response = await self._http.post(url, json=body, timeout=self._timeout(job))
-        except httpx.TimeoutException:
+            answer = await self._http.post(
+                self._url(engine_id, job), body, left, min(self._connect_s, left)
+            )
+        except TimedOut:
             if time.monotonic() >= job.deadline:
                 raise DeadlinePassed from None
             raise EngineFailed(engine_id, "timed out") from None
-        except httpx.HTTPError as exc:
-            raise EngineFailed(engine_id, str(exc) or type(exc).__name__) from None
-        if response.status_code >= 500:
-            raise EngineFailed(engine_id, f"answered {response.status_code}")
-        return response
+        except Unreachable as exc:
+            raise EngineFailed(engine_id, str(exc)) from None
+        if answer.status >= 500:
+            raise EngineFailed(engine_id, f"answered {answer.status}")
+        return answer
 
-    async def _open_stream(self, engine_id: str, job: Job, body: dict[str, Any]) -> httpx.Response:
-        url = self._pool[engine_id].config.url.rstrip("/") + job.path
-        request = self._http.build_request("POST", url, json=body, timeout=self._timeout(job))
+    async def _open_stream(
+        self, engine_id: str, job: Job, body: dict[str, Any]
+    ) -> aiohttp.ClientResponse:
+        left = job.left()
         try:
-            response = await self._http.send(request, stream=True)
-        except httpx.TimeoutException:
+            response = await self._http.open_stream(
+                self._url(engine_id, job), body, left, min(self._connect_s, left)
+            )
+        except TimedOut:
             if time.monotonic() >= job.deadline:
                 raise DeadlinePassed from None
             raise EngineFailed(engine_id, "timed out") from None
-        except httpx.HTTPError as exc:
-            raise EngineFailed(engine_id, str(exc) or type(exc).__name__) from None
-        if response.status_code >= 400:
-            await response.aread()
-            await response.aclose()
-            if response.status_code >= 500:
-                raise EngineFailed(engine_id, f"answered {response.status_code}")
-            raise _ClientError(response)
+        except Unreachable as exc:
+            raise EngineFailed(engine_id, str(exc)) from None
+        if response.status >= 400:
+            try:
+                content = await response.read()
+            except (aiohttp.ClientError, TimeoutError):
+                content = b""
+            finally:
+                response.release()
+            if response.status >= 500:
+                raise EngineFailed(engine_id, f"answered {response.status}")
+            raise _ClientError(Answer(response.status, response.content_type, content))
         return response
 
     def _served(self, job: Job, tokens: int) -> None:
@@ -313,17 +329,18 @@ class Dispatcher:
 class _ClientError(Exception):
     """An engine's 4xx answer: the request's own fault, passed to the client unchanged."""
 
-    def __init__(self, response: httpx.Response) -> None:
-        super().__init__(response.status_code)
+    def __init__(self, response: Answer) -> None:
+        super().__init__(response.status)
         self.response = response
 
 
-def _usage(response: httpx.Response) -> dict[str, Any]:
+def _field(answer: Answer, name: str) -> object:
+    """A top-level field of an engine's JSON answer (None when absent or not JSON)."""
     try:
-        usage = response.json().get("usage")
+        body = answer.json()
     except ValueError:
-        return {}
-    return usage if isinstance(usage, dict) else {}
+        return None
+    return body.get(name) if isinstance(body, dict) else None
 
 
 def _error(status: int, kind: str, message: str) -> Response:

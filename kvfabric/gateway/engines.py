@@ -17,10 +17,9 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-import httpx
-
 from kvfabric.gateway.config import ClassConfig, EngineConfig
 from kvfabric.gateway.metrics import GatewayMetrics
+from kvfabric.gateway.upstream import TimedOut, Unreachable, Upstream
 from kvfabric.sched.model import EngineState
 from kvfabric.sched.throughput import ClassPrior, Throughput
 
@@ -153,13 +152,11 @@ class EnginePool:
         if healthy:
             self.changed.set()
 
-    async def check_all(self, http: httpx.AsyncClient, timeout_s: float) -> None:
+    async def check_all(self, http: Upstream, timeout_s: float) -> None:
         """One health round over every engine (the gateway's start waits for the first)."""
         await asyncio.gather(*(self._check(http, e, timeout_s) for e in self.engines.values()))
 
-    async def watch_health(
-        self, http: httpx.AsyncClient, interval_s: float, timeout_s: float
-    ) -> None:
+    async def watch_health(self, http: Upstream, interval_s: float, timeout_s: float) -> None:
         """Poll every engine's ``/health`` until cancelled. A refused connection or an error
         status marks an engine down at once; a slow answer (a busy engine on a loaded host)
         only after ``SLOW_CHECKS_DOWN`` in a row."""
@@ -167,17 +164,17 @@ class EnginePool:
             await asyncio.sleep(interval_s)
             await self.check_all(http, timeout_s)
 
-    async def _check(self, http: httpx.AsyncClient, live: EngineLive, timeout_s: float) -> None:
+    async def _check(self, http: Upstream, live: EngineLive, timeout_s: float) -> None:
         slow = self._slow
         try:
-            response = await http.get(live.config.url.rstrip("/") + "/health", timeout=timeout_s)
-            ok = response.status_code == 200
-        except httpx.TimeoutException:
+            answer = await http.get(live.config.url.rstrip("/") + "/health", timeout_s)
+            ok = answer.status == 200
+        except TimedOut:
             slow[live.id] = slow.get(live.id, 0) + 1
             if slow[live.id] >= SLOW_CHECKS_DOWN:
                 self.mark(live.id, False)
             return
-        except httpx.HTTPError:
+        except Unreachable:
             ok = False
         slow[live.id] = 0
         self.mark(live.id, ok)

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import httpx
 from pydantic import BaseModel, ValidationError
 
+from kvfabric.gateway.upstream import TimedOut, Unreachable, Upstream
 from kvfabric.hashing import chunk_keys
 from kvfabric.sched.model import Holdings
 from kvfabric.spec import KVSpec, Namespace
@@ -51,6 +51,14 @@ class _Answer(BaseModel):
     stale: bool | None = None
 
 
+class _Health(BaseModel):
+    node_id: str
+
+
+class _Refused(Exception):
+    """The daemon answered the lookup with an error status."""
+
+
 class _Nodes(BaseModel):
     nodes: list[_NodeClass]
 
@@ -60,7 +68,7 @@ class FabricView:
 
     def __init__(
         self,
-        http: httpx.AsyncClient,
+        http: Upstream,
         url: str,
         model_id: str,
         spec: KVSpec,
@@ -107,7 +115,7 @@ class FabricView:
                 if local is None or node is None:
                     return Lookup(Holdings(), False)
                 return Lookup(Holdings({node: local.matched_tokens}), True)
-        except (httpx.HTTPError, ValidationError, ValueError, KeyError):
+        except (Unreachable, TimedOut, _Refused, ValidationError):
             return Lookup(Holdings(), False)
         step = self._spec.chunk_tokens
         by_node = {n.node_id: n.chunks * step for n in answer.nodes or () if n.chunks > 0}
@@ -117,28 +125,27 @@ class FabricView:
         """The registry's live nodes and their hardware classes (``GET /v1/nodes``); None
         when the fabric does not answer."""
         try:
-            response = await self._http.get(
-                self._nodes, headers=self._headers, timeout=self._timeout
-            )
-            response.raise_for_status()
-            found = _Nodes.model_validate_json(response.content)
-        except (httpx.HTTPError, ValidationError):
+            answer = await self._http.get(self._nodes, self._timeout, self._headers)
+            if answer.status != 200:
+                return None
+            found = _Nodes.model_validate_json(answer.body)
+        except (Unreachable, TimedOut, ValidationError):
             return None
         return {n.node_id: n.hardware_class for n in found.nodes}
 
     async def _post(self, body: dict[str, object]) -> _Answer | None:
         """The lookup's answer; None when the daemon has no global index (503)."""
-        response = await self._http.post(
-            self._url, json=body, headers=self._headers, timeout=self._timeout
-        )
-        if response.status_code == 503 and body["scope"] == "cluster":
+        answer = await self._http.post(self._url, body, self._timeout, self._timeout, self._headers)
+        if answer.status == 503 and body["scope"] == "cluster":
             return None
-        response.raise_for_status()
-        return _Answer.model_validate_json(response.content)
+        if answer.status != 200:
+            raise _Refused(answer.status)
+        return _Answer.model_validate_json(answer.body)
 
     async def _node_id(self) -> str | None:
         if self._local_node is None:
-            response = await self._http.get(self._health, timeout=self._timeout)
-            response.raise_for_status()
-            self._local_node = str(response.json()["node_id"])
+            answer = await self._http.get(self._health, self._timeout)
+            if answer.status != 200:
+                return None
+            self._local_node = _Health.model_validate_json(answer.body).node_id
         return self._local_node

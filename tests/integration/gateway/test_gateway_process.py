@@ -27,6 +27,7 @@ from gateway_process import GatewayProcess
 
 from kvfabric.client import Client
 from kvfabric.gateway.holdings import FabricView
+from kvfabric.gateway.upstream import Upstream
 from kvfabric.hashing import chunk_hashes
 from kvfabric.spec import KVSpec, Namespace
 
@@ -162,7 +163,9 @@ def test_its_lookup_finds_each_node_s_prefix_by_the_connectors_keys(
         client.put(ns, refs[0].key, chunk, parent=refs[0].parent, num_tokens=refs[0].num_tokens)
 
     async def look(salt: str) -> dict[str, int]:
-        async with httpx.AsyncClient() as http:
+        http = Upstream()
+        await http.start()
+        try:
             view = FabricView(http, b.http_url, "tiny", spec, None, 5.0)
             deadline = time.monotonic() + 10  # the index learns of puts asynchronously
             while True:
@@ -172,6 +175,8 @@ def test_its_lookup_finds_each_node_s_prefix_by_the_connectors_keys(
                     assert found.ok
                     return held
                 await asyncio.sleep(0.1)
+        finally:
+            await http.close()
 
     assert asyncio.run(look("salt-1")) == {"gw-a": 96, "gw-b": 32}
     assert asyncio.run(look("")) == {}  # another cache_salt: another namespace, no hit
