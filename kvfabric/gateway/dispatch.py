@@ -17,10 +17,11 @@ through unchanged. Every engine call is bounded by what is left of the request's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,16 +282,10 @@ class Dispatcher:
 
     async def _post(self, engine_id: str, job: Job, body: dict[str, Any]) -> Answer:
         left = job.left()
-        try:
+        with _engine_call(engine_id, job):
             answer = await self._http.post(
                 self._url(engine_id, job), body, left, min(self._connect_s, left)
             )
-        except TimedOut:
-            if time.monotonic() >= job.deadline:
-                raise DeadlinePassed from None
-            raise EngineFailed(engine_id, "timed out") from None
-        except Unreachable as exc:
-            raise EngineFailed(engine_id, str(exc)) from None
         if answer.status >= 500:
             raise EngineFailed(engine_id, f"answered {answer.status}")
         return answer
@@ -299,16 +294,10 @@ class Dispatcher:
         self, engine_id: str, job: Job, body: dict[str, Any]
     ) -> aiohttp.ClientResponse:
         left = job.left()
-        try:
+        with _engine_call(engine_id, job):
             response = await self._http.open_stream(
                 self._url(engine_id, job), body, left, min(self._connect_s, left)
             )
-        except TimedOut:
-            if time.monotonic() >= job.deadline:
-                raise DeadlinePassed from None
-            raise EngineFailed(engine_id, "timed out") from None
-        except Unreachable as exc:
-            raise EngineFailed(engine_id, str(exc)) from None
         if response.status >= 400:
             try:
                 content = await response.read()
@@ -324,6 +313,20 @@ class Dispatcher:
     def _served(self, job: Job, tokens: int) -> None:
         self._metrics.served_tokens.labels(job.tenant_label).inc(tokens)
         self._record_served(tokens)
+
+
+@contextlib.contextmanager
+def _engine_call(engine_id: str, job: Job) -> Iterator[None]:
+    """An engine call's failures as the dispatcher's: past the request's deadline, or the
+    engine failed (timed out before it, refused, dropped)."""
+    try:
+        yield
+    except TimedOut:
+        if time.monotonic() >= job.deadline:
+            raise DeadlinePassed from None
+        raise EngineFailed(engine_id, "timed out") from None
+    except Unreachable as exc:
+        raise EngineFailed(engine_id, str(exc)) from None
 
 
 class _ClientError(Exception):
