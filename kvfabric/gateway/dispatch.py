@@ -38,6 +38,8 @@ from kvfabric.sched.planner import SINGLE, Plan
 
 log = logging.getLogger("kvfabric.gateway")
 PUSH, PULL, LOCAL = "push", "pull", "local"
+# a prefill of fewer computed tokens times the engine's fixed per-request cost, not its rate
+MIN_PREFILL_SAMPLE_TOKENS = 512
 
 
 class EngineFailed(Exception):
@@ -93,8 +95,8 @@ class Dispatcher:
 
     def mode(self, plan: Plan) -> str:
         """What the hand-off really is: single (one engine); local (both engines on one
-        node: the decode engine loads from their daemon); push (the prefill engine is
-        configured to push and the decode engine has a node); else pull."""
+        node: the decode engine loads from their daemon); push (planned so, the prefill
+        engine being configured to push, and the decode engine has a node); else pull."""
         if plan.mode == SINGLE:
             return SINGLE
         prefill, decode = (
@@ -103,7 +105,7 @@ class Dispatcher:
         )
         if prefill.node_id and prefill.node_id == decode.node_id:
             return LOCAL
-        return PUSH if prefill.push and decode.node_id else PULL
+        return PUSH if plan.mode == PUSH and decode.node_id else PULL
 
     async def serve(self, job: Job, plan: Plan, replan: Callable[[str], Plan]) -> Response:
         """Carry out ``plan``; after an engine failure once more on ``replan(failed_id)``'s
@@ -190,7 +192,8 @@ class Dispatcher:
         self._metrics.phase.labels("prefill").observe(elapsed)
         uncached = job.request.prompt_tokens - plan.reused_tokens
         self._prefilled(job, plan.prefill_engine)
-        self._pool.throughput.observe(plan.prefill_engine, "prefill", uncached, elapsed)
+        if _measures_prefill(plan, uncached):
+            self._pool.throughput.observe(plan.prefill_engine, "prefill", uncached, elapsed)
         params = _field(response, "kv_transfer_params")
         return params if isinstance(params, dict) else None
 
@@ -237,9 +240,9 @@ class Dispatcher:
                         now - job.arrived
                     )
                     self._prefilled(job, plan.decode_engine)
-                    if plan.mode == SINGLE:  # its first token ends its prefill
-                        uncached = job.request.prompt_tokens - plan.reused_tokens
-                        took = now - (job.arrived + job.queued_s)
+                    uncached = job.request.prompt_tokens - plan.reused_tokens
+                    if plan.mode == SINGLE and _measures_prefill(plan, uncached):
+                        took = now - (job.arrived + job.queued_s)  # first token ends prefill
                         self._pool.throughput.observe(plan.decode_engine, "prefill", uncached, took)
                 last = now
                 tally.feed(chunk)
@@ -313,6 +316,13 @@ class Dispatcher:
     def _served(self, job: Job, tokens: int) -> None:
         self._metrics.served_tokens.labels(job.tenant_label).inc(tokens)
         self._record_served(tokens)
+
+
+def _measures_prefill(plan: Plan, uncached: int) -> bool:
+    """Whether a phase's time is a sample of its engine's prefill rate: enough computed
+    tokens that the engine's fixed cost per request does not dominate, and nothing pulled
+    (a pull's time is the link's, not the engine's)."""
+    return uncached >= MIN_PREFILL_SAMPLE_TOKENS and not plan.pulled_tokens
 
 
 @contextlib.contextmanager

@@ -85,6 +85,7 @@ class EnginePool:
                     decode_tps=self.throughput.rate(cfg.id, hardware_class, "decode"),
                     queued_tokens=live.queued_tokens,
                     running=live.running,
+                    pushes=cfg.push,
                 )
             )
         return out

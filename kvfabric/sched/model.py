@@ -57,7 +57,9 @@ class EngineState:
     """One engine as last observed. ``prefill_tps`` / ``decode_tps``: measured throughput
     (tokens per second of one request's prefill; decode tokens per second of one stream);
     ``queued_tokens``: prompt tokens waiting to be prefilled there (what the gateway sent and
-    has not seen start); ``free_kv_tokens``: KV the engine can still hold."""
+    has not seen start); ``free_kv_tokens``: KV the engine can still hold; ``pushes``: as a
+    prefill engine it pushes its KV layer by layer to the decode node (a hand-off from one
+    that does not is a pull after its prefill)."""
 
     engine_id: str
     node_id: str
@@ -69,6 +71,7 @@ class EngineState:
     running: int = 0
     free_kv_tokens: int = 1 << 62
     healthy: bool = True
+    pushes: bool = True  # as a prefill engine, streams its KV to the decode node (else pulled)
 
     def __post_init__(self) -> None:
         for name in ("prefill_tps", "decode_tps"):

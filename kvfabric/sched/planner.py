@@ -15,8 +15,9 @@ Terms (seconds unless named), all kept in :class:`Plan`:
   holds, when moving it is faster than computing it (else it is computed);
 * ``prefill_s``: the prompt tokens left uncached, at the prefill engine's rate;
 * ``handoff_s``: for two engines on different nodes, the decode node's missing KV that is
-  still in flight when prefill ends (``1 - overlap`` of it; all of it when nothing is
-  computed and the decode node pulls) plus the fixed cost of a hand-off
+  still in flight when prefill ends (``1 - overlap`` of it when the prefill engine pushes
+  what it computes; all of it when the decode node pulls: nothing computed, or a prefill
+  engine that does not push) plus the fixed cost of a hand-off
   (``handoff_fixed_s``); 0 on one node;
 * ``decode_s``: the request's longest output at the decode engine's rate;
 * ``ttft_s`` = queue + pull + prefill + handoff; ``cost`` = (pull + prefill) at the prefill
@@ -125,7 +126,7 @@ def _candidate(
         missing = max(0, request.prompt_tokens - holdings.on(d.node_id))
         if p.node_id == d.node_id:
             missing = 0
-        mode = PUSH if uncached else PULL
+        mode = PUSH if uncached and p.pushes else PULL
         in_flight = missing if mode == PULL else missing * (1.0 - policy.link.overlap)
         handoff_s = policy.link.seconds(round(in_flight)) + policy.handoff_fixed_s
     decode_s = request.max_output_tokens / d.decode_tps

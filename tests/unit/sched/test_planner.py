@@ -53,6 +53,15 @@ def test_a_long_prompt_is_prefilled_on_the_fast_class_and_streamed_to_decode() -
     assert chosen.cost == pytest.approx(1.0 * 0.01 + 1.0 * 0.005)
 
 
+def test_a_prefill_engine_that_does_not_push_hands_off_by_pull_priced_whole() -> None:
+    request = Request("t", prompt_tokens=10_000, max_output_tokens=100)
+    quiet = engine("p", "n1", "prefill-gpu", Role.PREFILL, 10_000, 1, pushes=False)
+    chosen = plan(request, Holdings(), [quiet, D], POLICY)
+    # the decode node pulls all 10,000 tokens after the prefill: 1 s + 5 ms, not 0.1 s
+    assert (chosen.mode, chosen.terms["handoff_s"]) == (PULL, pytest.approx(1.005))
+    assert chosen.ttft_s == pytest.approx(2.005)
+
+
 def test_a_short_prompt_stays_on_one_engine_conditional_disaggregation() -> None:
     request = Request("t", prompt_tokens=10, max_output_tokens=100)
     chosen = plan(request, Holdings(), [P, D, MONO], POLICY)
