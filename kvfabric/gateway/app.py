@@ -14,7 +14,8 @@ endpoint                        what
 ==============================  ==============================================================
 
 A request's way: who it is for (:mod:`.tenancy`: 401 / 400), its prompt's token ids (from
-the body, or the engine's ``/tokenize``), one cluster lookup (:mod:`.holdings`), admission
+the body, or the engine's ``/tokenize``), one cluster lookup (:mod:`.holdings`; none while a
+single engine is healthy: there is nothing to choose), admission
 through the tenants' fair queue (:mod:`.admission`: 429 with ``Retry-After`` when its
 tenant's queue is full, 503 when no engine could serve it), then the plan carried out
 (:mod:`.dispatch`). The whole way is bounded by ``deadlines.request_s`` (504 past it).
@@ -111,7 +112,7 @@ class Gateway:
             sched = SchedRequest(
                 caller.tenant, len(tokens), bodies.max_output_tokens(body), caller.priority
             )
-            lookup = await self._lookup(tokens, bodies.cache_salt(body))
+            lookup = await self._lookup(tokens, bodies.cache_salt(body), needed=self._choice())
         except Unauthorized as exc:
             return _error(401, "unauthorized", str(exc), {"WWW-Authenticate": "Bearer"})
         except (BadHeader, bodies.BadRequest) as exc:
@@ -218,8 +219,13 @@ class Gateway:
                 continue
         raise _Refused(_error(502, "engine_failed", "no engine could tokenize the prompt"))
 
-    async def _lookup(self, tokens: list[int], salt: str) -> Lookup:
-        if self.fabric is None:
+    def _choice(self) -> bool:
+        """Whether holdings could change a plan: more than one healthy engine (with one, the
+        lookup would only cost the request its round trip)."""
+        return sum(e.healthy for e in self.pool.engines.values()) > 1
+
+    async def _lookup(self, tokens: list[int], salt: str, *, needed: bool = True) -> Lookup:
+        if self.fabric is None or not needed:
             return Lookup(Holdings(), True)
         started = time.monotonic()
         lookup = await self.fabric.lookup(tokens, salt)
