@@ -62,7 +62,7 @@ def test_a_fabric_spec_the_fabric_cannot_hold_is_refused() -> None:
 
 
 def test_the_readme_example_config_loads(tmp_path: Path) -> None:
-    config = load_gateway_config(REPO / "configs" / "gateway.yaml")
+    config = load_gateway_config(REPO / "configs" / "gateway" / "heterogeneous.yaml")
     classes = {e.hardware_class for e in config.engines}
     assert {"prefill-gpu", "decode-gpu-older", "decode-cpu"} <= classes
     assert config.fabric is not None and config.fabric.spec().chunk_tokens > 0
