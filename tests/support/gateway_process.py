@@ -12,86 +12,41 @@ running while it should (see :mod:`child_process`). Used by tests/e2e/gateway/.
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
-from child_process import Child, free_port
+from child_process import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_env import QUIET
+from vllm_served import _Served
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class GatewayProcess:
+class GatewayProcess(_Served):
     """A gateway child on ``config`` (a dict, the gateway's YAML schema), named ``name``."""
 
     def __init__(self, name: str, workdir: Path, config: dict[str, Any]) -> None:
-        self.name = name
-        self.workdir = workdir
-        self.port = free_port()
+        super().__init__(name, workdir, free_port())
         self.config = {**config, "host": "127.0.0.1", "port": self.port}
-        self.child: Child | None = None
-        self.started_s = 0.0  # wall from spawn to ready
-        self._spawned = 0.0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     @property
     def config_path(self) -> Path:
         return self.workdir / f"{self.name}.yaml"
 
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / f"{self.name}.log"
-
-    def log_tail(self, limit: int = 6000) -> str:
-        return (self.child.tail(limit) if self.child else "") or "<no log>"
-
     def start(self) -> GatewayProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         argv = [sys.executable, "-m", "kvfabric.cli", "gateway", "--config", str(self.config_path)]
-        self._spawned = time.monotonic()
-        self.child = Child(
-            self.name, argv, self.log_path, env={**os.environ, **QUIET}, cwd=REPO_ROOT
-        ).start()
+        self._spawn(argv, QUIET)
         return self
 
     def wait_ready(self, deadline_s: float, path: str = "/readyz") -> float:
-        """Seconds from spawn to a 200 on ``path``; RuntimeError after ``deadline_s`` or when
-        the gateway exits first (its log's tail quoted)."""
-        assert self.child is not None, f"{self.name} was never started"
-        limit = self._spawned + deadline_s
-        while time.monotonic() < limit:
-            if not self.child.alive:
-                code = self.child.kill()
-                raise RuntimeError(f"{self.name} exited {code}; log tail:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + path, timeout=2.0).status_code == 200:
-                    self.started_s = time.monotonic() - self._spawned
-                    return self.started_s
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.kill()
-        raise RuntimeError(
-            f"{self.name} not ready ({path}) within {deadline_s:.0f}s; log tail:\n{self.log_tail()}"
-        )
-
-    @property
-    def alive(self) -> bool:
-        return self.child is not None and self.child.alive
-
-    def kill(self) -> None:
-        if self.child is not None:
-            self.child.kill(30)
+        """Seconds from spawn to a 200 on ``path`` (``/readyz``: an engine is healthy)."""
+        return super().wait_ready(deadline_s, path)
 
     def samples(self) -> list[tuple[str, dict[str, str], float]]:
         """Every sample of one scrape of ``/metrics``: (name, labels, value)."""

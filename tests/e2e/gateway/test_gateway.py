@@ -862,4 +862,4 @@ def test_an_engine_killed_mid_stream_ends_the_stream_cleanly_and_the_next_reques
     )
     assert gw.metric("kvfabric_gateway_engine_healthy", engine="a") == 1
     assert httpx.get(gw.url + "/readyz", timeout=10).status_code == 200
-    assert gw.alive
+    assert gw.alive()
