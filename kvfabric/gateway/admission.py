@@ -9,6 +9,17 @@ plans the queue's head over the engines with room and hands it its plan; a head 
 engine with room can serve yet waits there (the queue's order is the fairness: nothing
 overtakes it but a higher class).
 
+Isolation: the queue's order alone makes a light tenant's request wait for a slot, i.e. for
+the rest of a flooding tenant's running request, however little the light tenant uses. So
+each engine keeps ``isolation_slots`` above its ``max_running``: when the head cannot be
+served, a queued request (in the queue's order) may take one when another tenant is
+backlogged (more requests waiting than ``isolation_slots``) and its own tenant is not, and
+holds fewer slots than its weighted share of every engine's ``max_running +
+isolation_slots`` (:meth:`FairQueue.under_share`). A flooding tenant is backlogged and never
+gets them (nor does a tenant alone: there is nobody to be isolated from); as its requests
+end, the engine falls back to ``max_running`` before the queue's head is served again, so
+the extra slots cost the engine a few more sequences in its batch, not a longer queue.
+
 A request no healthy engine could ever serve (none prefills, none decodes) fails at once
 (:class:`~kvfabric.sched.planner.NoEngineError`) instead of waiting for its deadline.
 Cancelled waiters (a deadline, a client gone) are skipped when they reach the head.
@@ -49,8 +60,11 @@ class Admission:
         max_queued_tokens: int,
         metrics: GatewayMetrics,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        isolation_slots: int = 0,
     ) -> None:
         self._pool = pool
+        self._isolation = isolation_slots
         self._policy = policy
         self._queue: FairQueue[_Waiter] = FairQueue(weights, max_queued_tokens)
         self._metrics = metrics
@@ -85,6 +99,7 @@ class Admission:
         future: asyncio.Future[Plan] = asyncio.get_running_loop().create_future()
         self._queue.push(request, _Waiter(holdings, self._clock(), future), self.service_rate())
         self._gauge(request.tenant)
+        self.drain()
         try:
             return await future
         except asyncio.CancelledError:
@@ -114,6 +129,8 @@ class Admission:
             self.drain()
 
     def drain(self) -> None:
+        """Serve the queue's head while engines have room, then the requests of tenants
+        below their share into the isolation slots."""
         while (head := self._queue.peek()) is not None:
             request, waiter = head
             if waiter.future.done():  # cancelled while waiting
@@ -122,13 +139,35 @@ class Admission:
                 continue
             ready = self._try_plan(request, waiter.holdings)
             if ready is None:
-                return
+                break
             self._queue.pop()
             self._gauge(request.tenant)
             waiter.future.set_result(ready)
+        if self._isolation and len(self._queue):
+            self._isolate()
 
-    def _try_plan(self, request: Request, holdings: Holdings) -> Plan | None:
-        engines = self._pool.states()
+    def _isolate(self) -> None:
+        capacity = self._pool.capacity(self._isolation)
+        for request, waiter in self._queue.ordered():
+            tenant = request.tenant
+            backlogged = self._queue.backlogged(self._isolation)
+            if (
+                waiter.future.done()
+                or tenant in backlogged
+                or not backlogged
+                or not self._queue.under_share(tenant, self._pool.held, capacity)
+            ):
+                continue
+            ready = self._try_plan(request, waiter.holdings, self._isolation)
+            if ready is None:
+                continue
+            self._queue.remove(waiter)
+            self._gauge(request.tenant)
+            self._metrics.isolated.labels(self._metrics.tenant(request.tenant)).inc()
+            waiter.future.set_result(ready)
+
+    def _try_plan(self, request: Request, holdings: Holdings, extra_slots: int = 0) -> Plan | None:
+        engines = self._pool.states(extra_slots=extra_slots)
         try:
             chosen = plan(request, holdings, engines, self._policy)
         except ValueError:  # NoEngineError: none with room now
@@ -137,15 +176,16 @@ class Admission:
         return chosen
 
     def _take(self, request: Request, chosen: Plan) -> None:
-        self._pool.take(chosen.prefill_engine, request.prompt_tokens - chosen.reused_tokens)
+        uncached = request.prompt_tokens - chosen.reused_tokens
+        self._pool.take(chosen.prefill_engine, uncached, request.tenant)
         if chosen.decode_engine != chosen.prefill_engine:
-            self._pool.take(chosen.decode_engine, 0)
+            self._pool.take(chosen.decode_engine, 0, request.tenant)
 
     def _give_back(self, request: Request, chosen: Plan) -> None:
         self._pool.prefilled(chosen.prefill_engine, request.prompt_tokens - chosen.reused_tokens)
-        self._pool.give_back(chosen.prefill_engine)
+        self._pool.give_back(chosen.prefill_engine, request.tenant)
         if chosen.decode_engine != chosen.prefill_engine:
-            self._pool.give_back(chosen.decode_engine)
+            self._pool.give_back(chosen.decode_engine, request.tenant)
 
     def _gauge(self, tenant: str) -> None:
         label = self._metrics.tenant(tenant)

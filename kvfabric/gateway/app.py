@@ -77,6 +77,7 @@ class Gateway:
             dict(config.tenants.weights),
             config.tenants.max_queued_tokens,
             self.metrics,
+            isolation_slots=config.tenants.isolation_slots,
         )
         self.http = Upstream()
         self.fabric = (

@@ -30,6 +30,7 @@ from pydantic import PlainValidator
 from kvfabric.config_model import KeyProblems, config_value, parse_config
 from kvfabric.config_types import (
     Flag,
+    NonNegativeInt,
     Number,
     OptionalText,
     PositiveInt,
@@ -129,6 +130,9 @@ class ApiKeyConfig:
 class TenantsConfig:
     weights: dict[str, Number] = dataclasses.field(default_factory=dict)
     max_queued_tokens: PositiveInt = 65536
+    # per engine, slots above max_running that only a tenant below its weighted share of
+    # the engines' slots may take (a light tenant does not wait behind a flood); 0: none
+    isolation_slots: NonNegativeInt = 2
     api_keys: dict[str, ApiKeyConfig] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -154,7 +154,7 @@ class Dispatcher:
             if prefill_held:
                 push_to = self._pool[plan.decode_engine].config.node_id if mode == PUSH else None
                 params = await self._prefill(job, plan, push_to)
-                self._pool.give_back(plan.prefill_engine)
+                self._pool.give_back(plan.prefill_engine, job.request.tenant)
                 prefill_held = False
                 body = decode_body(job.body, params)
             if job.stream:
@@ -172,9 +172,9 @@ class Dispatcher:
                 for engine_id in list(job.pending):
                     self._prefilled(job, engine_id)
             if prefill_held:
-                self._pool.give_back(plan.prefill_engine)
+                self._pool.give_back(plan.prefill_engine, job.request.tenant)
             if decode_held:
-                self._pool.give_back(plan.decode_engine)
+                self._pool.give_back(plan.decode_engine, job.request.tenant)
 
     def _prefilled(self, job: Job, engine_id: str) -> None:
         tokens = job.pending.pop(engine_id, 0)
@@ -263,7 +263,7 @@ class Dispatcher:
             else:
                 upstream.close()
             self._prefilled(job, plan.decode_engine)
-            self._pool.give_back(plan.decode_engine)
+            self._pool.give_back(plan.decode_engine, job.request.tenant)
         output = tally.output_tokens()
         steps = tally.tokens  # events carrying output: the first at `first`
         if steps > 1 and last > first:

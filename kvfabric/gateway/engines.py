@@ -1,11 +1,12 @@
 """The engines the gateway sends phases to: their live state as the scheduler reads it.
 
 Per engine the pool keeps what the gateway itself knows (requests in flight there, prompt
-tokens sent and not yet prefilled) and what it observes: health (``GET /health`` every
-``health_interval_s``; a failed request marks the engine down until it answers again) and
-measured prefill / decode rates (:class:`kvfabric.sched.throughput.Throughput`, starting from
-the hardware class's prior). :meth:`EnginePool.states` turns that into the
-:class:`~kvfabric.sched.model.EngineState` values a plan is made of.
+tokens sent and not yet prefilled; per tenant, the slots its requests hold) and what it
+observes: health (``GET /health`` every ``health_interval_s``; a failed request marks the
+engine down until it answers again) and measured prefill / decode rates
+(:class:`kvfabric.sched.throughput.Throughput`, starting from the hardware class's prior).
+:meth:`EnginePool.states` turns that into the :class:`~kvfabric.sched.model.EngineState`
+values a plan is made of.
 
 Owned by the gateway's event loop: every method runs on it (no locks).
 """
@@ -13,6 +14,7 @@ Owned by the gateway's event loop: every method runs on it (no locks).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -39,9 +41,8 @@ class EngineLive:
     def id(self) -> str:
         return self.config.id
 
-    @property
-    def has_room(self) -> bool:
-        return self.healthy and self.running < self.config.max_running
+    def has_room(self, extra_slots: int = 0) -> bool:
+        return self.healthy and self.running < self.config.max_running + extra_slots
 
 
 class EnginePool:
@@ -59,17 +60,22 @@ class EnginePool:
         self._metrics = metrics
         self.changed = asyncio.Event()  # set when room may have opened (the queue's pump)
         self._slow: dict[str, int] = {}  # health checks in a row that timed out, per engine
+        self.held: collections.Counter[str] = collections.Counter()  # slots per tenant
 
     def __getitem__(self, engine_id: str) -> EngineLive:
         return self.engines[engine_id]
 
-    def states(self, *, exclude: Iterable[str] = (), with_room: bool = True) -> list[EngineState]:
+    def states(
+        self, *, exclude: Iterable[str] = (), with_room: bool = True, extra_slots: int = 0
+    ) -> list[EngineState]:
         """Engines a plan may name: healthy, not excluded, and (``with_room``) below their
-        ``max_running``."""
+        ``max_running`` + ``extra_slots``."""
         skip = set(exclude)
         out = []
         for live in self.engines.values():
-            if live.id in skip or not live.healthy or (with_room and not live.has_room):
+            if live.id in skip or not live.healthy:
+                continue
+            if with_room and not live.has_room(extra_slots):
                 continue
             hardware_class = live.hardware_class
             if hardware_class is None:  # its node has not told its class yet
@@ -123,9 +129,14 @@ class EnginePool:
     def any_healthy(self) -> bool:
         return any(e.healthy for e in self.engines.values())
 
-    def take(self, engine_id: str, prompt_tokens: int) -> None:
+    def capacity(self, extra_slots: int = 0) -> int:
+        """The healthy engines' slots (``max_running`` + ``extra_slots`` each)."""
+        return sum(e.config.max_running + extra_slots for e in self.engines.values() if e.healthy)
+
+    def take(self, engine_id: str, prompt_tokens: int, tenant: str) -> None:
         live = self.engines[engine_id]
         live.running += 1
+        self.held[tenant] += 1
         live.queued_tokens += prompt_tokens
         self._metrics.engine_running.labels(engine_id).set(live.running)
 
@@ -133,9 +144,12 @@ class EnginePool:
         live = self.engines[engine_id]
         live.queued_tokens = max(0, live.queued_tokens - prompt_tokens)
 
-    def give_back(self, engine_id: str) -> None:
+    def give_back(self, engine_id: str, tenant: str) -> None:
         live = self.engines[engine_id]
         live.running = max(0, live.running - 1)
+        self.held[tenant] -= 1
+        if self.held[tenant] <= 0:
+            del self.held[tenant]
         self._metrics.engine_running.labels(engine_id).set(live.running)
         self.changed.set()
 

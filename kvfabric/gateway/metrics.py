@@ -85,6 +85,12 @@ class GatewayMetrics:
             ["engine"],
             registry=r,
         )
+        self.isolated = Counter(
+            "kvfabric_gateway_isolated",
+            "requests of tenants below their share served into isolation slots, out of order",
+            ["tenant"],
+            registry=r,
+        )
         self.lookups = Counter(
             "kvfabric_gateway_lookups",
             "fabric lookups by outcome (ok, failed)",

@@ -12,6 +12,14 @@ one; each class keeps its own virtual clock. Admission: a tenant's queued budget
 (``max_queued_tokens`` per tenant); a request that does not fit is refused with a
 retry-after: the time the queue ahead of it needs at the observed service rate.
 
+Isolation (:meth:`FairQueue.backlogged`, :meth:`FairQueue.under_share`): the queue's order
+decides who gets a slot that frees, but a tenant that is not backlogged while another is,
+and holds fewer slots than its weighted share of the engines' capacity, may be served out
+of order (:meth:`ordered`, :meth:`remove`) into slots kept above the
+engines' normal limit, so a light tenant does not wait for a flooding one's requests to
+finish. Served so, a request is still charged (its finish tag stays the tenant's), and the
+virtual clock does not move: what the queue's order hands out is unchanged.
+
 Not thread-safe: the owner (a gateway's event loop) serialises calls. No clock is read:
 the caller passes the service rate it measured.
 """
@@ -104,6 +112,37 @@ class FairQueue(Generic[T]):
         entry = self._head()
         return None if entry is None else (entry.request, entry.item)
 
+    def ordered(self) -> list[tuple[Request, T]]:
+        """Every queued request in the order :meth:`pop` would serve them (a snapshot)."""
+        out: list[tuple[Request, T]] = []
+        for priority in Priority:
+            out += [(e.request, e.item) for e in sorted(self._classes[priority].heap)]
+        return out
+
+    def remove(self, item: T) -> Request:
+        """Take ``item`` out of the queue wherever it stands (served out of order);
+        KeyError when it is not queued."""
+        for cls in self._classes.values():
+            for i, entry in enumerate(cls.heap):
+                if entry.item is item:
+                    cls.heap[i] = cls.heap[-1]
+                    cls.heap.pop()
+                    heapq.heapify(cls.heap)
+                    self._dequeued(entry.request)
+                    return entry.request
+        raise KeyError("not queued")
+
+    def backlogged(self, limit: int) -> set[str]:
+        """Tenants with more than ``limit`` requests waiting."""
+        return {t for t, n in self._requests.items() if n > limit}
+
+    def under_share(self, tenant: str, held: Mapping[str, int], capacity: int) -> bool:
+        """Whether ``tenant`` holds fewer than its weighted share of ``capacity`` slots,
+        shared among the tenants with requests queued or held (``held``: slots per tenant)."""
+        active = {t for t, n in held.items() if n > 0} | set(self._requests) | {tenant}
+        total = sum(self.weight(t) for t in active)
+        return held.get(tenant, 0) < capacity * self.weight(tenant) / total
+
     def pop(self) -> tuple[Request, T] | None:
         """The next request to serve (interactive first), or None when empty."""
         for priority in Priority:  # declaration order: interactive, then batch
@@ -111,13 +150,16 @@ class FairQueue(Generic[T]):
             if cls.heap:
                 entry = heapq.heappop(cls.heap)
                 cls.clock = entry.start
-                tenant = entry.request.tenant
-                self._queued[tenant] -= entry.request.budget_tokens
-                self._requests[tenant] -= 1
-                if not self._requests[tenant]:
-                    del self._requests[tenant], self._queued[tenant]
+                self._dequeued(entry.request)
                 return entry.request, entry.item
         return None
+
+    def _dequeued(self, request: Request) -> None:
+        tenant = request.tenant
+        self._queued[tenant] -= request.budget_tokens
+        self._requests[tenant] -= 1
+        if not self._requests[tenant]:
+            del self._requests[tenant], self._queued[tenant]
 
     def _head(self) -> _Entry[T] | None:
         for priority in Priority:

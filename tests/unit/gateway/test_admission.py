@@ -1,6 +1,7 @@
 """Admission in front of the engines' slots: a request runs at once while engines have room,
 waits in the tenants' fair queue when they do not, and is handed its plan (its engines'
-slots taken) in the queue's order as slots free."""
+slots taken) in the queue's order as slots free; a tenant below its share takes an isolation
+slot past a flooding tenant's queue."""
 
 from __future__ import annotations
 
@@ -20,17 +21,24 @@ CLASSES = {"gpu": ClassConfig(10_000, 50, 1.0)}
 POLICY = Policy({"gpu": HardwareProfile("gpu", 1.0)}, Link(1e9, 1024))
 
 
-def make(max_running: int = 1, max_queued: int = 10_000) -> tuple[EnginePool, Admission]:
+def make(
+    max_running: int = 1, max_queued: int = 10_000, isolation_slots: int = 0
+) -> tuple[EnginePool, Admission]:
     metrics = GatewayMetrics()
     engine = EngineConfig("e", "http://127.0.0.1:9", "gpu", max_running=max_running)
     pool = EnginePool([engine], CLASSES, metrics)
     pool.mark("e", True)
-    return pool, Admission(pool, POLICY, {"heavy": 3.0}, max_queued, metrics)
+    weights = {"heavy": 3.0}
+    admission = Admission(
+        pool, POLICY, weights, max_queued, metrics, isolation_slots=isolation_slots
+    )
+    return pool, admission
 
 
-async def finish(pool: EnginePool, admission: Admission) -> None:
-    """An engine's request ended: its slot back, the queue's head served."""
-    pool.give_back("e")
+async def finish(pool: EnginePool, admission: Admission, tenant: str | None = None) -> None:
+    """A request of ``tenant`` (by default: the one tenant holding slots) ended: its slot
+    back, the queue served."""
+    pool.give_back("e", tenant or next(iter(pool.held)))
     admission.drain()
     await asyncio.sleep(0)
 
@@ -121,5 +129,56 @@ def test_a_request_no_healthy_engine_could_serve_fails_at_once() -> None:
         pool.mark("e", False)
         with pytest.raises(NoEngineError):
             await admission.admit(Request("t", 100, 0), Holdings())
+
+    asyncio.run(scenario())
+
+
+def test_a_light_tenant_takes_isolation_slots_past_a_flood_up_to_its_share() -> None:
+    async def scenario() -> None:
+        pool, admission = make(max_running=2, isolation_slots=2)
+        for _ in range(2):
+            await admission.admit(Request("flood", 100, 0), Holdings())
+        flood = [
+            asyncio.create_task(admission.admit(Request("flood", 100, 0), Holdings()))
+            for _ in range(4)
+        ]
+        await asyncio.sleep(0)
+        assert len(admission) == 4 and pool["e"].running == 2  # the flood waits its turn
+        # light holds fewer than its half of 2 + 2 slots: it goes past the flood's queue
+        await admission.admit(Request("light", 100, 0), Holdings())
+        await admission.admit(Request("light", 100, 0), Holdings())
+        assert pool["e"].running == 4 and pool.held == {"flood": 2, "light": 2}
+        third = asyncio.create_task(admission.admit(Request("light", 100, 0), Holdings()))
+        await asyncio.sleep(0)
+        assert not third.done() and len(admission) == 5  # at its share: it queues
+        # flood requests end: the flood is backlogged (more waiting than isolation slots),
+        # so it takes none, and the engine falls back to max_running before its head runs
+        await finish(pool, admission, "flood")
+        await finish(pool, admission, "flood")
+        assert pool["e"].running == 2 and len(admission) == 5
+        # a light one ends: the queue's head (the flood's) runs in the normal slot freed,
+        # and the waiting light request, under its share again, takes an isolation slot
+        await finish(pool, admission, "light")
+        assert pool["e"].running == 3 and pool.held == {"flood": 1, "light": 2}
+        assert len(admission) == 3 and third.done()
+        for task in [*flood, third]:
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_without_isolation_slots_a_light_tenant_waits_behind_the_running_flood() -> None:
+    async def scenario() -> None:
+        pool, admission = make(max_running=2, isolation_slots=0)
+        for _ in range(2):
+            await admission.admit(Request("flood", 100, 0), Holdings())
+        flood = asyncio.create_task(admission.admit(Request("flood", 100, 0), Holdings()))
+        await asyncio.sleep(0)
+        light = asyncio.create_task(admission.admit(Request("light", 100, 0), Holdings()))
+        await asyncio.sleep(0)
+        assert not light.done() and pool["e"].running == 2
+        await finish(pool, admission, "flood")
+        await finish(pool, admission, "flood")
+        assert flood.done() and light.done()  # served in the queue's order once slots freed
 
     asyncio.run(scenario())

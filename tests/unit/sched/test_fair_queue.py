@@ -66,6 +66,50 @@ def test_a_full_queue_refuses_with_the_time_the_queue_ahead_needs() -> None:
     assert queue.queued_tokens("a") == queue.queued_tokens("b") == 0 and len(queue) == 0
 
 
+def test_a_request_served_out_of_order_leaves_the_rest_in_order_and_is_charged() -> None:
+    queue: FairQueue[str] = FairQueue({}, max_queued_tokens=10**6)
+    for i in range(3):
+        queue.push(Request("flood", 100, 0), f"flood{i}", 1.0)
+    queue.push(Request("light", 100, 0), "light0", 1.0)
+    queue.push(Request("light", 100, 0), "light1", 1.0)
+    assert [item for _, item in queue.ordered()] == [
+        "flood0",
+        "light0",
+        "flood1",
+        "light1",
+        "flood2",
+    ]
+    assert queue.remove("light0").tenant == "light"
+    assert queue.queued_requests("light") == 1 and queue.queued_tokens("light") == 100
+    with pytest.raises(KeyError):
+        queue.remove("light0")
+    # the removed request's finish tag stays light's: light1 keeps its place behind flood1
+    assert [queue.pop()[1] for _ in range(4)] == ["flood0", "flood1", "light1", "flood2"]  # type: ignore[index]
+
+
+def test_a_tenant_is_under_its_share_while_it_holds_fewer_slots_than_its_weight_gives() -> None:
+    queue: FairQueue[int] = FairQueue({"flood": 1.0, "big": 3.0}, max_queued_tokens=10**6)
+    queue.push(Request("flood", 100, 0), 0, 1.0)  # flood is active: it has one queued
+    held = {"flood": 4, "light": 1}
+    # capacity 8 between flood and light (weights 1 and 1): 4 slots each
+    assert queue.under_share("light", held, capacity=8)
+    assert not queue.under_share("flood", held, capacity=8)
+    assert not queue.under_share("light", {"flood": 4, "light": 4}, capacity=8)
+    # a tenant neither holding nor queueing does not dilute the others' shares
+    assert queue.under_share("flood", {"flood": 4}, capacity=8)  # all 8 are its share
+    assert queue.under_share("big", {"flood": 4, "big": 5}, capacity=8)  # 3/4 of 8 = 6
+
+
+def test_a_tenant_is_backlogged_with_more_requests_waiting_than_the_limit() -> None:
+    queue: FairQueue[int] = FairQueue({}, max_queued_tokens=10**6)
+    for i in range(3):
+        queue.push(Request("flood", 10, 0), i, 1.0)
+    queue.push(Request("light", 10, 0), 9, 1.0)
+    assert queue.backlogged(2) == {"flood"} and queue.backlogged(3) == set()
+    queue.pop()
+    assert queue.backlogged(2) == set()
+
+
 def test_weights_must_be_positive() -> None:
     with pytest.raises(ValueError):
         FairQueue({"a": 0.0}, max_queued_tokens=10)
