@@ -12,13 +12,14 @@ overtakes it but a higher class).
 Isolation: the queue's order alone makes a light tenant's request wait for a slot, i.e. for
 the rest of a flooding tenant's running request, however little the light tenant uses. So
 each engine keeps ``isolation_slots`` above its ``max_running``: when the head cannot be
-served, a queued request (in the queue's order) may take one when another tenant is
-backlogged (more requests waiting than ``isolation_slots``) and its own tenant is not, and
-holds fewer slots than its weighted share of every engine's ``max_running +
-isolation_slots`` (:meth:`FairQueue.under_share`). A flooding tenant is backlogged and never
-gets them (nor does a tenant alone: there is nobody to be isolated from); as its requests
-end, the engine falls back to ``max_running`` before the queue's head is served again, so
-the extra slots cost the engine a few more sequences in its batch, not a longer queue.
+served, a queued request (in the queue's order) may take one when its tenant is not
+backlogged (no more requests waiting than ``isolation_slots``), another tenant holds slots
+or waits, and its own holds fewer slots than its weighted share of every engine's
+``max_running + isolation_slots`` (:meth:`FairQueue.under_share`). A flooding tenant is
+backlogged and never gets them (nor does a tenant alone: there is nobody to be isolated
+from); as its requests end, the engine falls back to ``max_running`` before the queue's head
+is served again, so the extra slots cost the engine a few more sequences in its batch, not a
+longer queue.
 
 A request no healthy engine could ever serve (none prefills, none decodes) fails at once
 (:class:`~kvfabric.sched.planner.NoEngineError`) instead of waiting for its deadline.
@@ -150,11 +151,11 @@ class Admission:
         capacity = self._pool.capacity(self._isolation)
         for request, waiter in self._queue.ordered():
             tenant = request.tenant
-            backlogged = self._queue.backlogged(self._isolation)
+            others = (set(self._pool.held) | self._queue.backlogged(0)) - {tenant}
             if (
                 waiter.future.done()
-                or tenant in backlogged
-                or not backlogged
+                or not others
+                or tenant in self._queue.backlogged(self._isolation)
                 or not self._queue.under_share(tenant, self._pool.held, capacity)
             ):
                 continue

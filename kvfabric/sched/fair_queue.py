@@ -13,9 +13,9 @@ one; each class keeps its own virtual clock. Admission: a tenant's queued budget
 retry-after: the time the queue ahead of it needs at the observed service rate.
 
 Isolation (:meth:`FairQueue.backlogged`, :meth:`FairQueue.under_share`): the queue's order
-decides who gets a slot that frees, but a tenant that is not backlogged while another is,
-and holds fewer slots than its weighted share of the engines' capacity, may be served out
-of order (:meth:`ordered`, :meth:`remove`) into slots kept above the
+decides who gets a slot that frees, but a tenant that is not backlogged while others are
+waiting or served, and holds fewer slots than its weighted share of the engines' capacity,
+may be served out of order (:meth:`ordered`, :meth:`remove`) into slots kept above the
 engines' normal limit, so a light tenant does not wait for a flooding one's requests to
 finish. Served so, a request is still charged (its finish tag stays the tenant's), and the
 virtual clock does not move: what the queue's order hands out is unchanged.
@@ -133,7 +133,7 @@ class FairQueue(Generic[T]):
         raise KeyError("not queued")
 
     def backlogged(self, limit: int) -> set[str]:
-        """Tenants with more than ``limit`` requests waiting."""
+        """Tenants with more than ``limit`` requests waiting (0: every tenant waiting)."""
         return {t for t, n in self._requests.items() if n > limit}
 
     def under_share(self, tenant: str, held: Mapping[str, int], capacity: int) -> bool:
