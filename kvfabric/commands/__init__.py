@@ -9,9 +9,9 @@ anything heavy (numpy, the client, the store, the server) is imported inside ``r
 
 from __future__ import annotations
 
-from kvfabric.commands import demo, gateway, lookup, put, serve, status, token_file
+from kvfabric.commands import demo, gateway, lookup, plan, put, serve, status, token_file
 from kvfabric.commands.common import HelpFormatter
 
-COMMANDS = (serve, status, lookup, put, demo, gateway, token_file)
+COMMANDS = (serve, status, lookup, put, demo, gateway, plan, token_file)
 
 __all__ = ["COMMANDS", "HelpFormatter"]

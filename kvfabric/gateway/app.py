@@ -8,6 +8,7 @@ endpoint                        what
 ``GET /v1/models``              the model the gateway serves
 ``POST /v1/plan``               the plan a completions- or chat-shaped body would get now,
 ``GET /v1/plan?prompt=..``      with its cost terms and the fabric's holdings (nothing runs)
+``GET /v1/advice``              the P:D advice for the ingress seen (``advisor`` in config)
 ``GET /healthz``                200 while the process serves HTTP
 ``GET /readyz``                 200 while an engine is healthy, else 503
 ``GET /metrics``                Prometheus text (:mod:`kvfabric.gateway.metrics`)
@@ -39,6 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvfabric.api.body_limit import BodyLimit
 from kvfabric.gateway import bodies
 from kvfabric.gateway.admission import Admission
+from kvfabric.gateway.advice import AdviceLoop
 from kvfabric.gateway.config import GatewayConfig
 from kvfabric.gateway.dispatch import Dispatcher, Job, error_body
 from kvfabric.gateway.engines import EnginePool
@@ -92,12 +94,24 @@ class Gateway:
             if config.fabric and spec
             else None
         )
+        self.advice = (
+            AdviceLoop(
+                config.advisor,
+                config.classes,
+                config.engines,
+                self.pool.throughput,
+                self.policy.link,
+                self.metrics,
+            )
+            if config.advisor
+            else None
+        )
         self.dispatcher = Dispatcher(
             self.http,
             self.pool,
             self.metrics,
             config.deadlines.connect_s,
-            self.admission.record_served,
+            self._served,
         )
 
     # -- a request's way -------------------------------------------------------------------
@@ -248,6 +262,11 @@ class Gateway:
 
     # -- the application -------------------------------------------------------------------
 
+    def _served(self, prompt_tokens: int, output_tokens: int) -> None:
+        self.admission.record_served(prompt_tokens + output_tokens)
+        if self.advice is not None:
+            self.advice.window.add(prompt_tokens, output_tokens)
+
     def app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -262,6 +281,8 @@ class Gateway:
                 ),
                 asyncio.create_task(self.admission.pump()),
             ]
+            if self.advice is not None:
+                tasks.append(asyncio.create_task(self.advice.run()))
             try:
                 yield
             finally:
@@ -289,6 +310,13 @@ class Gateway:
         @app.post("/v1/plan")
         async def plan(request: Request) -> Response:
             return await self.explain(request)
+
+        @app.get("/v1/advice")
+        async def advice() -> Response:
+            if self.advice is None:
+                why = "no advisor: the gateway's config has no advisor section"
+                return _error(404, "no_advisor", why)
+            return JSONResponse(self.advice.json())
 
         @app.get("/healthz")
         async def healthz() -> dict[str, str]:

@@ -14,7 +14,8 @@ with every key and its default is the README's "Gateway configuration" section; 
   by measurement) and the price per hour;
 * ``fabric``: the daemon HTTP API that answers cluster lookups and the model's KV spec, so the
   gateway hashes prompts into the same chunk keys as the engines' connectors;
-* ``link``, ``tenants``, ``deadlines``.
+* ``link``, ``tenants``, ``deadlines``;
+* ``advisor`` (optional): the objectives the P:D advice for the observed ingress sizes for.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class ClassConfig:
     prefill_tps: Number
     decode_tps: Number
     cost_per_hour: Number = 0.0
+    # the advisor's decode model: what each further stream in a batch adds to a decode step,
+    # as a share of one stream's step (memory-bound decode: a few percent)
+    decode_batch_cost: Share = 0.02
 
     def __post_init__(self) -> None:
         problems = [
@@ -149,6 +153,18 @@ class DeadlinesConfig:
 
 
 @config_value
+class AdvisorConfig:
+    """The P:D advice for the ingress the gateway sees (``GET /v1/advice``): the objectives
+    it sizes for and the window of finished requests it reads."""
+
+    ttft_p99_s: Seconds
+    tpot_p50_s: Seconds
+    window_s: Seconds = 300.0
+    interval_s: Seconds = 60.0
+    min_requests: PositiveInt = 20
+
+
+@config_value
 class GatewayConfig:
     model: Text
     engines: tuple[EngineConfig, ...]
@@ -159,6 +175,7 @@ class GatewayConfig:
     link: LinkConfig = dataclasses.field(default_factory=LinkConfig)
     tenants: TenantsConfig = dataclasses.field(default_factory=TenantsConfig)
     deadlines: DeadlinesConfig = dataclasses.field(default_factory=DeadlinesConfig)
+    advisor: AdvisorConfig | None = None
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []

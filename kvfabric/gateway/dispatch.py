@@ -85,7 +85,7 @@ class Dispatcher:
         pool: EnginePool,
         metrics: GatewayMetrics,
         connect_s: float,
-        record_served: Callable[[int], None],
+        record_served: Callable[[int, int], None],
     ) -> None:
         self._http = http
         self._pool = pool
@@ -214,7 +214,7 @@ class Dispatcher:
             output = int(usage.get("completion_tokens", 0))
             if plan.mode != SINGLE and output:
                 self._pool.throughput.observe(plan.decode_engine, "decode", output, now - started)
-            self._served(job, int(usage.get("prompt_tokens", job.request.prompt_tokens)) + output)
+            self._served(job, int(usage.get("prompt_tokens", job.request.prompt_tokens)), output)
         return Response(
             response.body,
             status_code=response.status,
@@ -274,9 +274,7 @@ class Dispatcher:
         self._metrics.phase.labels("decode").observe(last - (first or last))
         usage = tally.usage or {}
         prompt = usage.get("prompt_tokens")
-        self._served(
-            job, (prompt if isinstance(prompt, int) else job.request.prompt_tokens) + output
-        )
+        self._served(job, prompt if isinstance(prompt, int) else job.request.prompt_tokens, output)
 
     # -- engine calls ----------------------------------------------------------------------
 
@@ -313,9 +311,9 @@ class Dispatcher:
             raise _ClientError(Answer(response.status, response.content_type, content))
         return response
 
-    def _served(self, job: Job, tokens: int) -> None:
-        self._metrics.served_tokens.labels(job.tenant_label).inc(tokens)
-        self._record_served(tokens)
+    def _served(self, job: Job, prompt_tokens: int, output_tokens: int) -> None:
+        self._metrics.served_tokens.labels(job.tenant_label).inc(prompt_tokens + output_tokens)
+        self._record_served(prompt_tokens, output_tokens)
 
 
 def _measures_prefill(plan: Plan, uncached: int) -> bool:

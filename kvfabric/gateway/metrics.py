@@ -91,6 +91,22 @@ class GatewayMetrics:
             ["tenant"],
             registry=r,
         )
+        self.advised_engines = Gauge(
+            "kvfabric_gateway_advised_engines",
+            "the P:D advice for the observed ingress: engines per role and class",
+            ["role", "hardware_class"],
+            registry=r,
+        )
+        self.advised_cost = Gauge(
+            "kvfabric_gateway_advised_cost_per_hour",
+            "the price per hour of the advised composition",
+            registry=r,
+        )
+        self.ingress_rate = Gauge(
+            "kvfabric_gateway_ingress_rate_rps",
+            "requests per second finished over the advisor's window",
+            registry=r,
+        )
         self.lookups = Counter(
             "kvfabric_gateway_lookups",
             "fabric lookups by outcome (ok, failed)",

@@ -5,8 +5,9 @@ healthy engine that prefills and another that decodes (with room for the request
 Each gets the cost terms below; the chosen one is the fastest for an interactive request
 (first token plus its longest output) and the cheapest in money for a batch one (so batch
 decodes with long outputs land on the cheap classes, CPU decode included, and there too
-when the GPU ones are full); ties go to the fewer currency units, then the engine ids, so a
-plan is a function of its inputs.
+when the GPU ones are full); ties go to the fewer currency units, then the fewer requests
+running on the chosen engines (of equals, the least loaded), then the engine ids, so a plan
+is a function of its inputs.
 
 Terms (seconds unless named), all kept in :class:`Plan`:
 
@@ -135,6 +136,7 @@ def _candidate(
         d.hardware_class
     )
     terms = {
+        "running": float(p.running if same else p.running + d.running),
         "queue_s": queue_s,
         "pull_s": pull_s,
         "prefill_s": prefill_s,
@@ -146,10 +148,10 @@ def _candidate(
     return Plan(p.engine_id, d.engine_id, mode, reused, pulled, terms)
 
 
-def _by_latency(plan: Plan) -> tuple[float, float, str, str]:
+def _by_latency(plan: Plan) -> tuple[float, float, float, str, str]:
     latency = plan.ttft_s + plan.terms["decode_s"]
-    return (latency, plan.cost, plan.prefill_engine, plan.decode_engine)
+    return (latency, plan.cost, plan.terms["running"], plan.prefill_engine, plan.decode_engine)
 
 
-def _by_cost(plan: Plan) -> tuple[float, float, str, str]:
-    return (plan.cost, plan.ttft_s, plan.prefill_engine, plan.decode_engine)
+def _by_cost(plan: Plan) -> tuple[float, float, float, str, str]:
+    return (plan.cost, plan.ttft_s, plan.terms["running"], plan.prefill_engine, plan.decode_engine)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -119,12 +121,14 @@ def test_batch_long_outputs_fall_back_to_cpu_decode_when_the_gpus_are_full() -> 
     assert plan(batch, Holdings(), [P, D, slow_cpu], POLICY).decode_engine == "d"
 
 
-def test_ties_are_broken_by_cost_then_engine_id() -> None:
+def test_ties_are_broken_by_cost_then_load_then_engine_id() -> None:
     twin_a = engine("a", "n1", "decode-gpu", Role.BOTH, 1_000, 10)
     twin_b = engine("b", "n2", "decode-gpu", Role.BOTH, 1_000, 10)
     request = Request("t", prompt_tokens=100, max_output_tokens=10)
     for order in ([twin_a, twin_b], [twin_b, twin_a]):
         assert plan(request, Holdings(), order, POLICY).prefill_engine == "a"
+    busy_a = dataclasses.replace(twin_a, running=3)
+    assert plan(request, Holdings(), [busy_a, twin_b], POLICY).prefill_engine == "b"
 
 
 def test_missing_engines_are_a_clear_error() -> None:

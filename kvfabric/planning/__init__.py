@@ -1,0 +1,1 @@
+"""Capacity planning: what a cluster needs, from measured costs and a workload."""
