@@ -3,12 +3,16 @@ advisor's ratios, layer-wise overlap and the 10,000-node index plan.
 
 Validation (real parts: two vLLM CPU OpenAI servers of the tests' random-weight tiny Llama
 built locally, each with KVFabricConnector on a node daemon of its own, behind
-``kvfabric gateway`` with ``GATEWAY_MAX_RUNNING`` slots per engine): engine 0 is calibrated
-(``kvfabric.planning.calibrate``: prefill time by prompt length, decode step by batch) while
-engine 1 idles, then a request mix (Poisson at ``LOAD`` of what the calibrated engines
-serve, prompts of 32..512 random tokens, 8..48 output tokens, streamed, ``ignore_eos``) goes
-through the gateway, and the simulator runs the same requests on the same cluster (both
-engines on one host of this machine's cores):
+``kvfabric gateway`` with ``GATEWAY_MAX_RUNNING`` slots per engine and no node ids, so every
+request runs on one engine): ``kvfabric.planning.validate`` warms both engines, calibrates
+engine 0 (``kvfabric.planning.calibrate``: prefill time by prompt length, decode step by
+batch) while engine 1 idles, measures what the two cost each other on this host's cores
+(engine 0's prefill while engine 1 decodes, over alone: ``sharing_slowdown``), sends a
+request mix (Poisson at ``LOAD`` of what the calibrated engines serve, prompts of 32..512
+random tokens, 8..48 output tokens, streamed, ``ignore_eos``) through the gateway, and
+simulates the same requests on the same cluster (both engines on one host of this
+machine's cores); every request, measured and simulated, goes to ``validation.json`` in the
+work directory (``--keep`` keeps it):
 
 - ``sim_vs_measured_ttft_p50_error`` / ``..._ttft_p99_error`` / ``..._tpot_p50_error``:
   ``|simulated - measured| / measured`` (targets <= 0.25 on p50 TTFT and TPOT).
@@ -52,6 +56,7 @@ import router_bench as rb
 # isort: on
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -139,8 +144,10 @@ def model_figures(figures: dict[str, Any]) -> None:
     phase = Phase(w.rate_rps, EVENT_REQUESTS / w.rate_rps, w.prompt, w.output)
     requests = generate(Workload((phase,)), 1)
     cluster = ClusterSpec(
-        (EngineSpec("p0", "tier1", Role.PREFILL),)
-        + tuple(EngineSpec(f"d{i}", "tier2", Role.DECODE) for i in range(4)),
+        (
+            EngineSpec("p0", "tier1", Role.PREFILL),
+            *tuple(EngineSpec(f"d{i}", "tier2", Role.DECODE) for i in range(4)),
+        ),
         profiles,
         link,
         layers=inputs.model.layers,
@@ -151,7 +158,7 @@ def model_figures(figures: dict[str, Any]) -> None:
 
 
 def scale_figures(root: Path, figures: dict[str, Any], children: list) -> None:
-    redis = RedisServer(root / "scale").start()
+    redis = RedisServer(root).start()
     children.append(redis)
     costs = measure_opcosts(redis.url)
     plan = plan_scale(REFERENCE_10K, costs)
@@ -168,6 +175,14 @@ def scale_figures(root: Path, figures: dict[str, Any], children: list) -> None:
     )
 
 
+def engine_cores() -> list[dict[str, str]]:
+    """Each engine's compute thread on a core of its own where the host has two (vLLM's
+    automatic binding puts every engine's on the same core: they would halve each other)."""
+    if (os.cpu_count() or 1) < 2:
+        return [{}, {}]
+    return [{"VLLM_CPU_OMP_THREADS_BIND": str(i)} for i in range(2)]
+
+
 def validation_figures(
     args: argparse.Namespace, root: Path, figures: dict[str, Any], children: list
 ) -> None:
@@ -182,8 +197,10 @@ def validation_figures(
     children += served
     engines, start_s = rb.start_engines(
         [
-            lambda e=e, d=d: e.start(model, rb.SERVED_NAME, kvfabric_connector(d.socket))
-            for e, d in zip(served, daemons, strict=True)
+            lambda e=e, d=d, core=core: e.start(
+                model, rb.SERVED_NAME, kvfabric_connector(d.socket), env_extra=core
+            )
+            for e, d, core in zip(served, daemons, engine_cores(), strict=True)
         ]
     )
     figures["engine_start_s"] = round(start_s, 1)
@@ -217,6 +234,25 @@ def validation_figures(
         count=VALIDATION_REQUESTS[bool(args.quick)],
         timeout_s=timeout,
     )
+    simulated = found.run().requests
+    (root / "validation.json").write_text(
+        json.dumps(
+            [
+                {
+                    "arrival_s": r.arrival_s,
+                    "prompt": r.prompt_tokens,
+                    "output": r.output_tokens,
+                    "ttft_s": m[0],
+                    "tpot_s": m[1],
+                    "sim_ttft_s": sim.ttft_s,
+                    "sim_tpot_s": sim.tpot_s,
+                    "engine": sim.prefill_engine,
+                }
+                for r, m, sim in zip(found.drawn, found.samples, simulated, strict=True)
+            ],
+            indent=1,
+        )
+    )
     figures.update(
         sim_vs_measured_ttft_p50_error=round(found.error("ttft_p50_s"), 3),
         sim_vs_measured_ttft_p99_error=round(found.error("ttft_p99_s"), 3),
@@ -228,7 +264,9 @@ def validation_figures(
         measured_tpot_p50_s=round(found.measured.tpot_p50_s, 4),
         simulated_tpot_p50_s=round(found.simulated.tpot_p50_s, 4),
         validation_rate_rps=round(found.rate_rps, 2),
-        validation_requests=found.requests,
+        sharing_slowdown=round(found.sharing_slowdown, 3),
+        host_cores_modelled=round(found.host_cores, 2),
+        validation_requests=len(found.drawn),
         calibrated_profile={
             k: (round(v, 7) if isinstance(v, float) and math.isfinite(v) else v)
             for k, v in vars(found.profile).items()

@@ -6,8 +6,9 @@ output token, one at a time; the client's whole request time, median of ``repeat
 by least squares to ``base + per_token * n``: the fixed part holds what every request pays
 around its prefill step (HTTP, scheduling, the first sampling), which is what a client's TTFT
 holds too. Decode: ``batch`` streams at once (short prompts, ``ignore_eos``, ``decode_tokens``
-tokens each); per batch size the median gap between a stream's tokens in the middle of the
-run (both ends trimmed: streams start and end apart), fitted to ``base + per_seq * batch``.
+tokens each); per batch size, the median over streams of the mean spacing of a stream's
+tokens in the middle of the run (both ends trimmed: streams start and end apart; tokens may
+reach the client in bursts, so single gaps say little), fitted to ``base + per_seq * batch``.
 
 Measures what the engine does when nothing else runs on it: call it on an idle engine. A
 failed request raises :class:`CalibrationError` with the engine's answer. Blocking (httpx).
@@ -15,7 +16,6 @@ failed request raises :class:`CalibrationError` with the engine's answer. Blocki
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 import statistics
@@ -82,6 +82,21 @@ def calibrate(
     return Calibration(profile, prefill, decode)
 
 
+def warm(url: str, model: str, vocab: int, timeout_s: float, requests: int = 3) -> None:
+    """A few short requests: an engine's first ones pay one-time costs (kernels, caches)."""
+    rng = random.Random(7)
+    with httpx.Client(timeout=timeout_s) as http:
+        for _ in range(requests):
+            _complete(http, url.rstrip("/"), model, _tokens(rng, vocab, 64), 8)
+
+
+def _complete_in_own_client(
+    url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: float
+) -> None:
+    with httpx.Client(timeout=timeout_s) as http:
+        _complete(http, url.rstrip("/"), model, prompt, max_tokens)
+
+
 def _fit(points: dict[int, float]) -> tuple[float, float]:
     """Least-squares intercept and slope of seconds over size."""
     x = np.array(list(points), dtype=float)
@@ -146,14 +161,16 @@ def _decode_gap(
         t.join()
     if errors:
         raise CalibrationError(f"{base}: decode batch {batch}: {errors[0]}")
-    gaps = []
+    per_stream = []
     for times in stamps:
-        # the middle half: every stream has started and none has ended
+        # the middle half: every stream has started and none has ended; its mean spacing
+        # (tokens can reach the client in bursts, so single gaps say little)
         middle = times[len(times) // 4 : 3 * len(times) // 4]
-        gaps += [b - a for a, b in itertools.pairwise(middle)]
-    if not gaps:
-        raise CalibrationError(f"{base}: decode batch {batch}: no tokens streamed")
-    return statistics.median(gaps)
+        if len(middle) >= 2:
+            per_stream.append((middle[-1] - middle[0]) / (len(middle) - 1))
+    if not per_stream:
+        raise CalibrationError(f"{base}: decode batch {batch}: too few tokens streamed")
+    return statistics.median(per_stream)
 
 
 def carries_choices(line: str) -> bool:
@@ -163,3 +180,49 @@ def carries_choices(line: str) -> bool:
         and line != "data: [DONE]"
         and bool(json.loads(line[6:]).get("choices"))
     )
+
+
+def sharing_slowdown(
+    url: str,
+    other_url: str,
+    model: str,
+    *,
+    vocab: int,
+    prompt_tokens: int = 256,
+    streams: int = 4,
+    decode_tokens: int = 400,
+    repeats: int = 3,
+    timeout_s: float = 120.0,
+    seed: int = 1,
+) -> float:
+    """How much slower ``url`` prefills a ``prompt_tokens`` prompt while the engine at
+    ``other_url`` (on the same host) decodes ``streams`` streams, over the same prompt alone:
+    what engines sharing a host's cores cost each other (the simulator's ``Host``)."""
+    rng = random.Random(seed)
+    base = url.rstrip("/")
+    with httpx.Client(timeout=timeout_s) as http:
+        alone = statistics.median(
+            _timed(http, base, model, _tokens(rng, vocab, prompt_tokens)) for _ in range(repeats)
+        )
+        busy: list[float] = []
+        # the other engine decodes `streams` long streams (started together, once): its
+        # batch runs while this one prefills
+        other = [
+            threading.Thread(
+                target=_complete_in_own_client,
+                args=(other_url, model, _tokens(rng, vocab, 8), decode_tokens, timeout_s),
+            )
+            for _ in range(streams)
+        ]
+        for t in other:
+            t.start()
+        try:
+            time.sleep(0.3)  # its batch has started
+            busy = [
+                _timed(http, base, model, _tokens(rng, vocab, prompt_tokens))
+                for _ in range(repeats)
+            ]
+        finally:
+            for t in other:
+                t.join()
+    return max(1.0, statistics.median(busy) / alone)

@@ -1,16 +1,22 @@
 """The simulator against a real cluster: calibrate, drive, simulate, compare.
 
-Given running vLLM engines (all of one class, each role ``both``) behind a kvfabric gateway
+Given running vLLM engines (all of one class, each role ``both``, declared without a
+``node_id``: every request runs on one engine) behind a kvfabric gateway
 (:mod:`kvfabric.gateway`, with ``max_running`` slots per engine), :func:`validate`
 
-1. calibrates the class on the first engine while the others idle
-   (:func:`kvfabric.planning.calibrate.calibrate`);
+1. warms every engine, calibrates the class on the first one while the others idle
+   (:func:`kvfabric.planning.calibrate.calibrate`) and, with more than one engine, measures
+   what sharing the host costs (:func:`~kvfabric.planning.calibrate.sharing_slowdown`: the
+   first engine's prefill while the second decodes, over alone), which sets how many of the
+   host's cores the engines effectively have in the model (two one-thread engines stepping
+   together on ``c`` cores slow down ``2 / c``, so ``c = 2 / slowdown``, between 1 and
+   ``host_cores``);
 2. draws a request mix (Poisson arrivals at ``load`` of what the calibrated engines can
    serve, uniform prompt and output lengths) and sends it through the gateway at those
    times, streamed, greedy, ``ignore_eos`` (every output has exactly its drawn length),
    timing each request's first token and its last at the client;
 3. simulates the same requests (same arrival times and lengths) on the same cluster
-   (:func:`kvfabric.sim.cluster.simulate`: the engines on one host of ``host_cores``);
+   (:func:`kvfabric.sim.cluster.simulate`: the engines on one host of those cores);
 4. reports measured and simulated TTFT p50 / p99 and TPOT p50, and each one's relative error
    ``|simulated - measured| / measured``.
 
@@ -29,13 +35,24 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from kvfabric.planning.calibrate import CalibrationError, calibrate, carries_choices
+from kvfabric.planning.calibrate import (
+    DECODE_BATCHES,
+    PREFILL_SIZES,
+    CalibrationError,
+    calibrate,
+    carries_choices,
+    sharing_slowdown,
+    warm,
+)
 from kvfabric.sched.model import Link, Role
 from kvfabric.sim.cluster import ClusterSpec, EngineSpec, simulate
 from kvfabric.sim.engine import EngineProfile
+from kvfabric.sim.results import SimResult
 from kvfabric.sim.workload import Lengths, Phase, SimRequest, Workload, generate
 
 CLASS = "measured"
+QUICK_PREFILL_SIZES = (16, 128, 512)
+QUICK_BATCHES = (1, 4)
 PROMPTS = Lengths("uniform", low=32, high=512)
 OUTPUTS = Lengths("uniform", low=8, high=48)
 
@@ -50,14 +67,47 @@ class Figures:
 @dataclass(frozen=True)
 class Validation:
     profile: EngineProfile
+    sharing_slowdown: float
     rate_rps: float
-    requests: int
+    drawn: tuple[SimRequest, ...]  # what was sent, at these times
+    engines: int
+    max_running: int
+    host_cores: float
     measured: Figures
-    simulated: Figures
+    samples: tuple[tuple[float, float], ...]  # per request sent: (TTFT, TPOT), measured
 
-    def error(self, name: str) -> float:
+    @property
+    def simulated(self) -> Figures:
+        return self.simulate(self.profile)
+
+    def run(self, profile: EngineProfile | None = None) -> SimResult:
+        """This run's requests simulated on engines of ``profile`` (default: the calibrated
+        one; another shows how sensitive the comparison is)."""
+        cluster = ClusterSpec(
+            tuple(
+                EngineSpec(
+                    f"e{i}",
+                    CLASS,
+                    Role.BOTH,
+                    host="host",
+                    max_running=self.max_running,
+                    on_fabric=False,
+                )
+                for i in range(self.engines)
+            ),
+            {CLASS: profile or self.profile},
+            Link(1e9, 0),
+            hosts={"host": self.host_cores},
+        )
+        return simulate(cluster, self.drawn)
+
+    def simulate(self, profile: EngineProfile) -> Figures:
+        sim = self.run(profile).summary()
+        return Figures(sim.ttft_p50_s, sim.ttft_p99_s, sim.tpot_p50_s)
+
+    def error(self, name: str, simulated: Figures | None = None) -> float:
         m: float = getattr(self.measured, name)
-        s: float = getattr(self.simulated, name)
+        s: float = getattr(simulated or self.simulated, name)
         return abs(s - m) / m
 
 
@@ -75,8 +125,29 @@ def validate(
     count: int = 120,
     seed: int = 0,
     timeout_s: float = 300.0,
+    quick: bool = False,
 ) -> Validation:
-    profile = calibrate(engine_urls[0], model, CLASS, vocab=vocab, timeout_s=timeout_s).profile
+    """``quick``: a calibration of fewer points (a test's budget)."""
+    for url in engine_urls:  # an engine's first requests pay one-time costs
+        warm(url, model, vocab, timeout_s)
+    profile = calibrate(
+        engine_urls[0],
+        model,
+        CLASS,
+        vocab=vocab,
+        timeout_s=timeout_s,
+        prefill_sizes=QUICK_PREFILL_SIZES if quick else PREFILL_SIZES,
+        batches=QUICK_BATCHES if quick else DECODE_BATCHES,
+        repeats=2 if quick else 3,
+    ).profile
+    slowdown = 1.0
+    if len(engine_urls) > 1:
+        slowdown = sharing_slowdown(
+            engine_urls[0], engine_urls[1], model, vocab=vocab, timeout_s=timeout_s
+        )
+    # two engines of one thread each slow down 2 / cores when they step together: the
+    # host behaves as 2 / slowdown cores for them (at least one, at most what it has)
+    cores = min(host_cores, max(1.0, 2.0 / slowdown))
     per_request = profile.step_s(round(prompt.expected()), 0) + output.expected() * profile.step_s(
         0, 1
     )
@@ -84,22 +155,16 @@ def validate(
     phase = Phase(rate, count / rate, prompt, output)
     requests = generate(Workload((phase,)), seed)
     measured = asyncio.run(_drive(gateway_url, model, requests, vocab, seed, timeout_s))
-    cluster = ClusterSpec(
-        tuple(
-            EngineSpec(f"e{i}", CLASS, Role.BOTH, host="host", max_running=max_running)
-            for i in range(len(engine_urls))
-        ),
-        {CLASS: profile},
-        Link(1e9, 0),
-        hosts={"host": host_cores},
-    )
-    sim = simulate(cluster, requests).summary()
     return Validation(
         profile,
+        slowdown,
         rate,
-        len(requests),
+        tuple(requests),
+        len(engine_urls),
+        max_running,
+        cores,
         _figures(measured),
-        Figures(sim.ttft_p50_s, sim.ttft_p99_s, sim.tpot_p50_s),
+        tuple(measured),
     )
 
 

@@ -1,7 +1,8 @@
 """The plan for one request: which engine prefills, which decodes, and how the KV moves.
 
 Candidates are every healthy single engine that does both phases, and every pair of a
-healthy engine that prefills and another that decodes (with room for the request's KV).
+healthy engine that prefills and another that decodes (with room for the request's KV), both
+on fabric nodes (a non-empty ``node_id``: the hand-off goes through the fabric).
 Each gets the cost terms below; the chosen one is the fastest for an interactive request
 (first token plus its longest output) and the cheapest in money for a batch one (so batch
 decodes with long outputs land on the cheap classes, CPU decode included, and there too
@@ -91,8 +92,19 @@ def plan(
         raise NoEngineError("no healthy engine prefills")
     if not decoders:
         raise NoEngineError(f"no healthy engine has room to decode {request.budget_tokens} tokens")
-    # one engine doing both phases is the pair of it with itself
-    candidates = [_candidate(request, holdings, p, d, policy) for p in prefillers for d in decoders]
+    # one engine doing both phases is the pair of it with itself; a hand-off between two
+    # engines goes through the fabric, so both must be on fabric nodes
+    candidates = [
+        _candidate(request, holdings, p, d, policy)
+        for p in prefillers
+        for d in decoders
+        if p.engine_id == d.engine_id or (p.node_id and d.node_id)
+    ]
+    if not candidates:
+        raise NoEngineError(
+            "no engine does both phases, and the prefill and decode engines are not all on "
+            "fabric nodes (node_id), through which a hand-off goes"
+        )
     key = _by_latency if request.priority is Priority.INTERACTIVE else _by_cost
     best = min(candidates, key=key)
     goal = "latency" if request.priority is Priority.INTERACTIVE else "cost"

@@ -53,6 +53,7 @@ class EngineSpec:
     host: str = ""
     max_running: int = UNBOUNDED
     pushes: bool = True
+    on_fabric: bool = True  # off: no fabric node beside it (single plans only, no holdings)
 
     @property
     def node(self) -> str:
@@ -190,7 +191,7 @@ class _Run:
             out.append(
                 EngineState(
                     engine_id=engine_id,
-                    node_id=spec.node,
+                    node_id=spec.node if spec.on_fabric else "",
                     hardware_class=spec.hardware_class,
                     role=spec.role,
                     prefill_tps=engine.profile.prefill_tps,

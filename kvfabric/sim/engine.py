@@ -40,14 +40,14 @@ class EngineProfile:
     cost_per_hour: float = 0.0
     max_batch_tokens: int = 8192
     max_seqs: int = 256
-    threads: int = 1  # cores one engine keeps busy while it steps (a shared Host counts them)
+    threads: float = 1.0  # cores one engine keeps busy while it steps (a shared Host counts)
 
     def __post_init__(self) -> None:
         for name in ("prefill_base_s", "prefill_s_per_token", "decode_base_s", "decode_s_per_seq"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{self.name}: {name} must be >= 0")
-        if self.max_batch_tokens < 1 or self.max_seqs < 1 or self.threads < 1:
-            raise ValueError(f"{self.name}: max_batch_tokens, max_seqs, threads must be >= 1")
+        if self.max_batch_tokens < 1 or self.max_seqs < 1 or not self.threads > 0:
+            raise ValueError(f"{self.name}: max_batch_tokens and max_seqs >= 1, threads > 0")
 
     def step_s(self, prefill_tokens: int, decode_seqs: int) -> float:
         if not prefill_tokens and not decode_seqs:
@@ -80,9 +80,9 @@ class Host:
         if not cores > 0:
             raise ValueError("cores must be > 0")
         self.cores = cores
-        self.busy_threads = 0
+        self.busy_threads = 0.0
 
-    def slowdown(self, threads: int) -> float:
+    def slowdown(self, threads: float) -> float:
         """How much slower a step of an engine of ``threads`` runs with what steps now."""
         return max(1.0, (self.busy_threads + threads) / self.cores)
 
@@ -127,7 +127,8 @@ class SimEngine:
         self.profile = profile
         self.host = host
         self.waiting: collections.deque[Seq] = collections.deque()
-        self.running: list[Seq] = []
+        self.prefilling: list[Seq] = []  # admitted, prompt not done (arrival order)
+        self.decoding: list[Seq] = []  # first token out, more to come
         self.busy_s = 0.0
         self.steps = 0
         self._wake: simpy.Event | None = None
@@ -140,43 +141,63 @@ class SimEngine:
             self._wake.succeed()
 
     @property
+    def running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
     def queued_tokens(self) -> int:
         """Prompt tokens submitted and not computed yet."""
-        return sum(s.prefill_left for s in self.waiting) + sum(s.prefill_left for s in self.running)
+        return sum(s.prefill_left for s in self.waiting) + sum(
+            s.prefill_left for s in self.prefilling
+        )
 
     def _loop(self) -> Generator[simpy.Event, object, None]:
-        profile = self.profile
+        # the hot loop of every simulation: plain lists, no per-step rebuilds unless needed
+        profile, env = self.profile, self.env
         while True:
-            if not self.waiting and not self.running:
-                self._wake = self.env.event()
+            if not self.waiting and not self.prefilling and not self.decoding:
+                self._wake = env.event()
                 yield self._wake
                 self._wake = None
-            while self.waiting and len(self.running) < profile.max_seqs:
-                self.running.append(self.waiting.popleft())
-            decoding = [s for s in self.running if not s.prefill_left]
+            prefilling, decoding = self.prefilling, self.decoding
+            while self.waiting and len(prefilling) + len(decoding) < profile.max_seqs:
+                prefilling.append(self.waiting.popleft())
             budget = profile.max_batch_tokens - len(decoding)
             chunks: list[tuple[Seq, int]] = []
-            for seq in self.running:
+            tokens = 0
+            for seq in prefilling:
                 if budget <= 0:
                     break
-                if seq.prefill_left:
-                    take = min(seq.prefill_left, budget)
-                    chunks.append((seq, take))
-                    budget -= take
-            step = profile.step_s(sum(t for _, t in chunks), len(decoding))
+                take = min(seq.prefill_left, budget)
+                chunks.append((seq, take))
+                budget -= take
+                tokens += take
+            step = profile.step_s(tokens, len(decoding))
             if self.host is not None:
                 step *= self.host.slowdown(profile.threads)
                 self.host.busy_threads += profile.threads
-            yield self.env.timeout(step)
+            yield env.timeout(step)
             if self.host is not None:
                 self.host.busy_threads -= profile.threads
             self.busy_s += step
             self.steps += 1
-            now = self.env.now
+            now = env.now
+            finished = False
+            for seq in decoding:  # never a first token here: that came with the prefill
+                seq.output_left -= 1
+                if not seq.output_left:
+                    finished = True
+                    if seq.on_done is not None:
+                        seq.on_done(now)
+            if finished:
+                self.decoding = decoding = [s for s in decoding if s.output_left]
+            done = 0
             for seq, take in chunks:
                 seq.prefill_left -= take
                 if not seq.prefill_left:
+                    done += 1
                     seq.emit(now)
-            for seq in decoding:
-                seq.emit(now)
-            self.running = [s for s in self.running if s.output_left]
+                    if seq.output_left:
+                        decoding.append(seq)
+            if done:  # prompts complete in arrival order: the done ones lead the list
+                del prefilling[:done]

@@ -100,10 +100,18 @@ class _Served:
 @dataclass
 class ServedEngine(_Served):
     def start(
-        self, model: Path, served_name: str, kv_transfer_config: dict | None, *extra: str
+        self,
+        model: Path,
+        served_name: str,
+        kv_transfer_config: dict | None,
+        *extra: str,
+        env_extra: dict[str, str] | None = None,
     ) -> ServedEngine:
+        """``env_extra``: more environment (e.g. ``VLLM_CPU_OMP_THREADS_BIND``: which core its
+        compute thread runs on; by default vLLM binds every engine's to the same one)."""
         env = {
             **ENGINE_ENV,
+            **(env_extra or {}),
             **engine_env(self.workdir / "scratch"),
             "PYTHONPATH": os.pathsep.join(
                 dict.fromkeys(
