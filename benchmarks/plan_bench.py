@@ -2,17 +2,17 @@
 advisor's ratios, layer-wise overlap and the 10,000-node index plan.
 
 Validation (real parts: two vLLM CPU OpenAI servers of the tests' random-weight tiny Llama
-built locally, each with KVFabricConnector on a node daemon of its own, behind
-``kvfabric gateway`` with ``GATEWAY_MAX_RUNNING`` slots per engine and no node ids, so every
-request runs on one engine): ``kvfabric.planning.validate`` warms both engines, calibrates
-engine 0 (``kvfabric.planning.calibrate``: prefill time by prompt length, decode step by
-batch) while engine 1 idles, measures what the two cost each other on this host's cores
-(engine 0's prefill while engine 1 decodes, over alone: ``sharing_slowdown``), sends a
-request mix (Poisson at ``LOAD`` of what the calibrated engines serve, prompts of 32..512
-random tokens, 8..48 output tokens, streamed, ``ignore_eos``) through the gateway, and
-simulates the same requests on the same cluster (both engines on one host of this
-machine's cores); every request, measured and simulated, goes to ``validation.json`` in the
-work directory (``--keep`` keeps it):
+built locally, each with KVFabricConnector on a node daemon of its own, behind ``kvfabric
+gateway`` with ``GATEWAY_MAX_RUNNING`` slots per engine and no node ids, so every request
+runs on one engine; each engine's compute thread on a core of its own):
+``kvfabric.planning.validate`` warms both engines, calibrates engine 0
+(``kvfabric.planning.calibrate``: prefill time by prompt length, decode step by batch) while
+engine 1 idles (after a first mix through the gateway: engines on a small CPU host keep
+getting faster over their first minute), sends a request mix (Poisson at ``LOAD`` of what
+the calibrated engines serve, prompts of 32..512 random tokens, 8..48 output tokens,
+streamed, ``ignore_eos``) through the gateway, and simulates the same requests on the same
+cluster (both engines on one host of this machine's cores); every request, measured and
+simulated, goes to ``validation.json`` in the work directory (``--keep`` keeps it):
 
 - ``sim_vs_measured_ttft_p50_error`` / ``..._ttft_p99_error`` / ``..._tpot_p50_error``:
   ``|simulated - measured| / measured`` (targets <= 0.25 on p50 TTFT and TPOT).
@@ -30,8 +30,8 @@ measurements):
   engine the advisor recommends for each mix; ``advisor_ratio_long_prompt_over_long_output``
   (target > 1: prompt-heavy ingress needs more prefill);
 - ``plan_10k_redis_shards``: Redis Cluster shards the global index needs at 10,000 nodes
-  (``kvfabric.planning.scale.REFERENCE_10K``) with per-operation costs measured here on a
-  real ``redis-server`` (``kvfabric.planning.opcosts``), with what binds and the first
+  (``kvfabric.planning.scale_inputs.REFERENCE_10K``) with per-operation costs measured here
+  on a real ``redis-server`` (``kvfabric.planning.opcosts``), with what binds and the first
   component to saturate (``plan_10k_first_saturating``, ``..._at_nodes``).
 
 Every timeout derives from the measured start of the slowest engine. Run (about four
@@ -67,7 +67,8 @@ from typing import Any
 from kvfabric.planning import advisor, studies
 from kvfabric.planning.inputs import load_plan_inputs
 from kvfabric.planning.opcosts import measure_opcosts
-from kvfabric.planning.scale import REFERENCE_10K, plan_scale
+from kvfabric.planning.scale import plan_scale
+from kvfabric.planning.scale_inputs import REFERENCE_10K
 from kvfabric.planning.validate import validate
 from kvfabric.sched.model import Role
 from kvfabric.sim.cluster import ClusterSpec, EngineSpec, simulate
@@ -264,8 +265,6 @@ def validation_figures(
         measured_tpot_p50_s=round(found.measured.tpot_p50_s, 4),
         simulated_tpot_p50_s=round(found.simulated.tpot_p50_s, 4),
         validation_rate_rps=round(found.rate_rps, 2),
-        sharing_slowdown=round(found.sharing_slowdown, 3),
-        host_cores_modelled=round(found.host_cores, 2),
         validation_requests=len(found.drawn),
         calibrated_profile={
             k: (round(v, 7) if isinstance(v, float) and math.isfinite(v) else v)

@@ -172,13 +172,9 @@ def _scale(args: argparse.Namespace) -> int:
     import dataclasses
 
     from kvfabric.planning.opcosts import measure_opcosts
-    from kvfabric.planning.scale import (
-        REFERENCE_10K,
-        plan_scale,
-        render_curve,
-        render_table,
-        saturation_curve,
-    )
+    from kvfabric.planning.scale import plan_scale, saturation_curve
+    from kvfabric.planning.scale_inputs import REFERENCE_10K
+    from kvfabric.planning.scale_report import render_curve, render_table
 
     try:
         costs = measure_opcosts(args.redis_url)

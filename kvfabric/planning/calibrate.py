@@ -2,11 +2,12 @@
 driving a running OpenAI-compatible vLLM server (``kvfabric plan calibrate --url``).
 
 Prefill: prompts of several lengths (random token ids, so no prefix cache serves them), one
-output token, one at a time; the client's whole request time, median of ``repeats``, fitted
+output token, streamed, one at a time; the time to the first token, median of ``repeats``, fitted
 by least squares to ``base + per_token * n``: the fixed part holds what every request pays
 around its prefill step (HTTP, scheduling, the first sampling), which is what a client's TTFT
 holds too. Decode: ``batch`` streams at once (short prompts, ``ignore_eos``, ``decode_tokens``
-tokens each); per batch size, the median over streams of the mean spacing of a stream's
+tokens each, after one run of each size and batch left out: a new shape's first time costs
+more); per batch size, the median over streams of the mean spacing of a stream's
 tokens in the middle of the run (both ends trimmed: streams start and end apart; tokens may
 reach the client in bursts, so single gaps say little), fitted to ``base + per_seq * batch``.
 
@@ -61,14 +62,16 @@ def calibrate(
     rng = random.Random(seed)
     base = url.rstrip("/")
     with httpx.Client(timeout=timeout_s) as http:
-        _complete(http, base, model, _tokens(rng, vocab, 8), 2)  # warm the path
-        prefill = {
-            n: statistics.median(
+        prefill = {}
+        for n in prefill_sizes:
+            _timed(http, base, model, _tokens(rng, vocab, n))  # a new shape's first time
+            prefill[n] = statistics.median(
                 _timed(http, base, model, _tokens(rng, vocab, n)) for _ in range(repeats)
             )
-            for n in prefill_sizes
-        }
-    decode = {b: _decode_gap(base, model, rng, vocab, b, decode_tokens, timeout_s) for b in batches}
+    decode = {}
+    for b in batches:
+        _decode_gap(base, model, rng, vocab, b, decode_tokens, timeout_s)  # first time, too
+        decode[b] = _decode_gap(base, model, rng, vocab, b, decode_tokens, timeout_s)
     p_base, p_slope = _fit(prefill)
     d_base, d_slope = _fit(decode)
     profile = EngineProfile(
@@ -82,19 +85,16 @@ def calibrate(
     return Calibration(profile, prefill, decode)
 
 
-def warm(url: str, model: str, vocab: int, timeout_s: float, requests: int = 3) -> None:
-    """A few short requests: an engine's first ones pay one-time costs (kernels, caches)."""
+def warm(url: str, model: str, vocab: int, timeout_s: float) -> None:
+    """Prompts of a few sizes, then a few streams at once: an engine's first prefill of a
+    shape and first decode of a batch size pay one-time costs (kernels, caches)."""
     rng = random.Random(7)
+    base = url.rstrip("/")
     with httpx.Client(timeout=timeout_s) as http:
-        for _ in range(requests):
-            _complete(http, url.rstrip("/"), model, _tokens(rng, vocab, 64), 8)
-
-
-def _complete_in_own_client(
-    url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: float
-) -> None:
-    with httpx.Client(timeout=timeout_s) as http:
-        _complete(http, url.rstrip("/"), model, prompt, max_tokens)
+        for n in (16, 64, 256, 512):
+            _complete(http, base, model, _tokens(rng, vocab, n), 8)
+    for batch in (2, 4):
+        _decode_gap(base, model, rng, vocab, batch, 24, timeout_s)
 
 
 def _fit(points: dict[int, float]) -> tuple[float, float]:
@@ -127,9 +127,16 @@ def _complete(http: httpx.Client, base: str, model: str, prompt: list[int], n: i
 
 
 def _timed(http: httpx.Client, base: str, model: str, prompt: list[int]) -> float:
+    """Seconds to the first streamed token (a client's TTFT) of ``prompt``."""
     started = time.perf_counter()
-    _complete(http, base, model, prompt, 1)
-    return time.perf_counter() - started
+    with http.stream("POST", f"{base}/v1/completions", json=_body(model, prompt, 1, True)) as a:
+        if a.status_code != 200:
+            a.read()
+            raise CalibrationError(f"{base}: {a.status_code} {a.text[:300]}")
+        for line in a.iter_lines():
+            if carries_choices(line):
+                return time.perf_counter() - started
+    raise CalibrationError(f"{base}: a prompt of {len(prompt)} tokens streamed no token")
 
 
 def _decode_gap(
@@ -180,49 +187,3 @@ def carries_choices(line: str) -> bool:
         and line != "data: [DONE]"
         and bool(json.loads(line[6:]).get("choices"))
     )
-
-
-def sharing_slowdown(
-    url: str,
-    other_url: str,
-    model: str,
-    *,
-    vocab: int,
-    prompt_tokens: int = 256,
-    streams: int = 4,
-    decode_tokens: int = 400,
-    repeats: int = 3,
-    timeout_s: float = 120.0,
-    seed: int = 1,
-) -> float:
-    """How much slower ``url`` prefills a ``prompt_tokens`` prompt while the engine at
-    ``other_url`` (on the same host) decodes ``streams`` streams, over the same prompt alone:
-    what engines sharing a host's cores cost each other (the simulator's ``Host``)."""
-    rng = random.Random(seed)
-    base = url.rstrip("/")
-    with httpx.Client(timeout=timeout_s) as http:
-        alone = statistics.median(
-            _timed(http, base, model, _tokens(rng, vocab, prompt_tokens)) for _ in range(repeats)
-        )
-        busy: list[float] = []
-        # the other engine decodes `streams` long streams (started together, once): its
-        # batch runs while this one prefills
-        other = [
-            threading.Thread(
-                target=_complete_in_own_client,
-                args=(other_url, model, _tokens(rng, vocab, 8), decode_tokens, timeout_s),
-            )
-            for _ in range(streams)
-        ]
-        for t in other:
-            t.start()
-        try:
-            time.sleep(0.3)  # its batch has started
-            busy = [
-                _timed(http, base, model, _tokens(rng, vocab, prompt_tokens))
-                for _ in range(repeats)
-            ]
-        finally:
-            for t in other:
-                t.join()
-    return max(1.0, statistics.median(busy) / alone)

@@ -1,22 +1,24 @@
 """The simulator against a real cluster: calibrate, drive, simulate, compare.
 
 Given running vLLM engines (all of one class, each role ``both``, declared without a
-``node_id``: every request runs on one engine) behind a kvfabric gateway
+``node_id``: every request runs on one engine; each engine's compute thread on a core of its
+own: ``VLLM_CPU_OMP_THREADS_BIND``, as vLLM's automatic binding puts them all on one) behind
+a kvfabric gateway
 (:mod:`kvfabric.gateway`, with ``max_running`` slots per engine), :func:`validate`
 
-1. warms every engine, calibrates the class on the first one while the others idle
-   (:func:`kvfabric.planning.calibrate.calibrate`) and, with more than one engine, measures
-   what sharing the host costs (:func:`~kvfabric.planning.calibrate.sharing_slowdown`: the
-   first engine's prefill while the second decodes, over alone), which sets how many of the
-   host's cores the engines effectively have in the model (two one-thread engines stepping
-   together on ``c`` cores slow down ``2 / c``, so ``c = 2 / slowdown``, between 1 and
-   ``host_cores``);
+1. warms every engine (an engine's first prefill of a shape and first decode of a batch
+   size cost more) and calibrates the class one request or batch at a time
+   (:func:`kvfabric.planning.calibrate.calibrate`, through the gateway: what a request pays
+   around the engine's steps is part of what the mix sees) after a first mix through the
+   gateway (a seed of its own: engines on a small CPU host keep getting faster over their
+   first minute);
 2. draws a request mix (Poisson arrivals at ``load`` of what the calibrated engines can
    serve, uniform prompt and output lengths) and sends it through the gateway at those
    times, streamed, greedy, ``ignore_eos`` (every output has exactly its drawn length),
    timing each request's first token and its last at the client;
 3. simulates the same requests (same arrival times and lengths) on the same cluster
-   (:func:`kvfabric.sim.cluster.simulate`: the engines on one host of those cores);
+   (:func:`kvfabric.sim.cluster.simulate`: one-thread engines on a host of ``host_cores``,
+   which slow each other down only when more step at once than it has cores);
 4. reports measured and simulated TTFT p50 / p99 and TPOT p50, and each one's relative error
    ``|simulated - measured| / measured``.
 
@@ -41,7 +43,6 @@ from kvfabric.planning.calibrate import (
     CalibrationError,
     calibrate,
     carries_choices,
-    sharing_slowdown,
     warm,
 )
 from kvfabric.sched.model import Link, Role
@@ -67,7 +68,6 @@ class Figures:
 @dataclass(frozen=True)
 class Validation:
     profile: EngineProfile
-    sharing_slowdown: float
     rate_rps: float
     drawn: tuple[SimRequest, ...]  # what was sent, at these times
     engines: int
@@ -130,8 +130,17 @@ def validate(
     """``quick``: a calibration of fewer points (a test's budget)."""
     for url in engine_urls:  # an engine's first requests pay one-time costs
         warm(url, model, vocab, timeout_s)
+    # a first mix through the gateway (a seed of its own, at a guessed rate): engines on a
+    # small CPU host keep getting faster over their first minute; calibrate after it
+    asyncio.run(
+        _drive(
+            gateway_url, model, _mix(2.0, prompt, output, 30, seed + 1), vocab, seed + 1, timeout_s
+        )
+    )
+    # through the gateway, streamed like the mix: what a request pays around the engine's
+    # steps (HTTP, SSE relayed twice, the client) belongs to the class as the mix sees it
     profile = calibrate(
-        engine_urls[0],
+        gateway_url,
         model,
         CLASS,
         vocab=vocab,
@@ -140,32 +149,26 @@ def validate(
         batches=QUICK_BATCHES if quick else DECODE_BATCHES,
         repeats=2 if quick else 3,
     ).profile
-    slowdown = 1.0
-    if len(engine_urls) > 1:
-        slowdown = sharing_slowdown(
-            engine_urls[0], engine_urls[1], model, vocab=vocab, timeout_s=timeout_s
-        )
-    # two engines of one thread each slow down 2 / cores when they step together: the
-    # host behaves as 2 / slowdown cores for them (at least one, at most what it has)
-    cores = min(host_cores, max(1.0, 2.0 / slowdown))
     per_request = profile.step_s(round(prompt.expected()), 0) + output.expected() * profile.step_s(
         0, 1
     )
     rate = load * len(engine_urls) / per_request
-    phase = Phase(rate, count / rate, prompt, output)
-    requests = generate(Workload((phase,)), seed)
+    requests = _mix(rate, prompt, output, count, seed)
     measured = asyncio.run(_drive(gateway_url, model, requests, vocab, seed, timeout_s))
     return Validation(
         profile,
-        slowdown,
         rate,
         tuple(requests),
         len(engine_urls),
         max_running,
-        cores,
+        host_cores,
         _figures(measured),
         tuple(measured),
     )
+
+
+def _mix(rate: float, prompt: Lengths, output: Lengths, count: int, seed: int) -> list[SimRequest]:
+    return generate(Workload((Phase(rate, count / rate, prompt, output),)), seed)
 
 
 def _figures(times: list[tuple[float, float]]) -> Figures:

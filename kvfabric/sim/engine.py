@@ -18,6 +18,7 @@ Runs inside a :class:`simpy.Environment`; not thread-safe (nothing in a simulati
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -48,6 +49,16 @@ class EngineProfile:
                 raise ValueError(f"{self.name}: {name} must be >= 0")
         if self.max_batch_tokens < 1 or self.max_seqs < 1 or not self.threads > 0:
             raise ValueError(f"{self.name}: max_batch_tokens and max_seqs >= 1, threads > 0")
+
+    def scaled(self, factor: float) -> EngineProfile:
+        """The same engine ``factor`` times slower (or faster) at every step."""
+        return dataclasses.replace(
+            self,
+            prefill_base_s=self.prefill_base_s * factor,
+            prefill_s_per_token=self.prefill_s_per_token * factor,
+            decode_base_s=self.decode_base_s * factor,
+            decode_s_per_seq=self.decode_s_per_seq * factor,
+        )
 
     def step_s(self, prefill_tokens: int, decode_seqs: int) -> float:
         if not prefill_tokens and not decode_seqs:

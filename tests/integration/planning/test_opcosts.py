@@ -10,7 +10,8 @@ from redis_process import RedisServer
 
 from kvfabric.errors import SpecError, UnavailableError
 from kvfabric.planning.opcosts import measure_opcosts
-from kvfabric.planning.scale import REFERENCE_10K, OpCosts, plan_scale
+from kvfabric.planning.scale import plan_scale
+from kvfabric.planning.scale_inputs import REFERENCE_10K, OpCosts
 
 NODE_ID_CHARS = 24
 CHUNK_TOKENS = 256

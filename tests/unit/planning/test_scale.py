@@ -18,19 +18,20 @@ from kvfabric.planning.scale import (
     LOOKUP_NETWORK,
     REDIS_MEMORY,
     REDIS_OPS,
-    REFERENCE_10K,
     REGISTRY,
+    plan_scale,
+    saturation_curve,
+)
+from kvfabric.planning.scale_inputs import (
+    REFERENCE_10K,
     LinearCost,
     OpCosts,
     ScaleInputs,
     ShardBudget,
     kv_bytes_per_token,
     kv_bytes_per_token_of,
-    plan_scale,
-    render_curve,
-    render_table,
-    saturation_curve,
 )
+from kvfabric.planning.scale_report import render_curve, render_table
 from kvfabric.spec import KVSpec
 
 MiB = 1 << 20
