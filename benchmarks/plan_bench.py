@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvfabric.planning import advisor, studies
+from kvfabric.planning import studies
 from kvfabric.planning.inputs import load_plan_inputs
 from kvfabric.planning.opcosts import measure_opcosts
 from kvfabric.planning.scale import plan_scale
@@ -109,15 +109,7 @@ def model_figures(figures: dict[str, Any]) -> None:
     profiles, link = inputs.profiles(), inputs.link_value()
     ratios = {}
     for name in ("long-prompt", "long-output"):
-        advice = advisor.advise(
-            inputs.workloads[name].ingress(),
-            profiles,
-            inputs.roles.prefill,
-            inputs.roles.decode,
-            inputs.objectives_value(),
-            link,
-            layers=inputs.model.layers,
-        )
+        advice = inputs.advise(inputs.workloads[name].ingress())
         key = name.replace("-", "_")
         ratios[key] = advice.ratio
         figures[f"advisor_ratio_{key}"] = round(advice.ratio, 3)

@@ -32,8 +32,10 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar, cast, dataclass_transform
 
+import yaml
 from pydantic import ConfigDict, ValidationError, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic_core import ArgsKwargs, ErrorDetails
@@ -155,6 +157,20 @@ def parse_config(cls: type[T], data: object, where: str = "") -> T:
         return cls.__pydantic_validator__.validate_python(data)  # type: ignore[attr-defined,no-any-return]
     except ValidationError as exc:
         raise config_error(exc, where) from None
+
+
+def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
+    """The YAML file at ``path`` as a mapping (empty: ``{}``); ConfigError naming ``what``
+    (e.g. "gateway config") when it cannot be read, is not YAML or is not a mapping."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: must be a mapping of keys to values")
+    return data
 
 
 def apply_renames(data: dict[str, Any], renames: Mapping[str, str]) -> dict[str, Any]:

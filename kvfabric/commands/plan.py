@@ -96,7 +96,7 @@ def _advise(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from kvfabric.planning.advisor import Ingress, advise
+    from kvfabric.planning.advisor import Ingress
     from kvfabric.planning.inputs import load_plan_inputs
     from kvfabric.sim.workload import Lengths
 
@@ -116,16 +116,7 @@ def _advise(args: argparse.Namespace) -> int:
                 "give --workload, or --rate, --prompt-mean and --output-mean",
                 2,
             )
-        advice = advise(
-            ingress,
-            inputs.profiles(),
-            inputs.roles.prefill,
-            inputs.roles.decode,
-            inputs.objectives_value(),
-            inputs.link_value(),
-            layers=inputs.model.layers,
-            seed=args.seed,
-        )
+        advice = inputs.advise(ingress, seed=args.seed)
     except KeyError as exc:
         return fail("plan advise", f"no workload {exc} in {args.inputs}", 2)
     except (KVFabricError, ValueError) as exc:

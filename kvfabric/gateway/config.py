@@ -25,10 +25,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import PlainValidator
 
-from kvfabric.config_model import KeyProblems, config_value, parse_config
+from kvfabric.config_model import KeyProblems, config_value, parse_config, read_yaml_mapping
 from kvfabric.config_types import (
     Flag,
     NonNegativeInt,
@@ -210,13 +209,6 @@ def load_gateway_config(
     path: str | Path, overrides: Mapping[str, Any] | None = None
 ) -> GatewayConfig:
     """The file at ``path`` (YAML), top-level keys in ``overrides`` replacing its own."""
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read gateway config {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: must be a mapping of keys to values")
+    data = read_yaml_mapping(path, "gateway config")
     data.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return parse_config(GatewayConfig, data)

@@ -21,12 +21,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import yaml
-
-from kvfabric.config_model import KeyProblems, config_value, parse_config
+from kvfabric.config_model import KeyProblems, config_value, parse_config, read_yaml_mapping
 from kvfabric.config_types import Number, PositiveInt, Seconds, Share, Text
-from kvfabric.errors import ConfigError
-from kvfabric.planning.advisor import Ingress, Objectives
+from kvfabric.planning.advisor import Advice, Ingress, Objectives, advise
 from kvfabric.sched.model import Link
 from kvfabric.sim.engine import EngineProfile
 from kvfabric.sim.workload import LENGTH_KINDS, Lengths
@@ -161,14 +158,20 @@ class PlanInputs:
     def objectives_value(self) -> Objectives:
         return Objectives(self.objectives.ttft_p99_s, self.objectives.tpot_p50_s)
 
+    def advise(self, ingress: Ingress, *, requests: int = 600, seed: int = 0) -> Advice:
+        """The advisor over this file's classes, roles, objectives, link and model."""
+        return advise(
+            ingress,
+            self.profiles(),
+            self.roles.prefill,
+            self.roles.decode,
+            self.objectives_value(),
+            self.link_value(),
+            layers=self.model.layers,
+            requests=requests,
+            seed=seed,
+        )
+
 
 def load_plan_inputs(path: str | Path) -> PlanInputs:
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read plan inputs {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: must be a mapping of keys to values")
-    return parse_config(PlanInputs, data)
+    return parse_config(PlanInputs, read_yaml_mapping(path, "plan inputs"))

@@ -249,17 +249,7 @@ def rebalance(
                 Lengths("empirical", values=tuple(r.prompt_tokens for r in seen)),
                 Lengths("empirical", values=tuple(r.output_tokens for r in seen)),
             )
-            advice = advise(
-                ingress,
-                inputs.profiles(),
-                inputs.roles.prefill,
-                inputs.roles.decode,
-                inputs.objectives_value(),
-                inputs.link_value(),
-                layers=inputs.model.layers,
-                requests=STUDY_REQUESTS // 2,
-                seed=seed,
-            )
+            advice = inputs.advise(ingress, requests=STUDY_REQUESTS // 2, seed=seed)
             out.append(
                 WindowAdvice(
                     start,
