@@ -148,14 +148,20 @@ class Admission:
             self._isolate()
 
     def _isolate(self) -> None:
+        # runs on every drain while the head is blocked (a flood): the tenants' sets once per
+        # pass and again only after a dispatch, and no sorting of the queue when no waiting
+        # tenant could take a slot
         capacity = self._pool.capacity(self._isolation)
+        waiting = self._queue.backlogged(0)
+        backlogged = self._queue.backlogged(self._isolation)
+        if not waiting - backlogged:
+            return
         for request, waiter in self._queue.ordered():
             tenant = request.tenant
-            others = (set(self._pool.held) | self._queue.backlogged(0)) - {tenant}
             if (
                 waiter.future.done()
-                or not others
-                or tenant in self._queue.backlogged(self._isolation)
+                or tenant in backlogged
+                or not (set(self._pool.held) | waiting) - {tenant}
                 or not self._queue.under_share(tenant, self._pool.held, capacity)
             ):
                 continue
@@ -166,6 +172,8 @@ class Admission:
             self._gauge(request.tenant)
             self._metrics.isolated.labels(self._metrics.tenant(request.tenant)).inc()
             waiter.future.set_result(ready)
+            waiting = self._queue.backlogged(0)
+            backlogged = self._queue.backlogged(self._isolation)
 
     def _try_plan(self, request: Request, holdings: Holdings, extra_slots: int = 0) -> Plan | None:
         engines = self._pool.states(extra_slots=extra_slots)
