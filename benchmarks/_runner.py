@@ -12,8 +12,8 @@ What the runner does for each script:
 * torch limited to one thread when something imported it;
 * the report (:func:`report`): an aligned table for people and, with ``--json``, exactly one
   JSON object on stdout (the table then goes to stderr), so the output can be piped into a
-  JSON parser; the figures' names are the JSON keys, plus ``targets_met``,
-  ``all_targets_met`` and ``quick``;
+  JSON parser; the figures' names are the JSON keys, plus ``targets`` (each target's
+  ``[op, bound]``), ``targets_met``, ``all_targets_met`` and ``quick``;
 * the exit status: :data:`EXIT_MISSED` (1) when a target was missed, each one named on
   stderr (``store_bench.py: target missed: NAME = VALUE (target OP BOUND)``), else 0.
 
@@ -219,6 +219,8 @@ def report(
         emit_json(
             {
                 **figures,
+                # the bounds too: a reader of the JSON alone (kvfabric bench) can show them
+                "targets": {name: [op, bound] for name, (op, bound) in targets.items()},
                 "targets_met": verdicts,
                 "all_targets_met": all(verdicts.values()),
                 "quick": quick,

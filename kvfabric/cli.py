@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvfabric import __version__
 from kvfabric.commands import COMMANDS, HelpFormatter
 
 DESCRIPTION = """\
@@ -31,7 +32,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvfabric", description=DESCRIPTION, formatter_class=HelpFormatter
     )
+    parser.add_argument(
+        "--version", action="version", version=f"kvfabric {__version__}", help="print it and exit"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),  # kvfabric.logfmt.FORMATS, without importing logging here
+        default=None,
+        help="log lines as text (default) or one JSON object per line with time, level, "
+        "logger, message and the request's id, op, namespace and tenant; for serve it "
+        "overrides the config's log_format",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(commands)
@@ -42,10 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import logging  # after parsing: --help and usage errors never pay for it
 
-    # `serve` reconfigures logging from its config's log_level once that is loaded.
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
+    from kvfabric.logfmt import configure
+
+    # `serve` reconfigures logging from its config's log_level and log_format once loaded.
+    configure(
+        logging.DEBUG if args.verbose else logging.WARNING,
+        args.log_format or "text",
+        text_format="%(levelname)s %(name)s: %(message)s",
+        force=False,  # called in process (tests), it leaves the caller's logging alone
     )
     return int(args.handler(args))
 

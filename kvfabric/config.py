@@ -387,6 +387,7 @@ class ClusterConfig:
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")  # kvfabric.logfmt.FORMATS
 
 
 @config_value
@@ -400,6 +401,7 @@ class DaemonConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log_level: Text = "info"
+    log_format: Text = "text"  # json: one object per line (kvfabric.logfmt)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
@@ -422,6 +424,8 @@ class DaemonConfig:
             )
         if self.log_level.lower() not in LOG_LEVELS:
             problems.append(("log_level", "must be debug, info, warning or error"))
+        if self.log_format not in LOG_FORMATS:
+            problems.append(("log_format", "must be text or json"))
         if self.security.tls_on("peer") and self.cluster.index == "redis":
             # a node's certificate is its identity toward peers: both sides must check one
             if self.security.tls_client_ca_file is None:

@@ -12,7 +12,11 @@ import pytest
 from daemon_process import DaemonProcess
 from redis_process import RedisServer
 
-E2E_DIR = Path(__file__).resolve().parent / "e2e"
+TESTS_DIR = Path(__file__).resolve().parent
+E2E_DIR = TESTS_DIR / "e2e"
+# Under pytest-xdist (tests/run.sh runs two workers, one module per worker at a time) these
+# go first: their engines take minutes, and left to the end one worker would run them alone.
+HEAVY_DIRS = (E2E_DIR, TESTS_DIR / "chaos")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -21,6 +25,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.resolve().is_relative_to(E2E_DIR):
             item.add_marker(pytest.mark.e2e)
+    if _XDIST_WORKER:
+        items.sort(key=lambda i: not any(i.path.resolve().is_relative_to(d) for d in HEAVY_DIRS))
+
+
+def _pin_engines_to_worker_core(worker: str) -> None:
+    """vLLM's automatic binding puts every CPU engine's OpenMP team on the same core (the
+    first one it does not reserve): two workers' engines would share it while the other core
+    idles. Each worker's engines get a core of their own unless a test binds them itself."""
+    cpus = sorted(os.sched_getaffinity(0))
+    index = int(worker.removeprefix("gw") or 0)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cpus[index % len(cpus)]))
+
+
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _XDIST_WORKER:
+    _pin_engines_to_worker_core(_XDIST_WORKER)
 
 
 for _var, _value in {

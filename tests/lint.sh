@@ -11,3 +11,6 @@ ruff format --check .
 ruff check .
 mypy
 lint-imports
+# the image, the Helm chart, the manifests and the alert rules (hadolint, helm lint / template,
+# Kubernetes and Prometheus Operator schemas; tests/integration/deploy runs them too)
+bash deploy/check.sh

@@ -9,5 +9,12 @@ export LMCACHE_TRACK_USAGE=false VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFF
 
 bash tests/install.sh
 
+# One pytest-xdist worker per core (at most four), a test module per worker at a time (module
+# fixtures share engines and daemons): most of the suite waits on one single-threaded engine
+# or daemon, so a second worker roughly halves it on two cores. tests/conftest.py gives each
+# worker's engines a core of their own and hands out the engine modules first.
+# KVF_TEST_WORKERS=0 runs everything in this one process.
+cores=$(nproc)
+workers="${KVF_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
 # the slowest tests are listed at the end: where the suite's time goes
-exec .venv/bin/python -m pytest --durations=25 "$@"
+exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --durations=25 "$@"

@@ -2,25 +2,30 @@
 
 ``create_app(daemon)`` serves one daemon (any object shaped like :class:`DaemonView`):
 
-==========================  =================  ============================================
-endpoint                    who (auth on)      what
-==========================  =================  ============================================
-``GET /healthz``            anyone             200 while the process serves HTTP (plus
-                                               ``warnings``: planes exposed insecurely)
-``GET /readyz``             anyone             200 when ``daemon.ready``, else 503; both
-                                               say ``degraded`` (and which tiers) while a
-                                               disk fault degrades the SSD tier
-``GET /metrics``            admin              Prometheus text exposition (its tenant
-                                               labels would show tenants each other)
-``POST /v1/lookup``         admin, tenants     longest stored prefix of a prompt or chain
-                            (own tenant only)  (``scope: cluster``: also per-node prefixes
-                                               from the global index, and ``stale``)
-``GET /v1/nodes``           admin, tenants     the cluster's live nodes and their hardware
-                                               classes (this node alone without an index)
-``GET /v1/stats``           admin              tiers, totals, namespaces, node
-``POST /v1/admin/evict``    admin              ``store.evict(tier, bytes)``
-``POST /v1/admin/flush``    admin              ``store.flush()`` (waits for SSD writes)
-==========================  =================  ============================================
+==============================  =================  ============================================
+endpoint                        who (auth on)      what
+==============================  =================  ============================================
+``GET /healthz``                anyone             200 while the process serves HTTP (plus
+                                                   ``warnings``: planes exposed insecurely)
+``GET /readyz``                 anyone             200 when ``daemon.ready``, else 503; both
+                                                   say ``degraded`` (and which tiers) while a
+                                                   disk fault degrades the SSD tier
+``GET /metrics``                admin              Prometheus text exposition (its tenant
+                                                   labels would show tenants each other)
+``POST /v1/lookup``             admin, tenants     longest stored prefix of a prompt or chain
+                                (own tenant only)  (``scope: cluster``: also per-node prefixes
+                                                   from the global index, and ``stale``)
+``GET /v1/nodes``               admin, tenants     the cluster's live nodes and their hardware
+                                                   classes (this node alone without an index)
+``GET /v1/stats``               admin              tiers, totals, namespaces, node
+``GET /v1/transfers/recent``    admin              the last KV moves (``limit``, newest first;
+                                                   :mod:`kvfabric.api.transfers`)
+``GET /ui``                     anyone             the status page (static; it reads the
+                                                   endpoints above with the caller's token:
+                                                   :mod:`kvfabric.api.ui`)
+``POST /v1/admin/evict``        admin              ``store.evict(tier, bytes)``
+``POST /v1/admin/flush``        admin              ``store.flush()`` (waits for SSD writes)
+==============================  =================  ============================================
 
 Authentication is on when ``config.auth`` has an admin token or tenant tokens:
 ``Authorization: Bearer <token>``, compared in constant time. No or an unknown token: 401
@@ -47,10 +52,10 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol, Self
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, model_validator
@@ -64,6 +69,8 @@ from kvfabric.api.lookup_workers import LookupParsers
 from kvfabric.api.metrics import Metrics, error_kind
 from kvfabric.api.stats_body import DEGRADED as _DEGRADED
 from kvfabric.api.stats_body import StatsResponse, stats_response
+from kvfabric.api.transfers import RecentTransfers, TransferKind
+from kvfabric.api.ui import page_response
 from kvfabric.auth import Principal, resolve
 from kvfabric.cluster.index import GlobalLookup, NodePrefixRow
 from kvfabric.config import DaemonConfig
@@ -78,6 +85,7 @@ from kvfabric.errors import (
     UnavailableError,
 )
 from kvfabric.hashing import KEY_BYTES, chunk_keys
+from kvfabric.logfmt import add_context, request_context
 from kvfabric.protocol.messages import MAX_KEYS, MAX_STRING, MAX_TOKENS, decode_namespace
 from kvfabric.spec import (
     DEFAULT_CHUNK_TOKENS,
@@ -96,6 +104,7 @@ if TYPE_CHECKING:
 # separator and some whitespace each, plus the namespace.
 MAX_BODY_BYTES = 16 * MAX_TOKENS + (1 << 20)
 MAX_REPORTED_ISSUES = 10
+DEFAULT_TRANSFERS, MAX_TRANSFERS = 50, 1000
 
 
 class ClusterView(Protocol):
@@ -277,6 +286,27 @@ class NodesResponse(BaseModel):
     cluster: bool = Field(description="false: no global index; this node alone")
 
 
+class TransferBody(BaseModel):
+    seq: int = Field(description="1 for the daemon's first transfer, then consecutive")
+    at: float = Field(description="unix time it was recorded (when it ended)")
+    kind: TransferKind = Field(
+        description="get/put: an engine's read or write through shared memory; serve: "
+        "chunks pinned for another node's puller; pull/push: chunks copied from/to a node"
+    )
+    peer: str = Field(description="the engine's client name, or the other node")
+    chunks: int
+    nbytes: int | None = Field(serialization_alias="bytes", description="null: not known")
+    tokens: int | None = Field(description="null: not known")
+    failed: int = Field(description="chunks asked for but not moved (pull, push)")
+    seconds: float | None = Field(description="pull, push: the daemon's own move")
+
+
+class TransfersResponse(BaseModel):
+    transfers: list[TransferBody] = Field(description="newest first")
+    recorded: int = Field(description="transfers recorded since start, dropped ones included")
+    capacity: int = Field(description="how many the daemon keeps")
+
+
 class EvictResponse(BaseModel):
     evicted: int
 
@@ -401,7 +431,9 @@ class _ObservedRoute(APIRoute):
             started = time.perf_counter()
             kind = None
             try:
-                return await handler(request)
+                # its log lines carry the op and X-Request-ID (kvfabric.logfmt)
+                with request_context(op=op, request_id=request.headers.get("x-request-id")):
+                    return await handler(request)
             except Exception as exc:
                 kind = _kind_of(exc)
                 raise
@@ -427,6 +459,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 _probes = APIRouter(tags=["probes"])
+_ui = APIRouter(tags=["ui"])
 _scrape = APIRouter(tags=["metrics"])
 _api = APIRouter(prefix="/v1", route_class=_ObservedRoute, responses=_ERRORS)
 
@@ -496,6 +529,7 @@ async def lookup(request: Request, daemon: Daemon, caller: Caller) -> LookupResp
 
 def _lookup(body: LookupRequest, daemon: DaemonView, caller: Principal) -> LookupResponse:
     ns = body.namespace.value
+    add_context(namespace=ns.model_id, tenant=caller.tenant or ns.tenant_salt or None)
     caller.check_namespace(ns)
     nodes: list[NodePrefixRow] | None = None
     stale, peer_chunks = False, 0
@@ -543,6 +577,40 @@ def stats(daemon: Daemon, _: Admin) -> BaseModel:
     )
 
 
+@_api.get("/transfers/recent", name="transfers")
+def transfers_recent(
+    daemon: Daemon,
+    _: Admin,
+    limit: Annotated[int, Query(ge=1, le=MAX_TRANSFERS)] = DEFAULT_TRANSFERS,
+) -> TransfersResponse:
+    """The last KV moves of this node (admin only: they name every tenant's engines)."""
+    recorder = getattr(daemon, "transfers", None)  # a view without one: nothing recorded
+    if not isinstance(recorder, RecentTransfers):
+        return TransfersResponse(transfers=[], recorded=0, capacity=0)
+    kept, recorded = recorder.recent(limit)
+    rows = [
+        TransferBody(
+            seq=t.seq,
+            at=t.at,
+            kind=t.kind,
+            peer=t.peer,
+            chunks=t.chunks,
+            nbytes=t.nbytes,
+            tokens=t.tokens,
+            failed=t.failed,
+            seconds=t.seconds,
+        )
+        for t in kept
+    ]
+    return TransfersResponse(transfers=rows, recorded=recorded, capacity=recorder.capacity)
+
+
+@_ui.get("/ui", response_class=HTMLResponse, include_in_schema=False)
+async def ui() -> Response:
+    """The status page: static, so open to anyone; its data needs the admin token."""
+    return page_response()
+
+
 @_api.get("/nodes", name="nodes")
 def nodes(daemon: Daemon, _: Caller) -> NodesResponse:
     """The cluster's live nodes and their hardware classes (what a gateway plans with)."""
@@ -588,7 +656,7 @@ def create_app(
         max_hashes=MAX_KEYS,
         hash_chars=2 * KEY_BYTES,
     )
-    for router in (_probes, _scrape, _api):
+    for router in (_probes, _scrape, _api, _ui):
         app.include_router(router)
     app.add_exception_handler(KVFabricError, _on_kvfabric_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)

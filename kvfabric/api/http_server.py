@@ -237,6 +237,7 @@ class HttpServer:
         config = uvicorn.Config(
             app,
             log_level="warning",
+            log_config=None,  # its lines go through the daemon's handler: text or JSON alike
             access_log=False,
             lifespan="off",
             http=_protocol_class(limits.request_timeout_s, gate),

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Generic, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -276,6 +276,13 @@ class Metrics:
             "Control connections that have not completed hello yet.",
             registry=reg,
         )
+        self._index_up = Gauge(
+            f"{PREFIX}cluster_index_up",
+            "1 while the last register or heartbeat reached the global "
+            "prefix index (index: embedded or redis), else 0.",
+            ["index"],
+            registry=reg,
+        )
         self._tenants = _CappedLabel(max_tenants)
         self._engines = _CappedLabel(max_tenants)
         self._classes = _CappedLabel(max_tenants)
@@ -358,6 +365,11 @@ class Metrics:
 
     def describe_node(self, node_id: str, hardware_class: str) -> None:
         self._node_info(node_id, hardware_class).set(1)
+
+    def watch_index(self, backend: str, reachable: Callable[[], bool]) -> None:
+        """Report ``reachable()`` of the global index (``backend``: the ``cluster.index``
+        setting) at every scrape: the link already knows, so nothing is asked of Redis here."""
+        self._index_up.labels(backend).set_function(lambda: float(reachable()))
 
     def count_push(self, target_class: str, pushed: int, already_there: int, failed: int) -> None:
         label = self._classes.label(target_class or "unknown")

@@ -9,9 +9,20 @@ anything heavy (numpy, the client, the store, the server) is imported inside ``r
 
 from __future__ import annotations
 
-from kvfabric.commands import demo, gateway, lookup, plan, put, serve, status, token_file
+from kvfabric.commands import (
+    bench,
+    demo,
+    doctor,
+    gateway,
+    lookup,
+    plan,
+    put,
+    serve,
+    status,
+    token_file,
+)
 from kvfabric.commands.common import HelpFormatter
 
-COMMANDS = (serve, status, lookup, put, demo, gateway, plan, token_file)
+COMMANDS = (serve, status, lookup, put, demo, doctor, gateway, plan, bench, token_file)
 
 __all__ = ["COMMANDS", "HelpFormatter"]

@@ -28,6 +28,7 @@ def config_dict(config: DaemonConfig) -> dict[str, Any]:
         "node_id": config.node_id,
         "socket_path": config.socket_path,
         "log_level": config.log_level,
+        "log_format": config.log_format,
         "http": asdict(config.http),
         "tcp": asdict(config.tcp),
         "auth": _auth(config.auth),

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         host=config.host,
         port=config.port,
         log_level="warning",
+        log_config=None,  # its lines go through the CLI's handler (--log-format)
         timeout_keep_alive=30,
         loop="auto",  # uvloop where installed (a dependency of kvfabric on CPython)
         http="auto",  # httptools where installed

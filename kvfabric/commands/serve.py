@@ -30,6 +30,7 @@ SHORTHANDS: tuple[tuple[str, str, bool], ...] = (
     ("--auth-token-file", "auth.token_file", True),
     ("--node-id", "node_id", True),
     ("--log-level", "log_level", True),
+    ("--log-format", "log_format", True),  # text | json; `kvfabric --log-format` overrides it
 )
 
 
@@ -100,13 +101,9 @@ examples:
   kvfabric serve --config configs/dev.yaml"""
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = add_command(
-        commands,
-        "serve",
-        help="run the node daemon until SIGTERM / SIGINT",
-        description=DESCRIPTION,
-    )
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config``, ``--set`` and their shorthands: how ``serve`` and every command that
+    reads the daemon's config as ``serve`` would (``doctor``) take it."""
     parser.add_argument(
         "--config", type=Path, default=None, metavar="FILE", help="YAML config file"
     )
@@ -128,6 +125,16 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             metavar=key.rsplit(".", 1)[-1].upper(),
             help=f"= --set {key}=...",
         )
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = add_command(
+        commands,
+        "serve",
+        help="run the node daemon until SIGTERM / SIGINT",
+        description=DESCRIPTION,
+    )
+    add_config_arguments(parser)
     parser.add_argument(
         "--insecure",
         action=_Insecure,
@@ -190,10 +197,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import logging
 
+    from kvfabric.logfmt import configure
+
     level = logging.DEBUG if args.verbose else getattr(logging, config.log_level.upper())
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
-    )
+    configure(level, getattr(args, "log_format", None) or config.log_format)
     for warning in checked.warnings:  # the daemon logs the insecure planes itself
         logging.getLogger("kvfabric.preflight").warning("%s", warning)
     from kvfabric.server.daemon import run as run_daemon  # uvicorn and the store: only here

@@ -94,6 +94,8 @@ class ClusterLink:
         self._epoch = 0  # the epoch this link last registered; 0: not registered yet
         self._closed = threading.Event()
         self._unavailable_logged = False
+        # whether the last register or heartbeat reached the index (kvfabric_cluster_index_up)
+        self._reachable = True
         self._classes_lock = threading.Lock()
         self._classes: tuple[float, dict[str, str]] = (0.0, {})  # (good until, classes)
         self._try_register()
@@ -136,7 +138,7 @@ class ClusterLink:
         except UnavailableError as exc:
             self._log_unavailable(exc)
             return False
-        self._unavailable_logged = False
+        self._unavailable_logged, self._reachable = False, True
         log.info(
             "node %s joined the global index (%s) as epoch %d",
             self.node_id,
@@ -154,18 +156,21 @@ class ClusterLink:
                     self._try_register()
                     continue
                 self._index.heartbeat()
-                self._unavailable_logged = False
+                self._unavailable_logged, self._reachable = False, True
             except UnavailableError as exc:
                 self._log_unavailable(exc)
             except LeaseExpiredError as exc:
                 # another process registered this node id: two daemons share a node_id
+                self._reachable = True  # the index answered
                 log.error("global index: %s; is node_id %r used twice?", exc, self.node_id)
             except DuplicateNodeError as exc:  # a late join found the id taken: retried
+                self._reachable = True
                 log.error("cannot join the global index: %s", exc)
             except KVFabricError:
                 log.exception("global index heartbeat failed")
 
     def _log_unavailable(self, exc: UnavailableError) -> None:
+        self._reachable = False
         if not self._unavailable_logged:  # once per outage, not once per heartbeat
             self._unavailable_logged = True
             log.warning(
@@ -264,6 +269,12 @@ class ClusterLink:
                 break  # the local prefix ends here
             owners.append((Location(self.node_id, self._epoch, tier),))
         return GlobalLookup(len(keys), tuple(owners), stale=True)
+
+    @property
+    def reachable(self) -> bool:
+        """Whether the last register or heartbeat (every ``heartbeat_s``) reached the index;
+        always True for the embedded one."""
+        return self._reachable
 
     @property
     def stale(self) -> bool:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import socket
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfabric.api.transfers import RecentTransfers
 from kvfabric.config import Limits
 from kvfabric.errors import (
     AuthError,
@@ -58,6 +60,7 @@ from kvfabric.errors import (
     UnavailableError,
     WouldBlockError,
 )
+from kvfabric.logfmt import add_context, request_context
 from kvfabric.protocol.frames import MAX_FRAME, FrameDecoder, encode_frame
 from kvfabric.protocol.messages import Op, error_reply, ok_reply, parse_request, request_id_of
 from kvfabric.server import handlers, slices
@@ -90,11 +93,13 @@ class ControlServer:
         max_sessions: int,
         tcp_ssl: ssl.SSLContext | None = None,
         limits: Limits | None = None,
+        transfers: RecentTransfers | None = None,
     ) -> None:
         """``tcp_listener``: a bound, listening socket for remote sessions (bound by the
         caller, so its port is known before the server starts), or None; ``tcp_ssl``: serve
         TLS on it (see :mod:`kvfabric.server.tls`); ``limits``: the ``control_*`` bounds
-        (default: the defaults, with ``max_sessions``)."""
+        (default: the defaults, with ``max_sessions``); ``transfers``: where each request
+        that moved KV is recorded (:mod:`kvfabric.api.transfers`)."""
         self._limits = limits if limits is not None else Limits(max_sessions=max_sessions)
         self._admission = Admission(self._limits, metrics)
         self._sweeper: asyncio.Task[None] | None = None
@@ -102,6 +107,7 @@ class ControlServer:
         self._ctx = ctx
         self._executor = executor
         self._metrics = metrics
+        self._transfers = transfers
         self._socket_path = Path(socket_path)
         self._tcp_listener = tcp_listener
         self._servers: list[asyncio.Server] = []  # TCP
@@ -223,14 +229,18 @@ class ControlServer:
                         decoder.limit = MAX_FRAME
                         continue
                     started = time.perf_counter()
-                    answer = self._answer_now(session, message)
-                    if isinstance(answer, _Answer):
-                        await self._reply(writer, answer, started)
-                        continue
-                    await slots.acquire()
-                    task = asyncio.create_task(
-                        self._dispatch(session, answer, writer, blocking, started)
-                    )
+                    # its log lines carry its id, op, namespace, tenant (kvfabric.logfmt); the
+                    # task made for one that waits copies them
+                    with request_context(request_id=request_id_of(message), tenant=session.tenant):
+                        answer = self._answer_now(session, message)
+                        if isinstance(answer, _Answer):
+                            await self._reply(writer, answer, started)
+                            _log_answer(answer, started)
+                            continue
+                        await slots.acquire()
+                        task = asyncio.create_task(
+                            self._dispatch(session, answer, writer, blocking, started)
+                        )
                     tasks.add(task)
                     conn.in_flight += 1
                     task.add_done_callback(lambda t: _task_done(t, tasks, slots, conn))
@@ -300,6 +310,7 @@ class ControlServer:
         try:
             request_id, op, args = parse_request(message)
             op_name = op.value
+            add_context(op=op_name)
             handler = handlers.HANDLERS.get(op)
             if handler is None:
                 raise ProtocolError(f"{op.value} is only valid as a session's first request")
@@ -356,6 +367,7 @@ class ControlServer:
             self._end()
         with contextlib.suppress(ConnectionError):
             await self._reply(writer, answer, started)
+        _log_answer(answer, started)
 
     def _ok(self, session: Session, request_id: int, op: Op, result: Any) -> _Answer:
         return _Answer(
@@ -372,7 +384,13 @@ class ControlServer:
                 answer.op_name, time.perf_counter() - started, answer.error_kind
             )
             if answer.traffic is not None:
-                self._metrics.count_engine_traffic(answer.engine, **vars(answer.traffic))
+                self._metrics.count_engine_traffic(answer.engine, **answer.traffic.metric_counts())
+                moved = answer.traffic.transfer()
+                if moved is not None and self._transfers is not None:
+                    kind, chunks, nbytes, tokens = moved
+                    self._transfers.record(
+                        kind, answer.engine, chunks, nbytes=nbytes, tokens=tokens
+                    )
 
     async def _run_blocking(
         self,
@@ -386,7 +404,11 @@ class ControlServer:
         tried it there."""
         async with slots:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, handler.fn, self._ctx, session, args)
+            # in a copy of this context: the handler's log lines name the request too
+            run = contextvars.copy_context().run
+            return await loop.run_in_executor(
+                self._executor, run, handler.fn, self._ctx, session, args
+            )
 
     async def _redo_items(
         self, pending: _Pending, session: Session, blocking: asyncio.Semaphore
@@ -503,6 +525,13 @@ def _would_block(item: Any) -> bool:
         and item.get("ok") is False
         and item["error"]["kind"] == WouldBlockError.kind
     )
+
+
+def _log_answer(answer: _Answer, started: float) -> None:
+    """The access log: one debug line per request, in its context (id, op, namespace)."""
+    if log.isEnabledFor(logging.DEBUG):
+        ms = (time.perf_counter() - started) * 1e3
+        log.debug("%s %s in %.3f ms", answer.op_name, answer.error_kind or "ok", ms)
 
 
 def _failed(request_id: int, op_name: str, exc: Exception) -> _Answer:

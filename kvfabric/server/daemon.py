@@ -49,6 +49,7 @@ from fastapi import FastAPI
 from kvfabric.api.app import create_app
 from kvfabric.api.http_server import HttpLimits, HttpServer
 from kvfabric.api.metrics import Metrics
+from kvfabric.api.transfers import RecentTransfers
 from kvfabric.config import DaemonConfig, check_binds
 from kvfabric.errors import ConfigError
 from kvfabric.kvevents.announce import MEDIUM_OF_KIND, Announcer
@@ -101,6 +102,7 @@ class Daemon:
         self.metrics = Metrics(self._raw_store)
         self.metrics.describe_node(config.node_id, config.cluster.hardware_class)
         self.store = InstrumentedStore(self._raw_store, self.metrics)
+        self.transfers = RecentTransfers()  # GET /v1/transfers/recent, the /ui page
         self._tcp: socket.socket | None = None
         self.transport: Transport | None = None
         self._staging: WireStaging | None = None
@@ -129,6 +131,7 @@ class Daemon:
             self._close_transport_and_listener()
             self._raw_store.close()
             raise
+        self.metrics.watch_index(config.cluster.index, lambda: self.cluster.reachable)
         fp8_peers = Fp8Targets.parse(config.cluster.fp8_wire_peers)
         self._links = (
             None
@@ -143,6 +146,7 @@ class Daemon:
             else InstrumentedPuller(
                 Puller(self.store, self._links, staging=self._staging, fp8_from=fp8_peers),
                 self.metrics,
+                self.transfers,
             )
         )
         self.pusher = (
@@ -156,6 +160,7 @@ class Daemon:
                     fp8_to=fp8_peers,
                 ),
                 self.metrics,
+                self.transfers,
             )
         )
         self.kv_events, self.event_stream, self._remote_chunks = _kv_events(
@@ -183,6 +188,7 @@ class Daemon:
             max_sessions=config.limits.max_sessions,
             tcp_ssl=self._tls_for("tcp"),
             limits=config.limits,
+            transfers=self.transfers,
         )
         self.http_port: int | None = None
         self._http: HttpServer | None = None

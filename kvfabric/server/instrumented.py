@@ -9,7 +9,9 @@ successful lookup also counts **tokens**: the tokens asked for and missed per te
 (``ns.tenant_salt``; a namespace that holds nothing counts under ``OTHER_TENANT``), and the
 tokens found per (tier, tenant) from :attr:`~kvfabric.store.LookupResult.tier_tokens`,
 plus those another node holds (a cluster-scope lookup) under tier :data:`PEER_TIER`.
-:class:`InstrumentedPuller` counts the chunks and tokens pulled from other nodes.
+:class:`InstrumentedPuller` counts the chunks and tokens pulled from other nodes. Both
+the puller and the pusher also note each move in the recent-transfers ring
+(:mod:`kvfabric.api.transfers`) when given one.
 
 The rest of the :class:`~kvfabric.store.protocol.Store` protocol (``stats``, ``flush``,
 ``tier_of``, ``tier_names``, ``nonblocking``, the listeners, ...) is delegated as is, so the
@@ -29,6 +31,7 @@ from contextlib import AbstractContextManager
 from typing import Any, ParamSpec, TypeVar
 
 from kvfabric.api.metrics import OTHER_TENANT, Metrics, error_kind
+from kvfabric.api.transfers import RecentTransfers
 from kvfabric.errors import WouldBlockError
 from kvfabric.hashing import ROOT
 from kvfabric.memory.arena import SharedArena
@@ -234,9 +237,13 @@ class InstrumentedPusher:
     each kept up with its producer (``kvfabric_push_landed_fraction``,
     ``kvfabric_push_tail_seconds``)."""
 
-    def __init__(self, pusher: Pusher, metrics: Metrics) -> None:
+    def __init__(
+        self, pusher: Pusher, metrics: Metrics, transfers: RecentTransfers | None = None
+    ) -> None:
+        """``transfers``: each push that moved or failed chunks is recorded there too."""
         self._pusher = pusher
         self._metrics = metrics
+        self._transfers = transfers
 
     def push(
         self,
@@ -247,7 +254,17 @@ class InstrumentedPusher:
         *,
         wire: str | None = None,
     ) -> PushResult:
+        started = time.perf_counter()
         result = self._pusher.push(ns, keys, target, timeout, wire=wire)
+        if self._transfers is not None and (result.pushed or result.failed):
+            self._transfers.record(
+                "push",
+                target,
+                result.pushed,
+                nbytes=result.wire_bytes,
+                failed=result.failed,
+                seconds=time.perf_counter() - started,
+            )
         self._metrics.count_push(
             result.target_class, result.pushed, result.already_there, result.failed
         )
@@ -265,12 +282,26 @@ class InstrumentedPuller:
     chunks per outcome and the tokens pulled (``kvfabric_pull_chunks_total``,
     ``kvfabric_pull_tokens_total``)."""
 
-    def __init__(self, puller: Puller, metrics: Metrics) -> None:
+    def __init__(
+        self, puller: Puller, metrics: Metrics, transfers: RecentTransfers | None = None
+    ) -> None:
+        """``transfers``: each prefetch that copied or missed chunks is recorded there too."""
         self._puller = puller
         self._metrics = metrics
+        self._transfers = transfers
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes], timeout: float) -> PrefetchResult:
+        started = time.perf_counter()
         result = self._puller.prefetch(ns, keys, timeout)
+        if self._transfers is not None and (result.pulled or result.missing):
+            self._transfers.record(
+                "pull",
+                result.source or "",
+                result.pulled,
+                tokens=result.pulled_tokens,
+                failed=result.missing,
+                seconds=time.perf_counter() - started,
+            )
         self._metrics.count_pull(
             result.pulled, result.already_local, result.missing, result.pulled_tokens
         )

@@ -27,6 +27,7 @@ from typing import Any
 import msgpack
 
 from kvfabric.errors import ForbiddenError, ProtocolError, UnavailableError
+from kvfabric.logfmt import add_context
 from kvfabric.protocol.messages import decode_namespace
 from kvfabric.spec import Namespace
 from kvfabric.store.handles import ObjectReader, ObjectWriter
@@ -71,6 +72,10 @@ class Session:
             ns = decode_namespace(raw)
             if len(self._namespaces) < _MAX_CACHED_NAMESPACES:
                 self._namespaces[cache_key] = ns
+        # the request's log lines name it (kvfabric.logfmt), and its tenant where the
+        # session's token has none (the admin, or auth off)
+        tenant = ns.tenant_salt if self.tenant is None and ns.tenant_salt else None
+        add_context(namespace=ns.model_id, tenant=tenant)
         if self.tenant is not None and ns.tenant_salt != self.tenant:
             raise ForbiddenError(
                 f"this session's token is for tenant {self.tenant!r}, not {ns.tenant_salt!r}"

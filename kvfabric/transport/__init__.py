@@ -1,8 +1,9 @@
 """Peer transports (see :mod:`kvfabric.transport.base` for the contract).
 
 :func:`select_backend` maps a config value to a transport class: ``"auto"`` picks NIXL when
-``nixl_cu12`` imports and can create a UCX agent here, else the socket backend; ``"nixl"`` and
-``"socket"`` force one. The NIXL probe runs once per process.
+it imports (``nixl``, else ``nixl_cu12``: :mod:`kvfabric.transport.nixl_module`) and can
+create a UCX agent here, else the socket backend; ``"nixl"`` and ``"socket"`` force one. The
+NIXL probe runs once per process.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ __all__ = [
 def nixl_unavailable_reason() -> str | None:
     """``None`` when NIXL works here, else why not (import failure, no UCX backend, ...)."""
     try:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
+        from kvfabric.transport.nixl_module import nixl_api
 
-        nixl_agent("kvfabric-probe", nixl_agent_config(backends=["UCX"]))
+        api = nixl_api()
+        api.nixl_agent("kvfabric-probe", api.nixl_agent_config(backends=["UCX"]))
     except Exception as exc:  # ImportError, missing libs, backend creation failures
         return f"{type(exc).__name__}: {exc}"
     return None

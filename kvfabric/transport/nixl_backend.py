@@ -31,8 +31,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from nixl_cu12._api import nixl_agent, nixl_agent_config
-
 from kvfabric.errors import KVFabricError, ProtocolError, UnavailableError
 from kvfabric.transport.base import (
     Peer,
@@ -45,6 +43,10 @@ from kvfabric.transport.base import (
     end_time,
     remaining,
 )
+from kvfabric.transport.nixl_module import nixl_api
+
+_api = nixl_api()  # ImportError here, as from the import it replaces, when NIXL is missing
+nixl_agent, nixl_agent_config = _api.nixl_agent, _api.nixl_agent_config
 
 log = logging.getLogger(__name__)
 

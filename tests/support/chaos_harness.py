@@ -66,7 +66,7 @@ from chaos_engine import EngineRun, EngineSettings
 from chaos_events import EVENTS
 from chaos_monitor import Monitor, rss_slope_mb_per_hour, socket_fds
 from chaos_procs import Daemon
-from child_process import Child, kill_all
+from child_process import Child, kill_all, live_children
 from redis_process import RedisServer
 from small_fs import tmpfs
 
@@ -208,6 +208,9 @@ class Harness:
         self.notes: list[str] = []
         self.planted: str | None = None
         self._stack = contextlib.ExitStack()
+        # children of this process that are not the harness's (a session's Redis Cluster,
+        # say): its teardown's sweep must leave them running
+        self._others = live_children()
         self.engine: EngineRun | None = None
 
     # ------------------------------------------------------------------ processes
@@ -341,7 +344,7 @@ class Harness:
         if hasattr(self, "redis"):
             self.redis.kill()
         self._stack.close()
-        kill_all()
+        kill_all(keep=self._others)
 
     # ------------------------------------------------------------------ chaos
     def plan(self) -> list[tuple[str, str | None]]:

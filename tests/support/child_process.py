@@ -191,9 +191,17 @@ class Child:
             return ""
 
 
-def kill_all() -> None:
+def live_children() -> frozenset[Child]:
+    """The children alive now (a harness passes them to :func:`kill_all` as ``keep``)."""
     with _live_lock:
-        children = list(_live)
+        return frozenset(_live)
+
+
+def kill_all(keep: frozenset[Child] = frozenset()) -> None:
+    """Kill every live child but those in ``keep`` (e.g. a session's servers started before
+    a harness that cleans up after itself)."""
+    with _live_lock:
+        children = [child for child in _live if child not in keep]
     for child in children:
         try:
             child.kill()

@@ -27,11 +27,15 @@ from child_process import Child
 
 
 class DaemonProcess:
-    """A ``kvfabric serve`` child on ``data_dir``; ``settings`` are ``--set`` items."""
+    """A ``kvfabric serve`` child on ``data_dir``; ``settings`` are ``--set`` items,
+    ``cli_args`` the command line's own flags (before ``serve``: ``--log-format json``)."""
 
-    def __init__(self, data_dir: Path, settings: Sequence[str] = ()) -> None:
+    def __init__(
+        self, data_dir: Path, settings: Sequence[str] = (), cli_args: Sequence[str] = ()
+    ) -> None:
         self.data_dir = data_dir
         self.settings = list(settings)
+        self.cli_args = list(cli_args)
         self.child: Child | None = None
         self.info: dict[str, Any] = {}  # the ready file: socket, http_port, tcp_port, ...
 
@@ -60,6 +64,7 @@ class DaemonProcess:
             sys.executable,
             "-m",
             "kvfabric.cli",
+            *self.cli_args,
             "serve",
             "--ready-file",
             str(ready),

@@ -20,7 +20,7 @@ from kvfabric.commands.serve import SHORTHANDS
 from kvfabric.commands.stats_table import from_store_stats, render, tenant_hit_rates
 from kvfabric.commands.tokens import parse_tokens, read_tokens_file
 from kvfabric.config import load_config
-from kvfabric.errors import SpecError
+from kvfabric.errors import ConfigError, SpecError
 from kvfabric.store.config import GiB, Quota
 from kvfabric.store.stats import NamespaceStats, StoreStats, TierStats
 
@@ -100,7 +100,12 @@ def test_serve_without_arguments_has_no_overrides() -> None:
 
 @pytest.mark.parametrize("flag, key, quoted", SHORTHANDS, ids=[s[0] for s in SHORTHANDS])
 def test_each_shorthand_sets_its_key(flag: str, key: str, quoted: bool) -> None:
-    value = {"--http-port": "0", "--tcp-port": "9001", "--log-level": "debug"}.get(flag, "007")
+    value = {
+        "--http-port": "0",
+        "--tcp-port": "9001",
+        "--log-level": "debug",
+        "--log-format": "json",
+    }.get(flag, "007")
     config = load_config(
         env={}, overrides=build_parser().parse_args(["serve", flag, value]).overrides
     )
@@ -109,6 +114,17 @@ def test_each_shorthand_sets_its_key(flag: str, key: str, quoted: bool) -> None:
         node = getattr(node, part)
     # String settings stay strings even when they look like numbers.
     assert node == (value if quoted else int(value))
+
+
+def test_log_format_is_text_or_json() -> None:
+    assert load_config(env={}).log_format == "text"
+    assert load_config(env={"KVFABRIC_LOG_FORMAT": "json"}).log_format == "json"
+    with pytest.raises(ConfigError, match="log_format: must be text or json"):
+        load_config(env={}, overrides=["log_format=yaml"])
+    # the command line's own flag takes the same two values
+    assert build_parser().parse_args(["--log-format", "json", "serve"]).log_format == "json"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--log-format", "yaml", "serve"])
 
 
 def test_port_shorthand_accepts_null_to_disable_http() -> None:

@@ -48,7 +48,7 @@ SERVER_SIDE = (
     "kvfabric.api",
 )
 STARTUP_MARGIN_S = 0.3  # over `python -c pass` on the same machine, best of a few runs
-COMMANDS = ("serve", "status", "lookup", "put", "demo", "token")
+COMMANDS = ("serve", "status", "lookup", "put", "demo", "token", "bench")
 
 
 def _env() -> dict[str, str]:
@@ -84,7 +84,7 @@ def _heavy(modules: set[str], names: tuple[str, ...]) -> list[str]:
 
 @pytest.mark.parametrize(
     "argv",
-    [("--help",), *((c, "--help") for c in COMMANDS), ("token", "new", "--help")],
+    [("--help",), ("--version",), *((c, "--help") for c in COMMANDS), ("token", "new", "--help")],
     ids=" ".join,
 )
 def test_help_loads_no_heavy_module(argv: tuple[str, ...]) -> None:
@@ -142,6 +142,25 @@ def test_help_starts_within_a_bound_of_the_interpreters_own_start(argv: tuple[st
         base = min(base, _best_of([sys.executable, "-c", "pass"], 1))
         cli = min(cli, _best_of([sys.executable, "-m", "kvfabric.cli", *argv], 1))
     assert cli <= base + STARTUP_MARGIN_S, f"{cli:.3f} s vs python -c pass {base:.3f} s"
+
+
+def test_version_prints_the_one_version_the_package_has() -> None:
+    """``kvfabric --version``: the package's ``__version__``, which is also the installed
+    distribution's version (pyproject.toml reads it from kvfabric/__init__.py)."""
+    from importlib.metadata import version
+
+    import kvfabric
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfabric.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        check=True,
+    )
+    assert done.stdout == f"kvfabric {kvfabric.__version__}\n"
+    assert version("kvfabric") == kvfabric.__version__
 
 
 def _help(*argv: str) -> str:

@@ -4,7 +4,7 @@ DeepSeek-V2-style checkpoint built at test time (tests/e2e/vllm/tiny_deepseek.py
 vLLM 0.32's CPU platform runs MLA models: the reference ``CPU_MLA`` backend where the CPU has
 no AMX (decode kernel for a 576-value latent only, block size forced to 16, and chunked
 prefill and prefix caching forced off), ``AMX_MLA`` where it has. Its MLA cache reaches the
-connector as ``[num_blocks, 1, 16, 576]``, one latent row per token
+connector as ``[num_blocks, 1, block_size, 576]``, one latent row per token
 (kvfabric_connectors/vllm/mla_layout.py); the fabric stores it as an MLA object (one plane,
 one "head").
 
@@ -50,8 +50,10 @@ SMALL = ["store.tiers.dram.capacity=256MiB", "store.tiers.ssd.capacity=1GiB"]
 # the tenants holding the negative controls' objects
 LAYERS_REVERSED, NOISE = "latents-layers-reversed", "latents-noise"
 # prefix caching stays off on every host (vLLM forces it off for CPU_MLA, not for AMX_MLA): a
-# local hit would otherwise stand in for the fabric's
-ENGINE = {"block_size": 16, "max_model_len": 2048, "enable_prefix_caching": False}
+# local hit would otherwise stand in for the fabric's. The block size is the backend's: CPU_MLA
+# forces 16, AMX_MLA takes multiples of 32 only.
+BLOCK_SIZE = 32 if torch.cpu._is_amx_tile_supported() else 16
+ENGINE = {"block_size": BLOCK_SIZE, "max_model_len": 2048, "enable_prefix_caching": False}
 
 
 def prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:

@@ -109,7 +109,9 @@ def run(start_module_daemon, job_runner, tmp_path_factory) -> dict:
         tmp_path_factory.mktemp("neutrality"),
         {
             "multiprocessing": True,
-            "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": None},  # the user's default
+            # the user's default: vLLM's reservation and its automatic binding (a binding of
+            # the test runner's, tests/conftest.py, would hide the negative control's layout)
+            "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": None, "VLLM_CPU_OMP_THREADS_BIND": None},
             "engines": [
                 _engine("plain"),
                 _engine("fabric", fabric),
