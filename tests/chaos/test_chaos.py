@@ -96,11 +96,15 @@ def test_new_sessions_get_in_under_attack(chaos) -> None:
 def test_control_pings_stay_fast_under_attack(chaos) -> None:
     """Regression: on the old code one lookup of a million bad ids stalled the control
     socket for 13 s; later, parsed in the daemon's threads, a stream of them kept control
-    pings at p99 126-295 ms (the GIL)."""
+    pings at p99 126-295 ms (the GIL). The bound is 50 ms, or three times the quiet p99
+    measured in the same run where the host itself is that slow (seen: 35 ms quiet while
+    the suite's other worker ran an engine)."""
     assert chaos["ping_samples_under_abuse"] >= 50
-    assert chaos["ping_p99_ms_under_abuse"] <= 50, (
+    bound = max(50.0, 3 * chaos["ping_p99_ms_quiet"])
+    assert chaos["ping_p99_ms_under_abuse"] <= bound, (
         chaos["ping_p99_ms_under_abuse"],
         chaos["ping_p99_ms_quiet"],
+        bound,
     )
 
 

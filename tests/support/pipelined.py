@@ -50,14 +50,21 @@ class PipelinedSession:
 
     def receive(self, wait: float) -> list[tuple[int, Any]]:
         """The replies that arrive within ``wait`` seconds (none: an empty list), as
-        (request id, result); an error reply raises its typed error."""
-        buffered = isinstance(self._sock, ssl.SSLSocket) and self._sock.pending()
-        if not buffered and not select.select([self._sock], [], [], max(0.0, wait))[0]:
-            return []
-        data = self._sock.recv(1 << 16)
-        if not data:
-            raise UnavailableError("the daemon closed the connection")
-        return [(int(m["id"]), result_of(m)) for m in self._decoder.feed(data)]
+        (request id, result); an error reply raises its typed error. A read that ends inside
+        a frame (a loaded host splits replies) keeps reading until a whole one is there or
+        the wait is over."""
+        deadline = time.monotonic() + max(0.0, wait)
+        while True:
+            buffered = isinstance(self._sock, ssl.SSLSocket) and self._sock.pending()
+            left = max(0.0, deadline - time.monotonic())
+            if not buffered and not select.select([self._sock], [], [], left)[0]:
+                return []
+            data = self._sock.recv(1 << 16)
+            if not data:
+                raise UnavailableError("the daemon closed the connection")
+            replies = [(int(m["id"]), result_of(m)) for m in self._decoder.feed(data)]
+            if replies or time.monotonic() >= deadline:
+                return replies
 
     def call_all(
         self, requests: list[tuple[Op, dict[str, Any]]], timeout: float = 30.0
