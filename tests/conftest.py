@@ -16,7 +16,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 E2E_DIR = TESTS_DIR / "e2e"
 # Under pytest-xdist (tests/run.sh runs two workers, one module per worker at a time) these
 # go first: their engines take minutes, and left to the end one worker would run them alone.
-HEAVY_DIRS = (E2E_DIR, TESTS_DIR / "chaos")
+HEAVY_DIRS = (E2E_DIR, TESTS_DIR / "chaos", TESTS_DIR / "integration" / "packaging")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -17,4 +17,8 @@ bash tests/install.sh
 cores=$(nproc)
 workers="${KVF_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
 # the slowest tests are listed at the end: where the suite's time goes
-exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --durations=25 "$@"
+# --no-loadscope-reorder: modules go out in collection order (tests/conftest.py puts the
+# engine modules first), not largest test count first, which left the longest engine modules
+# to the end, each on one worker while the other idled.
+exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder \
+    --durations=25 "$@"

@@ -5,6 +5,11 @@ targets get fp8, and a target with no staging takes the chunk native, byte exact
 
 from __future__ import annotations
 
+import functools
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -18,8 +23,18 @@ from kvfabric.spec import KVSpec, Namespace
 SPEC = KVSpec(num_layers=3, num_kv_heads=4, head_dim=64, dtype="bfloat16", chunk_tokens=32)
 NS = Namespace("fp8-wire-model", SPEC, tenant_salt="t1")
 SHAPE = (SPEC.kv_planes, SPEC.num_kv_heads, SPEC.chunk_tokens, SPEC.head_dim)
-DEADLINE_S = 10.0
 CHUNKS = 3
+
+
+@functools.cache
+def deadline_s() -> float:
+    """A transfer's deadline: 10 s plus four times what a fresh interpreter here takes to
+    import the fp8 codec (torch). A daemon imports it on its first fp8 transfer, in a
+    worker thread but inside that transfer's deadline: seen over 10 s on two cores that both
+    ran other work, where a constant deadline failed the NIXL pushes."""
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import kvfabric.convert.fp8"], check=True)
+    return 10.0 + 4 * (time.monotonic() - start)
 
 
 def put_chain(socket: str, seed: int) -> tuple[list[bytes], list[torch.Tensor]]:
@@ -67,7 +82,7 @@ def test_an_fp8_push_halves_the_bytes_and_lands_in_bf16_within_the_bound(
     )
     keys, sent = put_chain(a.socket, seed=1)
     with Client(a.socket) as producer:
-        result = producer.push(NS, keys, "node-b", timeout=DEADLINE_S, wire="fp8")
+        result = producer.push(NS, keys, "node-b", timeout=deadline_s(), wire="fp8")
     assert (result["pushed"], result["failed"]) == (CHUNKS, 0)
     assert result["native_bytes"] == CHUNKS * SPEC.chunk_bytes
     ratio = result["wire_bytes"] / result["native_bytes"]
@@ -94,8 +109,8 @@ def test_the_config_picks_fp8_per_target_class_and_a_push_can_override_it(
     gpu = start_daemon(*cluster_node(redis_server.url, "gpu", transport="socket"))
     keys, sent = put_chain(a.socket, seed=2)
     with Client(a.socket) as producer:
-        to_npu = producer.push(NS, keys, "npu", timeout=DEADLINE_S)
-        to_gpu = producer.push(NS, keys, "gpu", timeout=DEADLINE_S)
+        to_npu = producer.push(NS, keys, "npu", timeout=deadline_s())
+        to_gpu = producer.push(NS, keys, "gpu", timeout=deadline_s())
     assert to_npu["pushed"] == to_gpu["pushed"] == CHUNKS
     assert to_npu["wire_bytes"] <= 0.51 * to_npu["native_bytes"]  # its class is named: fp8
     assert to_gpu["wire_bytes"] == to_gpu["native_bytes"]  # not named: native
@@ -103,8 +118,8 @@ def test_the_config_picks_fp8_per_target_class_and_a_push_can_override_it(
     # a push's own choice wins over the configuration, either way
     more, _ = put_chain(a.socket, seed=5)
     with Client(a.socket) as producer:
-        native = producer.push(NS, more, "npu", timeout=DEADLINE_S, wire="native")
-        encoded = producer.push(NS, more, "gpu", timeout=DEADLINE_S, wire="fp8")
+        native = producer.push(NS, more, "npu", timeout=deadline_s(), wire="native")
+        encoded = producer.push(NS, more, "gpu", timeout=deadline_s(), wire="fp8")
     assert native["wire_bytes"] == native["native_bytes"] > 0
     assert 0 < encoded["wire_bytes"] <= 0.51 * encoded["native_bytes"]
 
@@ -120,7 +135,7 @@ def test_a_target_without_staging_takes_the_chunks_native_byte_exact(
     )
     keys, sent = put_chain(a.socket, seed=3)
     with Client(a.socket) as producer:
-        result = producer.push(NS, keys, "node-b", timeout=DEADLINE_S, wire="fp8")
+        result = producer.push(NS, keys, "node-b", timeout=deadline_s(), wire="fp8")
     assert result["pushed"] == CHUNKS
     assert result["wire_bytes"] == result["native_bytes"]
     assert all(torch.equal(x, y) for x, y in zip(sent, read_back(b.socket, keys)))
@@ -135,7 +150,7 @@ def test_an_fp8_chunk_is_a_chunk_of_the_namespace_like_any_other(
     b = start_daemon(*cluster_node(redis_server.url, "node-b", transport="socket"))
     keys, _ = put_chain(a.socket, seed=4)
     with Client(a.socket) as producer:
-        producer.push(NS, keys, "node-b", timeout=DEADLINE_S, wire="fp8")
+        producer.push(NS, keys, "node-b", timeout=deadline_s(), wire="fp8")
     with Client(b.socket) as consumer:
         assert consumer.lookup(NS, keys=keys).matched_chunks == CHUNKS
         with consumer.get(NS, keys[0]) as reader:
@@ -166,8 +181,8 @@ def test_a_pull_from_an_fp8_peer_moves_half_the_bytes_and_lands_within_the_bound
     keys, sent = put_chain(owner.socket, seed=6)
     other_keys, other_sent = put_chain(plain.socket, seed=7)
     with Client(puller.socket) as client:
-        assert client.prefetch(NS, keys=keys, timeout=DEADLINE_S)["pulled"] == CHUNKS
-        assert client.prefetch(NS, keys=other_keys, timeout=DEADLINE_S)["pulled"] == CHUNKS
+        assert client.prefetch(NS, keys=keys, timeout=deadline_s())["pulled"] == CHUNKS
+        assert client.prefetch(NS, keys=other_keys, timeout=deadline_s())["pulled"] == CHUNKS
     for x, y in zip(sent, read_back(puller.socket, keys)):
         assert_within_bound(x, y)
         assert not torch.equal(x, y)  # through e4m3
