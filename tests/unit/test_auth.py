@@ -8,19 +8,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from app_daemon import app_daemon
 from fastapi.testclient import TestClient
 
 from kvfabric.api.app import create_app
-from kvfabric.api.metrics import Metrics
 from kvfabric.auth import ADMIN, Principal, resolve
-from kvfabric.config import AuthConfig, DaemonConfig
+from kvfabric.config import AuthConfig
 from kvfabric.errors import AuthError, ConfigError, ForbiddenError
 from kvfabric.server.handlers import Context, hello
-from kvfabric.server.instrumented import InstrumentedStore
 from kvfabric.server.session import Session
 from kvfabric.spec import KVSpec, Namespace
-from kvfabric.store import StoreConfig, TierConfig, TieredStore
-from kvfabric.tiers.base import TierKind
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=16, chunk_tokens=16)
 AUTH = AuthConfig(token="admin-secret", tenants={"acme-secret": "acme", "globex-secret": "globex"})
@@ -85,21 +82,8 @@ def test_a_tenant_may_only_touch_its_own_namespaces() -> None:
 
 @pytest.fixture
 def http(tmp_path: Path) -> Iterator[TestClient]:
-    tiers = (TierConfig(TierKind.DRAM, 16 * SPEC.chunk_bytes, page_size=4096),)
-    store = TieredStore(StoreConfig(data_dir=str(tmp_path), tiers=tiers), maintenance=False)
-    metrics = Metrics(store)
-    daemon = SimpleNamespace(  # what the app reads of the daemon
-        config=DaemonConfig(auth=AUTH),
-        store=InstrumentedStore(store, metrics),
-        metrics=metrics,
-        node_id="node-a",
-        ready=True,
-        started_at=0.0,
-        session_count=0,
-        cluster=None,  # no global index
-    )
-    yield TestClient(create_app(daemon))
-    store.close()
+    with app_daemon(tmp_path, AUTH, 16 * SPEC.chunk_bytes) as daemon:
+        yield TestClient(create_app(daemon))
 
 
 def socket_answer(token: str | None) -> str | None:

@@ -10,14 +10,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from app_daemon import app_daemon
 from fastapi.testclient import TestClient
 
 from kvfabric.api.app import MAX_TRANSFERS, create_app
 from kvfabric.api.metrics import Metrics
 from kvfabric.api.transfers import RecentTransfers
-from kvfabric.config import AuthConfig, DaemonConfig
+from kvfabric.config import AuthConfig
 from kvfabric.protocol.messages import Op
-from kvfabric.server.instrumented import InstrumentedPuller, InstrumentedPusher, InstrumentedStore
+from kvfabric.server.instrumented import InstrumentedPuller, InstrumentedPusher
 from kvfabric.server.puller import PrefetchResult
 from kvfabric.server.pusher import PushResult
 from kvfabric.server.traffic import traffic_of
@@ -178,21 +179,10 @@ def test_pulls_and_pushes_that_moved_or_missed_chunks_are_recorded(tmp_path: Pat
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[SimpleNamespace]:
-    tiers = (TierConfig(TierKind.DRAM, 16 * SPEC.chunk_bytes, page_size=4096),)
-    store = TieredStore(StoreConfig(data_dir=str(tmp_path), tiers=tiers), maintenance=False)
-    metrics = Metrics(store)
-    yield SimpleNamespace(  # what the app reads of the daemon
-        config=DaemonConfig(auth=AUTH),
-        store=InstrumentedStore(store, metrics),
-        metrics=metrics,
-        node_id="node-a",
-        ready=True,
-        started_at=0.0,
-        session_count=0,
-        cluster=None,
-        transfers=RecentTransfers(capacity=8),
-    )
-    store.close()
+    with app_daemon(
+        tmp_path, AUTH, 16 * SPEC.chunk_bytes, transfers=RecentTransfers(capacity=8)
+    ) as daemon:
+        yield daemon
 
 
 @pytest.fixture

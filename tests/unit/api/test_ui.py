@@ -9,40 +9,23 @@ import hashlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from app_daemon import app_daemon
 from fastapi.testclient import TestClient
 
 from kvfabric.api.app import create_app
-from kvfabric.api.metrics import Metrics
 from kvfabric.api.ui import content_security_policy
-from kvfabric.config import AuthConfig, DaemonConfig
-from kvfabric.server.instrumented import InstrumentedStore
+from kvfabric.config import AuthConfig
 from kvfabric.spec import KVSpec
-from kvfabric.store import StoreConfig, TierConfig, TieredStore
-from kvfabric.tiers.base import TierKind
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=16)
 
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    tiers = (TierConfig(TierKind.DRAM, 16 * SPEC.chunk_bytes, page_size=4096),)
-    store = TieredStore(StoreConfig(data_dir=str(tmp_path), tiers=tiers), maintenance=False)
-    metrics = Metrics(store)
-    daemon = SimpleNamespace(
-        config=DaemonConfig(auth=AuthConfig(token="admin-secret")),
-        store=InstrumentedStore(store, metrics),
-        metrics=metrics,
-        node_id="node-a",
-        ready=True,
-        started_at=0.0,
-        session_count=0,
-        cluster=None,
-    )
-    yield TestClient(create_app(daemon))
-    store.close()
+    with app_daemon(tmp_path, AuthConfig(token="admin-secret"), 16 * SPEC.chunk_bytes) as daemon:
+        yield TestClient(create_app(daemon))
 
 
 def sha256_source(text: str) -> str:
