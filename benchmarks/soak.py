@@ -99,6 +99,7 @@ FIGURES: list[tuple[str, str]] = [
     ("cross_tenant_mapped_pages", "most foreign chunks one scan of a client's arenas saw"),
     ("ping_p99_ms_under_abuse", "control ping p99 on the attacked node during attacks"),
     ("ping_p99_ms_quiet", "the same pinger away from every fault"),
+    ("ping_p99_ms_beside_abuse", "the other node's pinger during the same attacks"),
     ("sessions_refused_to_legit_clients", "new tenant sessions that failed during attacks"),
     ("legit_sessions_under_abuse", "new tenant sessions tried during attacks"),
     ("rss_growth_mb_per_hour", "daemon heap (RssAnon) slope, MB/h"),

@@ -96,14 +96,17 @@ def test_new_sessions_get_in_under_attack(chaos) -> None:
 def test_control_pings_stay_fast_under_attack(chaos) -> None:
     """Regression: on the old code one lookup of a million bad ids stalled the control
     socket for 13 s; later, parsed in the daemon's threads, a stream of them kept control
-    pings at p99 126-295 ms (the GIL). The bound is 50 ms, or three times the quiet p99
-    measured in the same run where the host itself is that slow (seen: 35 ms quiet while
-    the suite's other worker ran an engine)."""
+    pings at p99 126-295 ms (the GIL). The bound is 50 ms, or three times what the host
+    itself gives where it is that slow: the quiet p99, or the other node's p99 in the same
+    attack windows (same load, no attack; seen: 35 ms quiet while the suite's other worker ran
+    an engine, and 56 ms under attack against 12 ms quiet on a 2-core CI host)."""
     assert chaos["ping_samples_under_abuse"] >= 50
-    bound = max(50.0, 3 * chaos["ping_p99_ms_quiet"])
+    assert chaos["ping_samples_beside_abuse"] >= 50
+    bound = max(50.0, 3 * chaos["ping_p99_ms_quiet"], 3 * chaos["ping_p99_ms_beside_abuse"])
     assert chaos["ping_p99_ms_under_abuse"] <= bound, (
         chaos["ping_p99_ms_under_abuse"],
         chaos["ping_p99_ms_quiet"],
+        chaos["ping_p99_ms_beside_abuse"],
         bound,
     )
 

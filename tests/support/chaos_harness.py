@@ -24,7 +24,9 @@ Invariants (the figures :func:`run` returns; targets in ``benchmarks/soak.py``):
   client's mapped arenas that found another tenant's chunks (``cross_tenant_mapped_pages``:
   the most such pages one scan saw);
 * ``ping_p99_ms_under_abuse`` and ``sessions_refused_to_legit_clients`` -- the pinger's
-  round trips and the connector's new sessions during ``abuse`` windows, on the attacked node;
+  round trips and the connector's new sessions during ``abuse`` windows, on the attacked node
+  (``ping_p99_ms_beside_abuse``: the other node's pings in the same windows, same host load
+  without the attack; ``ping_p99_ms_quiet``: pings away from every fault);
 * ``rss_growth_mb_per_hour``, ``leaked_fds`` (descriptors other than data files above an
   idle daemon's, once every client is gone), ``leaked_leases`` (objects an evict-all cannot
   move: pinned or reserved, once every client is gone) and ``sessions_at_end``;
@@ -487,13 +489,15 @@ class Harness:
     def ping_figures(self) -> dict[str, Any]:
         abuse = self.windows("abuse")
         busy = [(r["node"], *r["span"]) for r in self.records]
-        under, quiet, refused, tried, slowest = [], [], Counter(), 0, 0.0
+        under, beside, quiet, refused, tried, slowest = [], [], [], Counter(), 0, 0.0
         for node in NODES:
             for line in _lines(self.workdir / f"pinger-{node}.pings"):
                 start, ms, _ = line.split()
                 t, value = float(start), float(ms)
                 if any(n == node and t0 <= t <= t1 for n, t0, t1 in abuse):
                     under.append(value)
+                elif any(n != node and t0 <= t <= t1 for n, t0, t1 in abuse):
+                    beside.append(value)
                 elif not any(t0 - 1 <= t <= t1 + 1 for _, t0, t1 in busy):
                     quiet.append(value)
             for line in _lines(self.workdir / f"connector-{node}.sessions"):
@@ -507,6 +511,8 @@ class Harness:
             "ping_p99_ms_under_abuse": _p99(under),
             "ping_samples_under_abuse": len(under),
             "ping_max_ms_under_abuse": max(under, default=None),
+            "ping_p99_ms_beside_abuse": _p99(beside),
+            "ping_samples_beside_abuse": len(beside),
             "ping_p99_ms_quiet": _p99(quiet),
             "sessions_refused_to_legit_clients": sum(refused.values()),
             "sessions_refused_by_kind": dict(refused),

@@ -3,10 +3,8 @@ auto), and clients in other processes map those arenas and move chunks through t
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-from huge_pages import reserved
+from huge_pages import hugetlb_pages, reserved
 
 from kvfabric.client import Client
 from kvfabric.hashing import chunk_hashes
@@ -16,20 +14,11 @@ SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, dtype="bfloat16", chun
 NS = Namespace("huge", SPEC)
 
 
-def huge_pages_in_use() -> int:
-    values = {
-        line.split(":")[0]: int(line.split()[1])
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("HugePages_")
-    }
-    return values["HugePages_Total"] - values["HugePages_Free"] + values["HugePages_Rsvd"]
-
-
 def test_a_daemon_serves_chunks_from_reserved_huge_pages(start_daemon) -> None:
     with reserved(48):  # 96 MiB: room for the 64 MiB tier
-        before = huge_pages_in_use()
         daemon = start_daemon("store.tiers.dram.capacity=64MiB", "store.tiers.dram.prefault=true")
-        assert huge_pages_in_use() - before == 32  # the whole tier, prefaulted
+        assert daemon.proc is not None
+        assert hugetlb_pages(daemon.proc.pid) == 32  # the whole tier, prefaulted
         refs = chunk_hashes(NS, list(range(8 * SPEC.chunk_tokens)))
         rng = np.random.default_rng(0)
         data = [rng.integers(0, 256, SPEC.chunk_bytes, dtype=np.uint8) for _ in refs]
