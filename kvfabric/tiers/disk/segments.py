@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from kvfabric.errors import ConfigError, CorruptRecordError, KVFabricError
 from kvfabric.tiers.disk.records import (
     ALIGN,
@@ -343,12 +345,28 @@ class Recovery:
     max_seq: int
 
 
+def _payload_intact(seg: SegmentFile, rec: ScannedRecord) -> bool:
+    """Whether the record's payload matches its header's checksum (read in bounded chunks)."""
+    hasher = xxhash.xxh3_64()
+    offset, left = rec.offset + ALIGN, rec.header.payload_len
+    while left:
+        chunk = seg.read(min(_RESYNC_CHUNK, left), offset)
+        if not chunk:
+            return False
+        hasher.update(chunk)
+        offset += len(chunk)
+        left -= len(chunk)
+    return hasher.intdigest() == rec.header.payload_checksum
+
+
 def recover(dir_fd: int) -> Recovery:
     """Open and scan every segment; choose one LIVE record per key.
 
-    Duplicates: the highest write sequence wins (a compaction copy keeps its original's
-    sequence, so it never beats a newer write), then the higher segment id, then offset.
-    Empty segment files (created just before a crash) are removed.
+    Duplicates: the newest intact record wins: the highest write sequence (a compaction copy
+    keeps its original's sequence, so it never beats a newer write), then the higher segment
+    id, then offset, skipping any whose payload fails its checksum (only duplicates are read:
+    a torn newer record was never acknowledged, the older one is what was). Empty segment
+    files (created just before a crash) are removed.
     """
     listing = list_segments(dir_fd)
     ignored = listing.ignored
@@ -382,20 +400,25 @@ def recover(dir_fd: int) -> Recovery:
             ignored += 1
         else:
             scans.append((file, result))
-    best: dict[bytes, tuple[tuple[int, int, int], SegmentFile, ScannedRecord]] = {}
-    losers: list[tuple[SegmentFile, ScannedRecord]] = []
+    candidates: dict[bytes, list[tuple[tuple[int, int, int], SegmentFile, ScannedRecord]]] = {}
     for file, result in scans:
         for rec in result.records:
-            if not rec.header.live:
-                continue
-            rank = (rec.header.seq, file.segment_id, rec.offset)
-            prev = best.setdefault(rec.header.key, (rank, file, rec))
-            if prev[0] > rank:
-                losers.append((file, rec))
-            elif prev[0] < rank:
-                losers.append((prev[1], prev[2]))
-                best[rec.header.key] = (rank, file, rec)
-    kept = {(f.segment_id, r.offset) for _, f, r in best.values()}
+            if rec.header.live:
+                rank = (rec.header.seq, file.segment_id, rec.offset)
+                candidates.setdefault(rec.header.key, []).append((rank, file, rec))
+    best: dict[bytes, tuple[SegmentFile, ScannedRecord]] = {}
+    losers: list[tuple[SegmentFile, ScannedRecord]] = []
+    for key, found in candidates.items():
+        found.sort(key=lambda c: c[0], reverse=True)
+        # Rare (a crash mid-compaction, an overwrite): the winner must be whole. A copy torn
+        # by the crash can lie inside the file (a later record landed past it) and would
+        # otherwise beat its intact original, which is then marked DEAD: the object lost.
+        chosen = 0
+        if len(found) > 1:
+            chosen = next((i for i, (_, f, r) in enumerate(found) if _payload_intact(f, r)), 0)
+        best[key] = (found[chosen][1], found[chosen][2])
+        losers.extend((f, r) for i, (_, f, r) in enumerate(found) if i != chosen)
+    kept = {(f.segment_id, r.offset) for f, r in best.values()}
     segments = tuple(
         OpenedSegment(
             file, result, tuple(r for r in result.records if (file.segment_id, r.offset) in kept)

@@ -466,6 +466,42 @@ def test_compaction_copy_never_beats_a_newer_write(tiers: Tiers, tmp_path: Path)
         crashed.close()
 
 
+def test_a_torn_compaction_copy_never_beats_its_intact_original(
+    tiers: Tiers, tmp_path: Path
+) -> None:
+    """A crash mid-copy while a later record lands past the copy (the daemon compacts while
+    it demotes): the copy's header is whole and its span inside the file, its payload not.
+    Regression: recovery took the copy (same sequence, newer segment), marked the intact
+    original DEAD and then refused the copy: an acknowledged object lost."""
+    tier, _ = tiers.open(segment_bytes=16 * ALIGN)
+    original = put(tier, 1, 2 * ALIGN)  # 3 pages at the start of segment 1
+    tier.delete(put(tier, 2, 10))  # 2 dead pages: segment 1 is worth compacting
+    put(tier, 3, 11 * ALIGN)  # 12 pages: segment 2 opens, segment 1 is sealed
+    snap, copies = tmp_path / "snap", []
+
+    def crash_mid_copy(key: bytes, old: DiskExtent, new: DiskExtent) -> bool:
+        copies.append(new)
+        put(tier, 4, 0)  # one page past the copy, in the same segment
+        shutil.copytree(tier.path, snap)  # the disk as a crash right now would leave it
+        return True
+
+    tier.compact(crash_mid_copy, min_dead_ratio=0.3)
+    (copy,) = copies
+    assert (original.segment_id, copy.segment_id) == (1, 2)
+    # tear the copy: its last payload page never reached the page cache (a hole)
+    with open(seg_file(snap, copy.segment_id), "r+b") as f:
+        f.seek(copy.payload_offset + ALIGN)
+        f.write(bytes(ALIGN))
+    crashed = DiskTier(snap, capacity_bytes=MiB)
+    try:
+        recs = by_key(crashed.scan())
+        assert recs[key_of(1)].extent == original
+        assert read_back(crashed, original) == expected(1, 2 * ALIGN)
+        assert recs.keys() == {key_of(1), key_of(3), key_of(4)}
+    finally:
+        crashed.close()
+
+
 def test_compaction_concurrent_with_reads_never_yields_wrong_bytes(tiers: Tiers) -> None:
     tier, _ = tiers.open(segment_bytes=16 * ALIGN, writers=2)
     owner = Owner()
