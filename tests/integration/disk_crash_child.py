@@ -15,9 +15,11 @@ and then. Each event is one flushed stdout line, printed only once the tier call
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -52,15 +54,32 @@ def emit(line: str) -> None:
 
 def main(directory: str, seed: int) -> None:
     tier = open_tier(directory)
-    owner = {r.key: r.extent for r in tier.scan()}
+    owner = {r.key: r.extent for r in tier.scan()}  # acknowledged (main thread only)
+    landed: dict[bytes, DiskExtent] = {}  # written, not acknowledged yet (done callbacks)
+    lock = threading.Lock()
     emit(f"READY {len(owner)}")
     rng = random.Random(seed)
 
+    def learn(key: bytes, future: Future[DiskExtent]) -> None:
+        # as the store does: the extent is learnt in the done callback, so compaction may
+        # move the record before the main thread acknowledges it
+        with lock:
+            if key not in owner:  # result() may return in the main thread before this runs
+                landed[key] = future.result()
+
     def relocate(key: bytes, old: DiskExtent, new: DiskExtent) -> bool:
-        if owner.get(key) != old:
-            return False
-        owner[key] = new
-        return True
+        with lock:
+            known = owner if key in owner else landed
+            if known.get(key) != old:
+                return False
+            known[key] = new
+            return True
+
+    def acknowledge(key: bytes, future: Future[DiskExtent]) -> None:
+        extent = future.result()
+        with lock:
+            owner[key] = landed.pop(key, extent)
+        emit(f"W {key.hex()}")
 
     inflight: deque[tuple[bytes, Future[DiskExtent]]] = deque()
     for n in range(MAX_WRITES):
@@ -68,22 +87,22 @@ def main(directory: str, seed: int) -> None:
         data = memoryview(payload_for(key))
         cut = sorted(rng.randrange(len(data) + 1) for _ in range(rng.randrange(3)))
         pieces = [data[a:b] for a, b in itertools.pairwise([0, *cut, len(data)])]
-        inflight.append((key, tier.write(key, b"crash-test", pieces)))
+        future = tier.write(key, b"crash-test", pieces)
+        future.add_done_callback(functools.partial(learn, key))
+        inflight.append((key, future))
         while inflight and (len(inflight) > WINDOW or inflight[0][1].done()):
-            done_key, future = inflight.popleft()
-            owner[done_key] = future.result()
-            emit(f"W {done_key.hex()}")
+            acknowledge(*inflight.popleft())
         if len(owner) > LIVE_CAP:
             victim = rng.choice(list(owner))
             emit(f"d {victim.hex()}")
-            tier.delete(owner.pop(victim))
+            with lock:
+                extent = owner.pop(victim)
+            tier.delete(extent)
             emit(f"D {victim.hex()}")
         if n % 100 == 99:
             tier.compact(relocate, min_dead_ratio=0.3)
     while inflight:
-        done_key, future = inflight.popleft()
-        owner[done_key] = future.result()
-        emit(f"W {done_key.hex()}")
+        acknowledge(*inflight.popleft())
     emit("IDLE")
     while True:
         time.sleep(1)

@@ -16,7 +16,11 @@ Contract:
   bypass the capacity check (they free more than they take).
 - ``delete`` writes the DEAD state byte in place. ``compact`` copies the LIVE records of
   mostly-dead sealed segments to the active segment, lets the owner switch extents, then
-  unlinks the old segment; its fd closes when in-flight reads finish.
+  unlinks the old segment; its fd closes when in-flight reads finish. A segment is compacted
+  only once every write into it has resolved its future and run the future's done
+  callbacks: an owner learns a record's extent in a done callback, so ``relocate`` is never
+  asked about a record its owner has not heard of. An owner that takes results later (a
+  ``result()`` call) must answer ``relocate`` for its writes still in flight as its own.
 - Duplicate LIVE keys at scan: the last write wins (see segments.recover: highest write
   sequence, then segment id, then offset); the losers are marked DEAD on disk.
 - Segment ids: the next id follows the highest name in the directory; past the last id
@@ -319,7 +323,11 @@ class DiskTier:
                 seq = self._next_seq
                 self._next_seq += 1
             st.file.pin()
-            future = self._pool.submit(self._write_record, st, offset, key, meta, views, seq)
+            # the tier resolves the future itself, before the segment's write count drops:
+            # see _write_record
+            future: Future[DiskExtent] = Future()
+            future.set_running_or_notify_cancel()  # the space is reserved: not cancellable
+            self._pool.submit(self._write_record, future, st, offset, key, meta, views, seq)
             self._pending.add(future)
         future.add_done_callback(self._forget)
         return future
@@ -366,6 +374,34 @@ class DiskTier:
         return segment_id
 
     def _write_record(
+        self,
+        future: Future[DiskExtent],
+        st: _Segment,
+        offset: int,
+        key: bytes,
+        meta: bytes,
+        views: list[memoryview],
+        seq: int,
+    ) -> None:
+        """Write one record (a writer thread) and resolve its future. The future's done
+        callbacks (where an owner learns the extent) run before the segment's write count
+        drops: until then compaction leaves the segment alone. Otherwise it could copy a
+        record whose owner does not know it yet, hear "not wanted" from relocate, delete
+        it, unlink the segment, and the owner would then adopt an extent that is gone."""
+        try:
+            extent = self._write_record_io(st, offset, key, meta, views, seq)
+        except BaseException as exc:  # delivered on the future
+            future.set_exception(exc)
+        else:
+            future.set_result(extent)
+        finally:
+            with self._lock:
+                st.writing -= 1
+                if st.failed and not st.writing:
+                    self._give_back(st)
+            st.file.unpin()
+
+    def _write_record_io(
         self, st: _Segment, offset: int, key: bytes, meta: bytes, views: list[memoryview], seq: int
     ) -> DiskExtent:
         payload_len = sum(len(v) for v in views)
@@ -395,12 +431,6 @@ class DiskTier:
                     f"write to segment {st.file.segment_id} failed: {exc}"
                 ) from exc
             raise
-        finally:
-            with self._lock:
-                st.writing -= 1
-                if st.failed and not st.writing:
-                    self._give_back(st)
-            st.file.unpin()
         with self._lock:
             self._writes += 1
             self._bytes_written += span

@@ -9,6 +9,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -500,6 +501,50 @@ def test_a_torn_compaction_copy_never_beats_its_intact_original(
         assert recs.keys() == {key_of(1), key_of(3), key_of(4)}
     finally:
         crashed.close()
+
+
+def test_compaction_waits_until_the_owner_has_heard_of_a_write(tiers: Tiers) -> None:
+    """The owner learns a record's extent in its write future's done callback (the store
+    does). Regression: a segment whose last write had finished but whose callbacks had not
+    run yet was compacted: relocate, asked about a record its owner did not know, said "not
+    wanted", the record was deleted and its segment unlinked, then the owner adopted an
+    extent that was gone (an acknowledged SSD object lost; seen in the SIGKILL crash test)."""
+    tier, _ = tiers.open(segment_bytes=16 * MiB, writers=2)
+    tier.delete(put(tier, 1, 10))  # dead bytes: segment 1 is worth compacting
+    owner = Owner()
+    entered, release, learnt = threading.Event(), threading.Event(), threading.Event()
+
+    inline: list[Future[DiskExtent]] = []
+
+    def learn(future: Future[DiskExtent]) -> None:
+        if threading.current_thread() is threading.main_thread():
+            inline.append(future)  # the write ended before the callback was added
+            return
+        entered.set()
+        release.wait(10)
+        with owner.lock:
+            owner.extents[key_of(2)] = future.result()
+        learnt.set()
+
+    for _ in range(5):  # an 8 MiB write is still in flight when the callback is added
+        future = tier.write(key_of(2), b"m2", [payload(8 * MiB, 2)])
+        future.add_done_callback(learn)
+        if not inline:
+            break
+        tier.delete(inline.pop().result())
+    else:
+        pytest.fail("every write ended before its callback was added")
+    assert entered.wait(10)
+    try:
+        assert future.done()  # the owner has not heard of it yet: its callback is blocked
+        put(tier, 3, 12 * MiB)  # does not fit: segment 2 opens, segment 1 is sealed
+        assert tier.compact(owner.relocate, min_dead_ratio=0.0) == 0
+    finally:
+        release.set()
+    assert learnt.wait(10)
+    assert read_back(tier, owner.extents[key_of(2)]) == expected(2, 8 * MiB)
+    assert tier.compact(owner.relocate, min_dead_ratio=0.0) > 0  # now it may
+    assert read_back(tier, owner.extents[key_of(2)]) == expected(2, 8 * MiB)
 
 
 def test_compaction_concurrent_with_reads_never_yields_wrong_bytes(tiers: Tiers) -> None:
