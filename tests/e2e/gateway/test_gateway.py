@@ -694,9 +694,17 @@ def test_the_simulator_predicts_this_clusters_ttft_and_tpot(cluster: Cluster) ->
     said = f"measured {found.measured}, simulated {found.simulated}, profile {found.profile}"
     assert found.error("ttft_p50_s") <= SIM_ERROR_BOUND, said
     assert found.error("tpot_p50_s") <= SIM_ERROR_BOUND, said
-    wrong = found.simulate(found.profile.scaled(5.0))
-    assert found.error("ttft_p50_s", wrong) > SIM_ERROR_BOUND, wrong
-    assert found.error("tpot_p50_s", wrong) > SIM_ERROR_BOUND, wrong
+    # the control's model is five times off from what was measured, not from the calibration:
+    # where the other worker's engines slowed this cluster by 3x, engines "5x slower" than
+    # calibrated were only 1.4x off (seen: error 0.39)
+    slowdown = max(
+        1.0,
+        found.measured.ttft_p50_s / found.simulated.ttft_p50_s,
+        found.measured.tpot_p50_s / found.simulated.tpot_p50_s,
+    )
+    wrong = found.simulate(found.profile.scaled(5.0 * slowdown))
+    assert found.error("ttft_p50_s", wrong) > SIM_ERROR_BOUND, (slowdown, wrong)
+    assert found.error("tpot_p50_s", wrong) > SIM_ERROR_BOUND, (slowdown, wrong)
 
 
 def test_the_gateway_advises_a_composition_for_what_it_served(cluster: Cluster) -> None:

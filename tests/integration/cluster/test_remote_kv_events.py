@@ -80,9 +80,11 @@ def test_other_nodes_chunks_are_announced_with_their_ownership_and_removed_alike
         keys, _ = put_random_chain(a.socket, NS, 3)
         mine, _ = put_random_chain(b.socket, NS, 1, first_token=10_000)
         theirs = {(h, "CPU", "kvfabric:node-a") for key in keys for h in hashes_of(key)}
-        state = on_b.wait_until(lambda s: theirs <= s.owned, SEEN_S)
+        own = {(h, "CPU") for h in hashes_of(mine[0])}
+        # b's own chunk and a's arrive on two paths (b's store, the cluster's stream): either
+        # may come first
+        state = on_b.wait_until(lambda s: theirs <= s.owned and own <= s.held, SEEN_S)
         assert state.owned == theirs  # and nothing else: b's own chunk is not remote
-        assert {(h, "CPU") for h in hashes_of(mine[0])} <= state.held  # b's own, as its own
         stored = [e for e in on_b.events if isinstance(e, BlockStored) and e.ownership]
         assert {e.locality for e in stored} == {"REMOTE"}
         assert [t for e in stored for t in e.token_ids] == list(range(3 * SPEC.chunk_tokens))
