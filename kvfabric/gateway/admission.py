@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,12 +76,19 @@ class Admission:
     def __len__(self) -> int:
         return len(self._queue)
 
+    def policy(self) -> Policy:
+        """The configured policy, with the hand-off's fixed cost as measured once known."""
+        fixed = self._pool.throughput.handoff_s(self._policy.handoff_fixed_s)
+        if fixed == self._policy.handoff_fixed_s:
+            return self._policy
+        return dataclasses.replace(self._policy, handoff_fixed_s=fixed)
+
     def plan_now(
         self, request: Request, holdings: Holdings, *, exclude: tuple[str, ...] = ()
     ) -> Plan:
         """The plan over every healthy engine, room or not (``/v1/plan``, retries)."""
         engines = self._pool.states(exclude=exclude, with_room=False)
-        return plan(request, holdings, engines, self._policy)
+        return plan(request, holdings, engines, self.policy())
 
     def replan(self, request: Request, holdings: Holdings, failed: str) -> Plan:
         """A retry's plan, without the engine that failed: served at once, its slots taken
@@ -178,7 +186,7 @@ class Admission:
     def _try_plan(self, request: Request, holdings: Holdings, extra_slots: int = 0) -> Plan | None:
         engines = self._pool.states(extra_slots=extra_slots)
         try:
-            chosen = plan(request, holdings, engines, self._policy)
+            chosen = plan(request, holdings, engines, self.policy())
         except ValueError:  # NoEngineError: none with room now
             return None
         self._take(request, chosen)

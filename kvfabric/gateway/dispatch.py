@@ -158,10 +158,11 @@ class Dispatcher:
                 prefill_held = False
                 body = decode_body(job.body, params)
             if job.stream:
+                sent = time.monotonic()
                 upstream = await self._open_stream(plan.decode_engine, job, body)
                 decode_held = False  # the relay gives it back when the stream ends
                 return StreamingResponse(
-                    self._relay(job, plan, upstream),
+                    self._relay(job, plan, upstream, sent),
                     status_code=upstream.status,
                     headers=headers,
                     media_type=upstream.headers.get("Content-Type", "text/event-stream"),
@@ -223,11 +224,13 @@ class Dispatcher:
         )
 
     async def _relay(
-        self, job: Job, plan: Plan, upstream: aiohttp.ClientResponse
+        self, job: Job, plan: Plan, upstream: aiohttp.ClientResponse, sent: float
     ) -> AsyncIterator[bytes]:
         """The engine's stream to the client; the decode slot is given back at its end (a
         stream cut short, by the client or the deadline, closes the engine's connection:
-        vLLM aborts a request whose client is gone)."""
+        vLLM aborts a request whose client is gone). After a hand-off (the decode request
+        ``sent`` then), its first token measures the hand-off's fixed cost: the wait past
+        the transfer the plan modelled."""
         first = last = 0.0
         tally = StreamTally()
         whole = False
@@ -244,6 +247,9 @@ class Dispatcher:
                     if plan.mode == SINGLE and _measures_prefill(plan, uncached):
                         took = now - (job.arrived + job.queued_s)  # first token ends prefill
                         self._pool.throughput.observe(plan.decode_engine, "prefill", uncached, took)
+                    elif plan.mode != SINGLE:
+                        transfer = plan.terms["handoff_s"] - plan.terms["handoff_fixed_s"]
+                        self._pool.throughput.observe_handoff(now - sent - transfer)
                 last = now
                 tally.feed(chunk)
                 yield chunk

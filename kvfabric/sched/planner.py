@@ -20,7 +20,7 @@ Terms (seconds unless named), all kept in :class:`Plan`:
   still in flight when prefill ends (``1 - overlap`` of it when the prefill engine pushes
   what it computes; all of it when the decode node pulls: nothing computed, or a prefill
   engine that does not push) plus the fixed cost of a hand-off
-  (``handoff_fixed_s``); 0 on one node;
+  (``handoff_fixed_s``, also kept as a term of its own); 0 on one engine;
 * ``decode_s``: the request's longest output at the decode engine's rate;
 * ``ttft_s`` = queue + pull + prefill + handoff; ``cost`` = (pull + prefill) at the prefill
   class's price + decode at the decode class's price, in currency units.
@@ -153,6 +153,7 @@ def _candidate(
         "pull_s": pull_s,
         "prefill_s": prefill_s,
         "handoff_s": handoff_s,
+        "handoff_fixed_s": 0.0 if same else policy.handoff_fixed_s,
         "decode_s": decode_s,
         "ttft_s": ttft_s,
         "cost": cost,

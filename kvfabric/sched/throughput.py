@@ -6,6 +6,12 @@ phase (``alpha`` the weight of a new sample) and, until an engine has been measu
 with its class's configured prior; so a fresh engine is planned by its class, a measured one
 by what it did. Samples of no tokens or no time are ignored (they carry no rate).
 
+The fixed cost of a prefill -> decode hand-off is measured the same way, for the cluster as a
+whole: what a decode engine's first token took past the KV transfer the plan modelled (the
+decode request's scheduling, its load of the KV, its first step). A configured prior of a few
+ms makes the planner split requests whose hand-off costs tens of ms on small engines; once
+measured, a split must save more than it really costs.
+
 Pure and not thread-safe, like the rest of :mod:`kvfabric.sched`.
 """
 
@@ -38,6 +44,7 @@ class Throughput:
         self._priors = dict(priors)
         self._alpha = alpha
         self._rates: dict[tuple[str, str], float] = {}
+        self._handoff_s: float | None = None
 
     def observe(self, engine_id: str, phase: str, tokens: int, seconds: float) -> None:
         if phase not in (PREFILL, DECODE):
@@ -56,3 +63,13 @@ class Throughput:
         if measured is not None:
             return measured
         return self._priors[hardware_class].rate(phase)
+
+    def observe_handoff(self, seconds: float) -> None:
+        """A hand-off's fixed cost as measured (see the module docstring); negatives are 0."""
+        sample = max(0.0, seconds)
+        old = self._handoff_s
+        self._handoff_s = sample if old is None else old + self._alpha * (sample - old)
+
+    def handoff_s(self, prior: float) -> float:
+        """The measured fixed cost of a hand-off, or ``prior`` before any sample."""
+        return prior if self._handoff_s is None else self._handoff_s

@@ -64,6 +64,30 @@ def test_a_prefill_engine_that_does_not_push_hands_off_by_pull_priced_whole() ->
     assert chosen.ttft_s == pytest.approx(2.005)
 
 
+def test_a_measured_handoff_cost_keeps_a_small_saving_on_one_engine() -> None:
+    """Engine a holds the prefix, decode engine b of the same class decodes a little faster
+    (as measured): with the configured 5 ms a hand-off a -> b pays for 8 ms of decode saved;
+    once hand-offs measured 50 ms (small engines: a second request, a KV load, a step), the
+    request stays on a, which holds its prefix."""
+    a = engine("a", "n1", "decode-gpu", Role.BOTH, 10_000, 100)
+    b = engine("b", "n2", "decode-gpu", Role.DECODE, 10_000, 125)
+    request = Request("t", prompt_tokens=1000, max_output_tokens=4)
+    held = Holdings({"n1": 1000})
+    # a alone: 40 ms of decode; a -> b: b pulls all 1,000 tokens (0.1 ms on this link),
+    # plus the fixed cost, plus 32 ms of decode
+    fast = dataclasses.replace(POLICY, link=Link(1e12, 100_000, 0.9))
+    split = plan(request, held, [a, b], fast)
+    assert (split.prefill_engine, split.decode_engine, split.terms["handoff_fixed_s"]) == (
+        "a",
+        "b",
+        0.005,
+    )
+    measured = dataclasses.replace(fast, handoff_fixed_s=0.050)
+    kept = plan(request, held, [a, b], measured)
+    assert (kept.prefill_engine, kept.decode_engine, kept.mode) == ("a", "a", SINGLE)
+    assert kept.terms["handoff_fixed_s"] == 0.0
+
+
 def test_a_short_prompt_stays_on_one_engine_conditional_disaggregation() -> None:
     request = Request("t", prompt_tokens=10, max_output_tokens=100)
     chosen = plan(request, Holdings(), [P, D, MONO], POLICY)

@@ -36,3 +36,14 @@ def test_samples_without_tokens_or_time_carry_no_rate() -> None:
         rates.observe("cpu-1", "verify", tokens=1, seconds=1.0)
     with pytest.raises(ValueError):
         Throughput(PRIORS, alpha=0.0)
+
+
+def test_the_handoff_cost_is_the_prior_until_measured_then_its_average() -> None:
+    rates = Throughput(PRIORS, alpha=0.5)
+    assert rates.handoff_s(prior=0.005) == 0.005
+    rates.observe_handoff(0.060)
+    assert rates.handoff_s(prior=0.005) == 0.060
+    rates.observe_handoff(0.020)
+    assert rates.handoff_s(prior=0.005) == pytest.approx(0.040)
+    rates.observe_handoff(-0.010)  # a transfer faster than modelled: no negative cost
+    assert rates.handoff_s(prior=0.005) == pytest.approx(0.020)
