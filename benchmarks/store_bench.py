@@ -373,7 +373,8 @@ def bench_metadata(root: Path, cfg: Settings) -> dict[str, float]:
     payload = np.zeros(SMALL.spec.chunk_bytes, dtype=np.uint8)
     step = META_CHAIN * SMALL.spec.chunk_tokens
     # An arena of exactly n pages: its page allocator is built (and sized) before the window.
-    tier = TierConfig(TierKind.DRAM, n * SMALL_PAGE, page_size=SMALL_PAGE)
+    # Plain pages: on reserved huge pages the arena would round down to whole 2 MiB pages.
+    tier = TierConfig(TierKind.DRAM, n * SMALL_PAGE, page_size=SMALL_PAGE, huge_pages="off")
     with open_store(root / "metadata", tier) as store:
         gc.collect()
         tracemalloc.start()  # only what is allocated from here on is counted, keys included
