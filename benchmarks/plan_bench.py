@@ -8,7 +8,10 @@ runs on one engine; each engine's compute thread on a core of its own):
 ``kvfabric.planning.validate`` warms both engines, calibrates engine 0
 (``kvfabric.planning.calibrate``: prefill time by prompt length, decode step by batch) while
 engine 1 idles (after a first mix through the gateway: engines on a small CPU host keep
-getting faster over their first minute), sends a request mix (Poisson at ``LOAD`` of what
+getting faster over their first minute), measures the engines' footprint over that mix and
+the calibration (``kvfabric.planning.footprint``: the cores a served engine keeps busy, API
+server and engine core beside the model runner; ``calibrated_profile.threads``), sends a
+request mix (Poisson at ``LOAD`` of what
 the calibrated engines serve, prompts of 32..512 random tokens, 8..48 output tokens,
 streamed, ``ignore_eos``) through the gateway, and simulates the same requests on the same
 cluster (both engines on one host of this machine's cores); every request, measured and
@@ -226,6 +229,7 @@ def validation_figures(
         load=LOAD,
         count=VALIDATION_REQUESTS[bool(args.quick)],
         timeout_s=timeout,
+        process_groups=[e.pid for e in engines],
     )
     simulated = found.run().requests
     (root / "validation.json").write_text(

@@ -11,14 +11,17 @@ a kvfabric gateway
    (:func:`kvfabric.planning.calibrate.calibrate`, through the gateway: what a request pays
    around the engine's steps is part of what the mix sees) after a first mix through the
    gateway (a seed of its own: engines on a small CPU host keep getting faster over their
-   first minute);
+   first minute); with the engines' process groups, it also measures how many cores each
+   keeps busy while it serves (:mod:`kvfabric.planning.footprint`: the API server and the
+   engine core burn CPU beside the model runner) over that mix and the calibration;
 2. draws a request mix (Poisson arrivals at ``load`` of what the calibrated engines can
    serve, uniform prompt and output lengths) and sends it through the gateway at those
    times, streamed, greedy, ``ignore_eos`` (every output has exactly its drawn length),
    timing each request's first token and its last at the client;
 3. simulates the same requests (same arrival times and lengths) on the same cluster
-   (:func:`kvfabric.sim.cluster.simulate`: one-thread engines on a host of ``host_cores``,
-   which slow each other down only when more step at once than it has cores);
+   (:func:`kvfabric.sim.cluster.simulate`: engines of the measured footprint, one thread
+   without process groups, on a host of ``host_cores``, which slow each other down only
+   when they keep more cores busy at once than it has);
 4. reports measured and simulated TTFT p50 / p99 and TPOT p50, and each one's relative error
    ``|simulated - measured| / measured``.
 
@@ -29,6 +32,7 @@ Blocking; the caller owns the processes. A request that fails raises
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import Sequence
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
+from kvfabric.planning import footprint
 from kvfabric.planning.calibrate import (
     DECODE_BATCHES,
     PREFILL_SIZES,
@@ -126,12 +131,15 @@ def validate(
     seed: int = 0,
     timeout_s: float = 300.0,
     quick: bool = False,
+    process_groups: Sequence[int] = (),
 ) -> Validation:
-    """``quick``: a calibration of fewer points (a test's budget)."""
+    """``quick``: a calibration of fewer points (a test's budget); ``process_groups``: the
+    engines' (each served in a group of its own), for their footprint."""
     for url in engine_urls:  # an engine's first requests pay one-time costs
         warm(url, model, vocab, timeout_s)
     # a first mix through the gateway (a seed of its own, at a guessed rate): engines on a
     # small CPU host keep getting faster over their first minute; calibrate after it
+    before = footprint.snapshot(process_groups)
     asyncio.run(
         _drive(
             gateway_url, model, _mix(2.0, prompt, output, 30, seed + 1), vocab, seed + 1, timeout_s
@@ -149,6 +157,9 @@ def validate(
         batches=QUICK_BATCHES if quick else DECODE_BATCHES,
         repeats=2 if quick else 3,
     ).profile
+    threads = footprint.threads_between(before, footprint.snapshot(process_groups))
+    if threads is not None:
+        profile = dataclasses.replace(profile, threads=threads)
     per_request = profile.step_s(round(prompt.expected()), 0) + output.expected() * profile.step_s(
         0, 1
     )

@@ -59,6 +59,12 @@ class _Served:
     def log_path(self) -> Path:
         return self.workdir / f"{self.name}.log"
 
+    @property
+    def pid(self) -> int:
+        """The server's pid, also its process group's id (its engine core and workers)."""
+        assert self.child is not None, f"{self.name} was never started"
+        return self.child.pid
+
     def log_tail(self, limit: int = 6000) -> str:
         return (self.child.tail(limit) if self.child else "") or "<no log>"
 

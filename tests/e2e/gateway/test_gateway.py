@@ -690,6 +690,7 @@ def test_the_simulator_predicts_this_clusters_ttft_and_tpot(cluster: Cluster) ->
         count=60,
         timeout_s=cluster.timeout,
         quick=True,
+        process_groups=[cluster.a.pid, cluster.b.pid],
     )
     said = f"measured {found.measured}, simulated {found.simulated}, profile {found.profile}"
     assert found.error("ttft_p50_s") <= SIM_ERROR_BOUND, said
