@@ -207,7 +207,7 @@ class DiskTier:
         self._compact_lock = threading.Lock()
         self._segments: dict[int, _Segment] = {}
         self._active: _Segment | None = None
-        self._pending: set[Future[DiskExtent]] = set()
+        self._pending: set[Future[None]] = set()
         self._scan_started = self._ready = self._closed = False
         self._next_id = self._next_seq = 1
         self._used = self._live = self._records = 0
@@ -327,9 +327,12 @@ class DiskTier:
             # see _write_record
             future: Future[DiskExtent] = Future()
             future.set_running_or_notify_cancel()  # the space is reserved: not cancellable
-            self._pool.submit(self._write_record, future, st, offset, key, meta, views, seq)
-            self._pending.add(future)
-        future.add_done_callback(self._forget)
+            # flush() and close() wait for the writer's whole turn, callbacks and count included
+            settled = self._pool.submit(
+                self._write_record, future, st, offset, key, meta, views, seq
+            )
+            self._pending.add(settled)
+        settled.add_done_callback(self._forget)
         return future
 
     def _new_segment(self) -> _Segment:
@@ -461,7 +464,7 @@ class DiskTier:
         self._used -= st.size - end
         st.size = end
 
-    def _forget(self, future: Future[DiskExtent]) -> None:
+    def _forget(self, future: Future[None]) -> None:
         with self._lock:
             self._pending.discard(future)
 

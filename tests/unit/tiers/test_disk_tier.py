@@ -479,6 +479,7 @@ def test_a_torn_compaction_copy_never_beats_its_intact_original(
     tier.delete(put(tier, 2, 10))  # 2 dead pages: segment 1 is worth compacting
     put(tier, 3, 11 * ALIGN)  # 12 pages: segment 2 opens, segment 1 is sealed
     snap, copies = tmp_path / "snap", []
+    tier.flush()  # every write settled: segment 1 may be compacted
 
     def crash_mid_copy(key: bytes, old: DiskExtent, new: DiskExtent) -> bool:
         copies.append(new)
