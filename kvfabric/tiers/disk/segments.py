@@ -33,12 +33,10 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import xxhash
 
 from kvfabric.errors import ConfigError, CorruptRecordError, KVFabricError
 from kvfabric.tiers.disk.records import (
@@ -48,6 +46,7 @@ from kvfabric.tiers.disk.records import (
     RecordHeader,
     align_up,
     decode_header,
+    payload_checksum,
 )
 
 log = logging.getLogger(__name__)
@@ -346,17 +345,19 @@ class Recovery:
 
 
 def _payload_intact(seg: SegmentFile, rec: ScannedRecord) -> bool:
-    """Whether the record's payload matches its header's checksum (read in bounded chunks)."""
-    hasher = xxhash.xxh3_64()
-    offset, left = rec.offset + ALIGN, rec.header.payload_len
-    while left:
-        chunk = seg.read(min(_RESYNC_CHUNK, left), offset)
-        if not chunk:
-            return False
-        hasher.update(chunk)
-        offset += len(chunk)
-        left -= len(chunk)
-    return hasher.intdigest() == rec.header.payload_checksum
+    """Whether the record's payload matches its header's checksum (read in bounded chunks;
+    a payload cut short by the end of file hashes short and fails)."""
+
+    def chunks() -> Iterator[bytes]:
+        offset, end = rec.offset + ALIGN, rec.offset + ALIGN + rec.header.payload_len
+        while offset < end:
+            chunk = seg.read(min(_RESYNC_CHUNK, end - offset), offset)
+            if not chunk:
+                return
+            yield chunk
+            offset += len(chunk)
+
+    return payload_checksum(chunks()) == rec.header.payload_checksum
 
 
 def recover(dir_fd: int) -> Recovery:

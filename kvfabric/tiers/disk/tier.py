@@ -21,8 +21,9 @@ Contract:
   callbacks: an owner learns a record's extent in a done callback, so ``relocate`` is never
   asked about a record its owner has not heard of. An owner that takes results later (a
   ``result()`` call) must answer ``relocate`` for its writes still in flight as its own.
-- Duplicate LIVE keys at scan: the last write wins (see segments.recover: highest write
-  sequence, then segment id, then offset); the losers are marked DEAD on disk.
+- Duplicate LIVE keys at scan: the last intact write wins (see segments.recover: highest
+  write sequence, then segment id, then offset, passing over any whose payload fails its
+  checksum); the losers are marked DEAD on disk.
 - Segment ids: the next id follows the highest name in the directory; past the last id
   (99999999) allocation wraps to the lowest free id, so a stray high-numbered file cannot
   wedge the tier. A failed creation consumes no id; a name a stray file holds is skipped.
