@@ -41,6 +41,7 @@ def extensions() -> list[Extension]:
         Extension(
             "kvfabric.memory._strided",
             ["kvfabric/memory/_strided.c"],
+            depends=["kvfabric/memory/bytecopy.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -112,11 +112,11 @@ class PayloadReader(PayloadAccess):
         """Copy the payload, a layer, or a head range into a caller buffer of the exact size."""
         src = self.pieces() if layer is None else self.layer_pieces(layer, heads)
         dst = as_bytes_view(out)
-        if nbytes_of(dst) != total_bytes(src):
+        expected = self.layout.nbytes if layer is None else total_bytes(src)
+        if nbytes_of(dst) != expected:
             raise PayloadSizeError(
                 f"destination holds {nbytes_of(dst)} bytes, the "
-                f"{'payload' if layer is None else 'range'} is "
-                f"{total_bytes(src)}"
+                f"{'payload' if layer is None else 'range'} is {expected}"
             )
         copy_pieces([dst], src)
 

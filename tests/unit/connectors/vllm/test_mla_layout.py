@@ -137,7 +137,10 @@ def test_bad_dtype_canonical_and_ranges_are_refused() -> None:
 
 def _op_writer() -> Writer:
     """torch.ops._C.concat_and_cache_mla_cpu, as the AMX MLA backend calls it."""
-    pytest.importorskip("vllm._C")
+    cpu = pytest.importorskip("vllm.platforms.cpu")
+    # vLLM's own choice of its kernel library for this CPU (vllm._C needs AVX-512 BF16: on a
+    # host without it, importing it dies of an illegal instruction)
+    cpu.CpuPlatform.import_kernels()
     op = getattr(torch.ops._C, "concat_and_cache_mla_cpu", None)
     if op is None:
         pytest.skip("this vLLM build has no concat_and_cache_mla_cpu")
