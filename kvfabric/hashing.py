@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 import struct
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -40,15 +40,19 @@ _U32 = struct.Struct("<I")
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
 
-def _native_pack() -> Callable[[list[int] | tuple[int, ...]], bytes] | None:
-    try:  # optional C extension (setup.py): pack_int32(list | tuple) -> int32-LE bytes
-        return importlib.import_module("kvfabric._tokens").pack_int32  # type: ignore[no-any-return]
+def _native(name: str) -> Callable[..., Any] | None:
+    try:  # optional C extension (setup.py)
+        module = importlib.import_module("kvfabric._tokens")
     except ImportError:
         return None
+    return getattr(module, name, None)  # type: ignore[no-any-return]
 
 
-# read at call time, so tests can set it to None to run the numpy path
-pack_int32: Callable[[list[int] | tuple[int, ...]], bytes] | None = _native_pack()
+# read at call time, so tests can set them to None to run the Python paths:
+# pack_int32(list | tuple) -> int32-LE bytes
+pack_int32: Callable[[list[int] | tuple[int, ...]], bytes] | None = _native("pack_int32")
+# join_keys(list | tuple of bytes, size) -> bytes (kvfabric.protocol.messages.pack_keys)
+join_keys: Callable[[Sequence[bytes], int], bytes] | None = _native("join_keys")
 
 
 class ChunkRef(NamedTuple):

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvfabric.errors import KVFabricError, ProtocolError, SpecError, UnsupportedVersionError
+from kvfabric import hashing
 from kvfabric.hashing import KEY_BYTES
 from kvfabric.spec import KVSpec, Namespace
 
@@ -224,6 +225,12 @@ def arg_keys(args: dict[str, Any], name: str = "keys") -> list[bytes]:
 
 def pack_keys(keys: Sequence[bytes]) -> bytes:
     """The packed form of ``keys`` (each must be :data:`KEY_BYTES` bytes)."""
+    join = hashing.join_keys
+    if join is not None and type(keys) in (list, tuple):
+        try:
+            return join(keys, KEY_BYTES)
+        except (TypeError, ValueError):
+            pass  # bytes-like keys, or wrong ones: the path below takes or names them
     try:
         packed = b"".join(keys)
     except TypeError:

@@ -23,6 +23,7 @@ from kvfabric.errors import (
     UnsupportedVersionError,
     error_for_kind,
 )
+from kvfabric import hashing
 from kvfabric.hashing import KEY_BYTES
 from kvfabric.protocol.messages import (
     MAX_BATCH,
@@ -302,7 +303,17 @@ def test_arg_keys_bounds_the_count() -> None:
         arg_keys({"keys": key * (MAX_KEYS + 1)})
 
 
-def test_packed_keys_are_the_list_form_back_to_back() -> None:
+@pytest.fixture(params=["compiled", "python"])
+def key_packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """pack_keys by the compiled join (where the install built it) and by Python."""
+    if request.param == "compiled" and hashing.join_keys is None:
+        pytest.skip("the C kernel was not built")
+    if request.param == "python":
+        monkeypatch.setattr(hashing, "join_keys", None)
+    return str(request.param)
+
+
+def test_packed_keys_are_the_list_form_back_to_back(key_packing: str) -> None:
     # zero bytes at either end survive (a fixed-width bytes dtype would strip trailing ones)
     keys = [bytes(KEY_BYTES), b"\x00" * 15 + b"\x01", b"\x01" + b"\x00" * 15, b"\xff" * KEY_BYTES]
     packed = pack_keys(keys)
@@ -316,14 +327,28 @@ def test_packed_keys_are_the_list_form_back_to_back() -> None:
 @given(st.lists(st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES), max_size=40))
 def test_packed_and_listed_keys_decode_alike(keys) -> None:
     assert arg_keys({"keys": pack_keys(keys)}) == arg_keys({"keys": keys}) == keys
+    assert pack_keys(tuple(keys)) == pack_keys(keys)
 
 
 @pytest.mark.parametrize(
-    "keys", [[b"\x00" * 15], [b"\x00" * 15, b"\x00" * 17], ["k" * KEY_BYTES], [None], [3]]
+    "keys",
+    [
+        [b"\x00" * 15],
+        [b"\x00" * 15, b"\x00" * 17],
+        [bytes(KEY_BYTES), b"\x00" * 17],
+        ["k" * KEY_BYTES],
+        [None],
+        [3],
+    ],
 )
-def test_pack_keys_refuses_keys_of_the_wrong_size_or_type(keys) -> None:
+def test_pack_keys_refuses_keys_of_the_wrong_size_or_type(keys, key_packing: str) -> None:
     with pytest.raises(SpecError, match="16 bytes"):
         pack_keys(keys)
+
+
+def test_pack_keys_takes_bytes_like_keys(key_packing: str) -> None:
+    keys = [bytearray(KEY_BYTES), memoryview(b"\x01" * KEY_BYTES)]
+    assert pack_keys(keys) == bytes(KEY_BYTES) + b"\x01" * KEY_BYTES
 
 
 @pytest.mark.parametrize(
