@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from kvfabric.errors import KVFabricError, ProtocolError, SpecError, UnsupportedVersionError
 from kvfabric import hashing
+from kvfabric.errors import KVFabricError, ProtocolError, SpecError, UnsupportedVersionError
 from kvfabric.hashing import KEY_BYTES
 from kvfabric.spec import KVSpec, Namespace
 

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvfabric import hashing
 from kvfabric.errors import (
     AuthError,
     KVFabricError,
@@ -23,7 +24,6 @@ from kvfabric.errors import (
     UnsupportedVersionError,
     error_for_kind,
 )
-from kvfabric import hashing
 from kvfabric.hashing import KEY_BYTES
 from kvfabric.protocol.messages import (
     MAX_BATCH,
