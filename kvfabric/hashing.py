@@ -45,7 +45,7 @@ def _native(name: str) -> Callable[..., Any] | None:
         module = importlib.import_module("kvfabric._tokens")
     except ImportError:
         return None
-    return getattr(module, name, None)  # type: ignore[no-any-return]
+    return getattr(module, name, None)
 
 
 # read at call time, so tests can set them to None to run the Python paths:
