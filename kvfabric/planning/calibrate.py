@@ -9,7 +9,8 @@ holds too. Decode: ``batch`` streams at once (short prompts, ``ignore_eos``, ``d
 tokens each, after one run of each size and batch left out: a new shape's first time costs
 more); per batch size, the median over streams of the mean spacing of a stream's
 tokens in the middle of the run (both ends trimmed: streams start and end apart; tokens may
-reach the client in bursts, so single gaps say little), fitted to ``base + per_seq * batch``.
+reach the client in bursts, so single gaps say little), median of ``repeats`` runs (one run
+read a 2-vCPU engine's step anywhere from 2.7 to 4.8 ms), fitted to ``base + per_seq * batch``.
 
 Measures what the engine does when nothing else runs on it: call it on an idle engine. A
 failed request raises :class:`CalibrationError` with the engine's answer. Blocking (httpx).
@@ -71,7 +72,10 @@ def calibrate(
     decode = {}
     for b in batches:
         _decode_gap(base, model, rng, vocab, b, decode_tokens, timeout_s)  # first time, too
-        decode[b] = _decode_gap(base, model, rng, vocab, b, decode_tokens, timeout_s)
+        decode[b] = statistics.median(
+            _decode_gap(base, model, rng, vocab, b, decode_tokens, timeout_s)
+            for _ in range(repeats)
+        )
     p_base, p_slope = _fit(prefill)
     d_base, d_slope = _fit(decode)
     profile = EngineProfile(
