@@ -15,6 +15,9 @@ chunk_tokens        tokens per kvfabric chunk (independent of  256
 load_timeout_s      deadline of one request's load (pull or    10
                     wait for a push included)
 save_timeout_s      deadline of one push of a step's chunks    10
+                    (it follows the step's layers, so it must
+                    outlast the step's forward pass: raise it
+                    where one step computes longer)
 rpc_timeout_s       longest one round trip on the engine's     2
                     path may take: a lookup while scheduling,
                     a save's reserve or commit in the forward
