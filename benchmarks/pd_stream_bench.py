@@ -106,6 +106,10 @@ WIRE_STAGING = "cluster.wire_staging_bytes=256MiB"
 DAEMON_TIERS = ("store.tiers.dram.capacity=1GiB", "store.tiers.ssd.capacity=1GiB")
 JOB_TIMEOUT_S = 900.0  # a cold first vLLM import on a loaded 2-core machine
 LAYER_WAIT_S = 300.0  # one layer of a prompt the engine has begun: far below a start-up
+# A push, its reservations on the target and the observers' pins last a whole prefill, which
+# took 79 s on an AMD EPYC host without AVX-512 (bf16 matmuls on torch's reference path):
+# the defaults (a 10 s push, 30 s reservations, 60 s pins) cut such pushes short.
+STEP_LEASES = (f"store.reservation_timeout_s={LAYER_WAIT_S}", f"store.pin_timeout_s={LAYER_WAIT_S}")
 POLL_S = 0.002  # how often an observer looks for a chunk not reserved yet
 
 TARGETS: dict[str, tuple[str, float]] = {
@@ -238,7 +242,9 @@ def run_producer(root: Path, model: Path, socket: str, prompts: list[list[int]])
         "engines": [
             {
                 "name": "prefill",
-                "kv_transfer_config": kvfabric_connector(socket, "kv_producer", model_id=MODEL_ID),
+                "kv_transfer_config": kvfabric_connector(
+                    socket, "kv_producer", model_id=MODEL_ID, save_timeout_s=LAYER_WAIT_S
+                ),
                 "prompts": prompts,
                 "max_tokens": 1,
                 "max_model_len": PROMPT_TOKENS + 256,
@@ -267,6 +273,7 @@ def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
                 f"cluster.hardware_class={kind.get(name, 'generic')}",
                 f"cluster.fp8_wire_peers={FP8_CLASS}",
                 WIRE_STAGING,
+                *STEP_LEASES,
                 transport="socket",
                 tiers=DAEMON_TIERS,
                 lease_ttl_s=None,
