@@ -199,6 +199,7 @@ def test_wheel_holds_the_kernels_and_the_package_files(tmp_path: Path) -> None:
         str(path.relative_to(source))
         for package in ("kvfabric", "kvfabric_connectors")
         for path in (source / package).rglob("*")
-        if path.is_file() and path.suffix not in (".py", ".c") and path.name != "README.md"
+        # the kernels' sources (.c, and the header they include) go to the sdist only
+        if path.is_file() and path.suffix not in (".py", ".c", ".h") and path.name != "README.md"
     }
     assert data_files - names == set(), "not in the wheel: add them to package-data"
