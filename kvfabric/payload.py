@@ -118,7 +118,7 @@ class PayloadReader(PayloadAccess):
                 f"destination holds {nbytes_of(dst)} bytes, the "
                 f"{'payload' if layer is None else 'range'} is {expected}"
             )
-        copy_pieces([dst], src)
+        copy_pieces([dst], src, read_soon=True)  # a load: the engine reads it next
 
     def to_bytes(self) -> bytes:
         out = np.empty(self.layout.nbytes, dtype=np.uint8)

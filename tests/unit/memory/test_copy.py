@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from stream_recorder import StreamRecorder
 
 from kvfabric.memory import native
 from kvfabric.memory.copy import STREAM_MIN_BYTES, as_bytes_view, copy_pieces
@@ -85,6 +86,23 @@ def test_host_copies_take_the_kernel_not_numpy(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(native, "kernel", None)
     with pytest.raises(AssertionError, match="np.copyto called"):
         copy_pieces(split(dst, [1000, 3096]), split(src, [2048, 2048]))
+
+
+@needs_kernel
+def test_a_load_never_streams_and_a_large_store_copy_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the caller reads next (``read_into``: an engine's buffers) stays in the cache: its
+    copy asks for a streaming threshold no copy reaches; a copy into the store streams from
+    :data:`STREAM_MIN_BYTES`."""
+    recorder = StreamRecorder(native.kernel)
+    monkeypatch.setattr(native, "kernel", recorder)
+    src = np.arange(2 * STREAM_MIN_BYTES, dtype=np.uint64).view(np.uint8)[: 2 * STREAM_MIN_BYTES]
+    dst = np.zeros_like(src)
+    copy_pieces(split(dst, [STREAM_MIN_BYTES] * 2), [src])
+    copy_pieces([dst], split(src, [STREAM_MIN_BYTES] * 2), read_soon=True)
+    assert np.array_equal(dst, src)
+    put_min, load_min = recorder.stream_min
+    assert put_min == STREAM_MIN_BYTES <= src.nbytes
+    assert load_min > 1 << 62
 
 
 @needs_kernel

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from stream_recorder import StreamRecorder
 
 from kvfabric.errors import (
     AlreadyExistsError,
@@ -22,6 +23,7 @@ from kvfabric.errors import (
     SpecMismatchError,
 )
 from kvfabric.hashing import ROOT, chunk_hashes, chunk_keys
+from kvfabric.memory import native
 from kvfabric.spec import KVSpec, Namespace
 from kvfabric.store import StoreConfig, TierConfig, TieredStore
 from kvfabric.tiers.base import TierKind
@@ -69,6 +71,29 @@ def test_put_get_round_trip_is_byte_exact(store: TieredStore) -> None:
     for key in keys:
         assert read(store, NS, key) == payload(key).tobytes()
     assert store.stats().puts == 3 and store.stats().gets == 3
+
+
+@pytest.mark.skipif(native.kernel is None, reason="the C kernel was not built")
+def test_a_get_is_copied_through_the_cache_and_a_put_of_a_whole_object_streams(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader's ``read_into`` fills the engine's buffers, which its next forward pass
+    reads: never stored non-temporally. A put of an object of :data:`STREAM_MIN_BYTES` and
+    more is not read back at once: it streams (the threshold each copy asked the kernel for)."""
+    ns = Namespace("big", KVSpec(4, 8, 128, "bfloat16", chunk_tokens=128))  # 2 MiB objects
+    store = make_store(tmp_path, TierConfig(TierKind.DRAM, 2 * ns.spec.chunk_bytes))
+    recorder = StreamRecorder(native.kernel)
+    monkeypatch.setattr(native, "kernel", recorder)
+    (ref,) = chunk_hashes(ns, list(range(ns.spec.chunk_tokens)))
+    key, data = ref.key, payload(ref.key, ns.spec.chunk_bytes)
+    assert store.put(ns, key, data)
+    out = np.empty(ns.spec.chunk_bytes, np.uint8)
+    with store.get(ns, key) as reader:
+        reader.read_into(out)
+    store.close()
+    assert np.array_equal(out, data)
+    put_min, get_min = recorder.stream_min
+    assert put_min <= ns.spec.chunk_bytes < get_min
 
 
 def test_reader_pieces_are_zero_copy_views_of_the_arena(store: TieredStore) -> None:
