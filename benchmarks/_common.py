@@ -223,6 +223,15 @@ def memfd_pages(arena_bytes: int) -> str:
     return pagesize.describe().summary()
 
 
+def cpu_idle() -> str:
+    """What an idle CPU does here (``kvfabric doctor``'s ``cpu.idle``): every socket round
+    trip pays its wake-up, which a virtual machine's guest without halt polling makes a trip
+    through the hypervisor."""
+    from kvfabric.doctor.cpuidle import read_idle
+
+    return read_idle().summary()
+
+
 def host_cpu() -> str:
     """The host's CPU model and whether it has AMX (vLLM CPU's kernels, and so its
     numerics and speed, differ with it): figures name the host they came from."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 # isort: off
 # _common goes first: it caps the numeric libraries' thread pools before numpy loads.
 from _common import (
+    cpu_idle,
     host_cpu,
     measure,
     measure_pairs,
@@ -112,6 +113,7 @@ FIGURES: list[tuple[str, str]] = [
     ("small_ops_per_s_8_clients", "64 KiB put + get pairs/s, 8 client processes"),
     ("host_cpu", "host CPU (AMX: whether it has it)"),
     ("memfd_pages", "pages of the arenas (kernel shmem THP setting, huge pages free)"),
+    ("cpu_idle", "cpuidle driver and poll window (kvfabric doctor: cpu.idle)"),
 ]
 
 
@@ -400,6 +402,7 @@ def measure_all(args: argparse.Namespace, root: Path) -> Outcome:
         figures.update(bench_small_ops(node.socket, cfg))
     figures["host_cpu"] = host_cpu()
     figures["memfd_pages"] = pages
+    figures["cpu_idle"] = cpu_idle()
     return Outcome(figures)
 
 

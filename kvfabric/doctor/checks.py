@@ -1,7 +1,7 @@
 """Every doctor check, in the order a daemon meets what it checks.
 
 Contract: :func:`run_checks` runs them all on one config and returns their results, in a
-fixed order (memory, limits, disk, index, transport, places). A check that raises instead of
+fixed order (memory, cpu, limits, disk, index, transport, places). A check that raises instead of
 returning a result (a bug, or a host stranger than it expects) becomes an ``error`` result
 under its own name, saying so; the traceback is logged at DEBUG (``kvfabric -v doctor``).
 :class:`Options` bounds the active probes (the SSD test file, the Redis round trips).
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvfabric.config import DaemonConfig
-from kvfabric.doctor import disk, index, limits, memory, numa, pages, places, transport
+from kvfabric.doctor import cpuidle, disk, index, limits, memory, numa, pages, places, transport
 from kvfabric.doctor.result import CheckResult, Severity
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ def run_checks(config: DaemonConfig, options: Options | None = None) -> list[Che
         ("memory.thp", lambda: pages.check_thp(config)),
         ("memory.numa", lambda: numa.check_numa(config)),
         ("memory.capacity", lambda: memory.check_capacity(config)),
+        ("cpu.idle", cpuidle.check_idle),
         ("limits.nofile", lambda: limits.check_nofile(config)),
         ("limits.memlock", lambda: limits.check_memlock(config, nixl_usable=found.usable)),
         ("disk.capacity", lambda: disk.check_disk_capacity(config)),

@@ -18,6 +18,7 @@ NAMES = (
     "memory.hugetlb",
     "memory.thp",
     "memory.capacity",
+    "cpu.idle",
     "limits.nofile",
     "limits.memlock",
     "disk.capacity",
