@@ -20,5 +20,8 @@ workers="${KVF_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
 # --no-loadscope-reorder: modules go out in collection order (tests/conftest.py puts the
 # engine modules first), not largest test count first, which left the longest engine modules
 # to the end, each on one worker while the other idled.
+# --max-worker-restart=0: a worker that crashes (a segfault, an illegal instruction) fails the
+# run at once; with replacements, --dist loadfile can wait forever for work that never comes
+# (pytest-xdist 3.8.0, issues #784 and #1378) and CI would sit out its whole time limit.
 exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder \
-    --durations=25 "$@"
+    --max-worker-restart=0 --durations=25 "$@"
