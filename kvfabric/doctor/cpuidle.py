@@ -11,8 +11,8 @@ hypervisor. Measured on a 2-vCPU KVM guest (Intel Xeon, ``benchmarks/daemon_benc
 client and daemon): a ``ping`` round trip 104-131 us at 0, 50 us at 50000 ns, 28-51 us at
 200000 (the kernel's default); a 512-chunk ``lookup`` 213-240, 193 and 147-150 us. Polling
 costs an idle vCPU up to that window of spinning after each wake-up, shrunk when polls do not
-pay off (``guest_halt_poll_allow_shrink``); on bare metal the CPU's own C-states play this part and
-are the BIOS's and the kernel's business (info only).
+pay off (``guest_halt_poll_allow_shrink``); on bare metal the CPU's own C-states play this
+part and are the BIOS's and the kernel's business (info only).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def check_idle(settings: IdleSettings | None = None) -> CheckResult:
             f"boot with haltpoll.guest_halt_poll_ns={RECOMMENDED_POLL_NS})",
             values,
         )
-    if found.driver == "haltpoll":
+    if found.driver == "haltpoll" and found.guest_halt_poll_ns is not None:
         return CheckResult(
             "cpu.idle",
             Severity.OK,

@@ -55,3 +55,12 @@ def test_this_machine_reads_without_raising() -> None:
     assert result.name == "cpu.idle"
     assert (result.severity is Severity.WARN) == settings.halts_at_once
     assert settings.summary()
+
+
+def test_the_haltpoll_driver_without_its_module_parameters_is_not_called_fine(
+    tmp_path: Path,
+) -> None:
+    """The poll window unknown (no ``haltpoll`` parameters in sysfs): information, not ok."""
+    settings = cpuidle.read_idle(*_sysfs(tmp_path, "haltpoll", None))
+    assert not settings.halts_at_once
+    assert cpuidle.check_idle(settings).severity is Severity.INFO

@@ -95,7 +95,7 @@ def test_a_load_never_streams_and_a_large_store_copy_does(monkeypatch: pytest.Mo
     :data:`STREAM_MIN_BYTES`."""
     recorder = StreamRecorder(native.kernel)
     monkeypatch.setattr(native, "kernel", recorder)
-    src = np.arange(2 * STREAM_MIN_BYTES, dtype=np.uint64).view(np.uint8)[: 2 * STREAM_MIN_BYTES]
+    src = np.random.default_rng(0).integers(0, 256, 2 * STREAM_MIN_BYTES, dtype=np.uint8)
     dst = np.zeros_like(src)
     copy_pieces(split(dst, [STREAM_MIN_BYTES] * 2), [src])
     copy_pieces([dst], split(src, [STREAM_MIN_BYTES] * 2), read_soon=True)
