@@ -80,6 +80,7 @@ MODEL_NAME = "tiny"
 CHUNK_TOKENS = 256  # the connector's default
 ENGINE_START_LIMIT_S = 600.0  # a cold first vLLM import on a loaded 2-core machine
 PREFIX_TOKENS = 3 * CHUNK_TOKENS
+STREAM_TOKENS = 32  # enough decode steps that a loaded API server still sends several events
 # Priors near what the tiny model does on this 2-core CPU (prefill ~7k tokens/s, one decode
 # stream ~200 tokens/s): both engines are one class, so a fresh gateway ties them but for
 # the fabric's holdings.
@@ -207,6 +208,7 @@ class Streamed:
     headers: httpx.Headers
     token_ids: list[int] = field(default_factory=list)
     events: int = 0  # SSE data events but [DONE]
+    token_events: int = 0  # those that carry tokens
     errors: list[dict] = field(default_factory=list)
     done: bool = False  # saw data: [DONE]
     usage: dict = field(default_factory=dict)
@@ -245,8 +247,9 @@ def stream(
             out.events += 1
             if "error" in event:
                 out.errors.append(event["error"])
-            for choice in event.get("choices") or ():
-                out.token_ids.extend(choice.get("token_ids") or ())
+            carried = [t for c in event.get("choices") or () for t in c.get("token_ids") or ()]
+            out.token_ids.extend(carried)
+            out.token_events += bool(carried)
             out.usage = event.get("usage") or out.usage
             if on_event is not None:
                 on_event(out)
@@ -482,7 +485,7 @@ def test_prefill_on_a_decode_on_b_equals_a_monolithic_run(cluster: Cluster, push
 def test_a_stream_carries_the_same_tokens_as_the_whole_answer(cluster: Cluster, route: str) -> None:
     gw = cluster.both("main") if route == "single" else cluster.pd(push=False)
     tokens = prompt(400 + len(route), 600)
-    body = body_for(tokens, 16)
+    body = body_for(tokens, STREAM_TOKENS)
     expected = cluster.reference(body)["choices"][0]["token_ids"]
     whole = complete(gw.url, body, timeout=cluster.timeout)
     assert token_ids(whole) == expected
@@ -493,8 +496,10 @@ def test_a_stream_carries_the_same_tokens_as_the_whole_answer(cluster: Cluster, 
     assert streamed.errors == []
     assert streamed.done
     assert streamed.token_ids == expected
-    assert streamed.events > 16 // 2  # streamed, not one buffered answer
-    assert streamed.usage["completion_tokens"] == 16
+    # streamed, not one buffered answer. Not more: vLLM merges the outputs its API server
+    # has not sent yet, so a loaded host sends 32 tokens in a few events (16 came in 2 once)
+    assert streamed.token_events >= 2
+    assert streamed.usage["completion_tokens"] == STREAM_TOKENS
     assert streamed.headers["content-type"].startswith("text/event-stream")
     prefill, decode, mode = routed(whole)
     assert (streamed.headers["x-kvfabric-prefill"], streamed.headers["x-kvfabric-decode"]) == (

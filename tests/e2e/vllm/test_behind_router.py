@@ -80,7 +80,7 @@ def daemon_total(daemon, name: str, **labels: str) -> float:
 class Completion:
     token_ids: list[int]
     usage: dict
-    events: int  # SSE data events (1 for a non-streaming answer)
+    events: int  # SSE data events that carry tokens (1 for a non-streaming answer)
 
 
 def complete(url: str, tokens: list[int], *, stream: bool = False, timeout: float) -> Completion:
@@ -108,9 +108,9 @@ def complete(url: str, tokens: list[int], *, stream: bool = False, timeout: floa
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: ") :])
-            events += 1
-            for choice in event.get("choices") or ():
-                ids.extend(choice.get("token_ids") or ())
+            carried = [t for c in event.get("choices") or () for t in c.get("token_ids") or ()]
+            ids.extend(carried)
+            events += bool(carried)
             usage = event.get("usage") or usage
     return Completion(ids, usage, events)
 
@@ -228,7 +228,9 @@ def test_streaming_responses_come_through_the_router(fabric: Fabric) -> None:
     cached = fabric.decode.metric("vllm:prompt_tokens_cached_total")
     out = complete(fabric.pull.url, tokens, stream=True, timeout=fabric.request_timeout_s)
     assert out.token_ids == expected
-    assert out.events > MAX_TOKENS // 2  # streamed, not one buffered answer
+    # streamed, not one buffered answer. Not more: vLLM merges the outputs its API server
+    # has not sent yet, so a loaded host sends the tokens in fewer events (8 came in 4 once)
+    assert out.events >= 2
     assert out.usage["completion_tokens"] == MAX_TOKENS
     assert fabric.decode.metric("vllm:prompt_tokens_cached_total") - cached == len(tokens) - 1
 
