@@ -5,6 +5,7 @@ closed workers. Real worker processes over their socketpair."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import os
 import resource
@@ -101,6 +102,38 @@ def test_token_ids_come_back_as_an_int32_array_and_small_bodies_stay_here(parser
     small = parse(p, json.dumps({"namespace": NS, "token_ids": [1, 2, 3]}).encode())
     assert small.token_ids == [1, 2, 3]
     assert p.pids() == [p.pids()[0]]  # the small one needed no worker of its own
+
+
+PARSED_HERE: contextvars.ContextVar[bool] = contextvars.ContextVar("parsed_here", default=False)
+
+
+def test_run_parses_a_small_body_and_answers_in_the_same_hop_off_the_loop(
+    parsers, monkeypatch
+) -> None:
+    """A hop off the loop runs in a copy of the loop's context: what the parse set is seen
+    by the answer only when both ran in one hop."""
+    p = parsers(1)
+
+    def parse_here(*args, **kwargs):
+        PARSED_HERE.set(True)
+        return parse_lookup(*args, **kwargs)
+
+    def answer(body: LookupRequest) -> tuple[int, bool, int]:
+        tokens = 0 if body.token_ids is None else len(body.token_ids)
+        return tokens, PARSED_HERE.get(), threading.get_ident()
+
+    async def run(raw: bytes) -> tuple[tuple[int, bool, int], int]:
+        return await p.run(raw, LookupRequest, answer), threading.get_ident()
+
+    monkeypatch.setattr("kvfabric.api.lookup_workers.parse_lookup", parse_here)
+    small = json.dumps({"namespace": NS, "token_ids": [1, 2]}).encode()
+    (tokens, same_hop, thread), loop = asyncio.run(run(small))
+    assert (tokens, same_hop) == (2, True) and thread != loop
+    assert p.pids() == []  # no worker for it
+    (tokens, same_hop, thread), loop = asyncio.run(run(json.dumps(BODIES["tokens"]).encode()))
+    assert tokens == len(BODIES["tokens"]["token_ids"])
+    assert not same_hop and thread != loop  # parsed by the worker process
+    assert len(p.pids()) == 1
 
 
 def test_a_million_bad_ids_cost_this_process_a_fraction_of_parsing_them_here(parsers) -> None:
