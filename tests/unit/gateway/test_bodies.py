@@ -31,6 +31,9 @@ def test_token_id_prompts_are_read_and_text_or_chat_must_be_tokenized() -> None:
         ({"prompt": [1, 2.5]}, COMPLETIONS),
         ({"prompt": [1, "2"]}, COMPLETIONS),
         ({"prompt": [1, 2**70]}, COMPLETIONS),
+        ({"prompt": [1, 2**31]}, COMPLETIONS),  # past int32: no vocabulary is that large
+        ({"prompt": [1, True]}, COMPLETIONS),
+        ({"prompt": [1, [2]]}, COMPLETIONS),
         ({}, COMPLETIONS),
         ({"messages": []}, CHAT),
     ],
