@@ -106,15 +106,36 @@ class LookupParsers:
 
     async def parse(self, raw: bytes, model: type[Model]) -> Model:
         """``raw`` (already size-capped) parsed and checked; see the module docstring."""
-        import asyncio
-
         import anyio.to_thread  # starlette's own dependency; here only where it is used
 
-        if self.workers <= 0 or len(raw) <= IN_PROCESS_BYTES:
-            return await anyio.to_thread.run_sync(lambda: parse_lookup(raw, model, **self._limits))
-        if self._limiter is None:
-            import anyio
+        if self._here(raw):
+            return await anyio.to_thread.run_sync(lambda: self._parse_here(raw, model))
+        return await self._parse_in_worker(raw, model)
 
+    async def run(self, raw: bytes, model: type[Model], fn: Callable[[Model], Result]) -> Result:
+        """``fn`` of the parsed body, on a thread of the daemon: a small body is parsed on
+        that same thread (one hop off the loop, not two: each hop is a thread wake-up, and on
+        a busy host a wait for a core), a large one first in a worker (:meth:`parse`)."""
+        import anyio.to_thread
+
+        if self._here(raw):
+            return await anyio.to_thread.run_sync(lambda: fn(self._parse_here(raw, model)))
+        return await anyio.to_thread.run_sync(fn, await self._parse_in_worker(raw, model))
+
+    def _here(self, raw: bytes) -> bool:
+        """Whether ``raw`` is parsed on a thread of the daemon, not by a worker."""
+        return self.workers <= 0 or len(raw) <= IN_PROCESS_BYTES
+
+    def _parse_here(self, raw: bytes, model: type[Model]) -> Model:
+        return parse_lookup(raw, model, **self._limits)
+
+    async def _parse_in_worker(self, raw: bytes, model: type[Model]) -> Model:
+        import asyncio
+
+        import anyio
+        import anyio.to_thread
+
+        if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.workers)
         # as many threads as workers: the other requests wait here, holding no thread
         try:
@@ -125,19 +146,6 @@ class LookupParsers:
             if self._retire is None:
                 self._retire = asyncio.get_running_loop().call_later(self.idle_s, self._retire_idle)
         return build(model, data, lists)
-
-    async def run(self, raw: bytes, model: type[Model], fn: Callable[[Model], Result]) -> Result:
-        """``fn`` of the parsed body, on a thread of the daemon: a small body is parsed on
-        that same thread (one hop off the loop, not two: each hop is a thread wake-up, and on
-        a busy host a wait for a core), a large one first in a worker (:meth:`parse`)."""
-        import anyio.to_thread
-
-        if self.workers <= 0 or len(raw) <= IN_PROCESS_BYTES:
-            return await anyio.to_thread.run_sync(
-                lambda: fn(parse_lookup(raw, model, **self._limits))
-            )
-        body = await self.parse(raw, model)
-        return await anyio.to_thread.run_sync(fn, body)
 
     def _retire_idle(self) -> None:
         """On the HTTP loop: end the workers idle for ``idle_s``; again while any is idle."""

@@ -72,6 +72,7 @@ from child_process import free_port
 from daemon_process import DaemonProcess
 from gateway_process import GatewayProcess
 from scrape import scrape
+from sse_tokens import carried_token_ids
 from vllm_served import ServedEngine
 
 from kvfabric.planning.validate import validate
@@ -247,7 +248,7 @@ def stream(
             out.events += 1
             if "error" in event:
                 out.errors.append(event["error"])
-            carried = [t for c in event.get("choices") or () for t in c.get("token_ids") or ()]
+            carried = carried_token_ids(event)
             out.token_ids.extend(carried)
             out.token_events += bool(carried)
             out.usage = event.get("usage") or out.usage

@@ -32,6 +32,7 @@ import httpx
 import pytest
 from redis_servers import free_port
 from scrape import scrape
+from sse_tokens import carried_token_ids
 from vllm_served import ROUTER_BIN, Router, ServedEngine
 
 MODEL_NAME = "tiny"
@@ -108,7 +109,7 @@ def complete(url: str, tokens: list[int], *, stream: bool = False, timeout: floa
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: ") :])
-            carried = [t for c in event.get("choices") or () for t in c.get("token_ids") or ()]
+            carried = carried_token_ids(event)
             ids.extend(carried)
             events += bool(carried)
             usage = event.get("usage") or usage
